@@ -1,0 +1,43 @@
+# Two commands for a fresh machine: `make demo` and `make test`. Both are idempotent.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+TORCH := torch==2.13.0
+
+.PHONY: demo test lint typecheck unit system-deps clean
+
+system-deps:
+	@if ! command -v bwrap >/dev/null 2>&1; then \
+	  echo "installing bubblewrap (sandbox)"; \
+	  if [ "$$(id -u)" = 0 ]; then (apt-get update -qq && apt-get install -y -qq bubblewrap) >/dev/null; \
+	  else sudo apt-get update -qq && sudo apt-get install -y -qq bubblewrap >/dev/null; fi; \
+	fi
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch first, the CPU wheel; everything after accepts it, so nothing pulls a CUDA build.
+	$(PIP) install -q $(TORCH)
+	$(PIP) install -q -e '.[dev]'
+	@touch $(STAMP)
+
+demo: system-deps $(STAMP)
+	$(VENV)/bin/marlaas demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+unit: $(STAMP)
+	$(VENV)/bin/pytest -q
+
+test: system-deps $(STAMP) lint typecheck unit
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""The `marlaas` command line."""

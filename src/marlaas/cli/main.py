@@ -1,0 +1,16 @@
+"""Entry point of the `marlaas` command. Sub-commands live beside this file, one module
+per concern, and are mounted here."""
+
+from __future__ import annotations
+
+import typer
+
+from marlaas import __version__
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+
+
+@app.command()
+def version() -> None:
+    """Print the marlaas version."""
+    typer.echo(__version__)

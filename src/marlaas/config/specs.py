@@ -1,0 +1,112 @@
+"""Specs shared by every stage. Configs are data: each field is documented, cross-field
+rules live in validators, derived values are properties.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+DEFAULT_TARGET_MODULES: tuple[str, ...] = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+
+
+class Spec(BaseModel):
+    """Base of all specs: unknown fields are errors, instances are immutable."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LoRASpec(Spec):
+    """A tenant's LoRA adapter shape."""
+
+    rank: int = Field(8, ge=0, le=256, description="LoRA rank r; 0 means the plain base.")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha; the update is scaled by alpha/r.")
+    target_modules: tuple[str, ...] = Field(
+        DEFAULT_TARGET_MODULES,
+        min_length=1,
+        description="Names of the base's linear modules that get an adapter (leaf names).",
+    )
+    use_rslora: bool = Field(False, description="Scale by alpha/sqrt(r) instead of alpha/r.")
+
+    @property
+    def scaling(self) -> float:
+        if self.rank == 0:
+            return 0.0
+        return self.alpha / (self.rank**0.5 if self.use_rslora else self.rank)
+
+
+class SamplingSpec(Spec):
+    """How rollouts are sampled."""
+
+    temperature: float = Field(1.0, ge=0.0, description="0 means greedy decoding.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 disables.")
+    max_new_tokens: int = Field(48, ge=1, le=32768, description="Per model turn.")
+    stop: tuple[str, ...] = Field((), description="Extra stop strings for every turn.")
+
+
+class GRPOSpec(Spec):
+    """Group-relative policy optimisation (Shao et al. 2024) and its common variants."""
+
+    type: Literal["grpo"] = "grpo"
+    group_size: int = Field(8, ge=2, description="G: samples per prompt.")
+    prompts_per_step: int = Field(4, ge=1, description="P: prompts per optimizer step.")
+    learning_rate: float = Field(2e-3, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    clip_low: float = Field(0.2, ge=0, description="PPO clip epsilon below 1.")
+    clip_high: float = Field(0.2, ge=0, description="PPO clip epsilon above 1 (DAPO: 0.28).")
+    scale_rewards: bool = Field(True, description="Divide advantages by the group std.")
+    loss_norm: Literal["token", "sequence", "constant"] = Field(
+        "token",
+        description="token: DAPO token-level mean; sequence: GRPO per-sequence mean; "
+        "constant: Dr. GRPO, divide by a fixed token budget.",
+    )
+    kl_coef: float = Field(0.0, ge=0, description="KL penalty to the base policy; 0 disables.")
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    tis_cap: float | None = Field(
+        None, gt=0, description="Truncated importance sampling cap; None disables."
+    )
+    max_staleness: int = Field(
+        1, ge=0, description="Train only on data sampled with adapter versions >= step - this."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> GRPOSpec:
+        if self.clip_low >= 1.0:
+            raise ValueError("clip_low must be below 1 (ratios are clipped to [1-clip_low, ...])")
+        return self
+
+    @property
+    def samples_per_step(self) -> int:
+        return self.group_size * self.prompts_per_step
+
+
+AlgorithmSpec = Annotated[GRPOSpec, Field(discriminator="type")]
+
+
+class TaskSpec(Spec):
+    """A built-in task family and its knobs."""
+
+    family: str = Field(..., description="Name of a built-in task family, e.g. 'arithmetic'.")
+    seed: int = Field(0, description="Seed of the train/eval splits.")
+    tool_latency_s: tuple[float, float] = Field(
+        (0.0, 0.0), description="Uniform range of simulated tool latency, in seconds."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> TaskSpec:
+        lo, hi = self.tool_latency_s
+        if lo < 0 or hi < lo:
+            raise ValueError("tool_latency_s must be (low, high) with 0 <= low <= high")
+        return self

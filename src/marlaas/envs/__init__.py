@@ -1,0 +1,1 @@
+"""Environments: the async Env interface, built-in task families, graders, the sandbox."""

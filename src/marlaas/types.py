@@ -1,0 +1,107 @@
+"""Records that cross stage boundaries. One record per boundary; no wide dicts.
+
+Token-level arrays are plain tuples here so that records are cheap to pickle across
+processes and Ray; the trainer turns them into tensors. Suffixes follow the notation
+of the whole code base: `_T` is a per-token sequence.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "eos", "length", "aborted"]
+
+_request_ids = itertools.count()
+
+
+def next_request_id() -> str:
+    return f"req-{next(_request_ids)}"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling. `temperature == 0` is greedy. Log-probs are always those of
+    `log_softmax(logits / temperature)` (1.0 when greedy), before top-k/top-p: the same
+    quantity the trainer recomputes, so importance ratios are exact."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 48
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0 or self.max_new_tokens < 1:
+            raise ValueError("top_k must be >= 0 and max_new_tokens >= 1")
+
+    @property
+    def logprob_temperature(self) -> float:
+        return self.temperature if self.temperature > 0 else 1.0
+
+
+@dataclass(frozen=True)
+class RolloutRequest:
+    """Ask the rollout engine for one continuation of `prompt_ids` under a tenant's adapter.
+
+    `version=None` samples with the tenant's newest published version at admission.
+    `session` names a multi-turn episode: when the engine still holds the KV cache of
+    that session's previous turn and `prompt_ids` extends it, only the new tokens are
+    prefilled.
+    """
+
+    tenant: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams = SamplingParams()
+    version: int | None = None
+    session: str | None = None
+    request_id: str = field(default_factory=next_request_id)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """The engine's answer: the new tokens, their behaviour log-probs and the policy used."""
+
+    request_id: str
+    tenant: str
+    version: int
+    prompt_len: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    text: str
+    finish_reason: FinishReason
+
+
+@dataclass(frozen=True)
+class Trajectory:
+    """One finished episode, ready for the trainer.
+
+    `token_ids` is the whole context after the prompt: model turns and observations,
+    interleaved. `loss_mask_T` is 1 on model-written tokens only. `logprobs_T` holds the
+    behaviour log-probs on model tokens (0.0 elsewhere). `min_version` is the oldest
+    adapter version that sampled any of its turns (what staleness is measured against).
+    """
+
+    tenant: str
+    example_id: str
+    prompt_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    loss_mask_T: tuple[int, ...]
+    logprobs_T: tuple[float, ...]
+    reward: float
+    min_version: int
+    max_version: int
+    turns: int
+    finish_reason: FinishReason
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        if len(self.loss_mask_T) != n or len(self.logprobs_T) != n:
+            raise ValueError("token_ids, loss_mask_T and logprobs_T must have equal lengths")
