@@ -7,7 +7,12 @@ import typer
 
 from marlaas import __version__
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help=__doc__)
+app = typer.Typer(no_args_is_help=True, add_completion=False)
+
+
+@app.callback()
+def main() -> None:
+    """marlaas: many tenants fine-tune one shared language model with RL, at once."""
 
 
 @app.command()
