@@ -6,6 +6,7 @@ from __future__ import annotations
 import typer
 
 from marlaas import __version__
+from marlaas.cli import base_cmd
 
 app = typer.Typer(no_args_is_help=True, add_completion=False)
 
@@ -13,6 +14,20 @@ app = typer.Typer(no_args_is_help=True, add_completion=False)
 @app.callback()
 def main() -> None:
     """marlaas: many tenants fine-tune one shared language model with RL, at once."""
+
+
+app.add_typer(base_cmd.app, name="base")
+
+
+@app.command()
+def demo(
+    episodes: int = typer.Option(100, help="Held-out episodes per task family."),
+) -> None:
+    """Run the embedded base on every built-in task family and print its accuracy.
+
+    (The multi-tenant RL demo replaces this once the pipeline lands.)
+    """
+    base_cmd.show_base_accuracy(None, episodes, 0, None)
 
 
 @app.command()
