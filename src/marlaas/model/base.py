@@ -1,0 +1,80 @@
+"""Loading the shared base: any Hugging Face causal-LM directory, frozen.
+
+Invariants:
+- The returned model is in eval mode and every one of its parameters has
+  `requires_grad == False`; nothing in marlaas ever writes to these weights.
+- Loading never touches the network (`local_files_only=True`).
+- A bad path fails with `ModelError` naming the path, never with a bare Hugging Face
+  traceback.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from marlaas.errors import ModelError
+
+
+def default_base_path() -> Path:
+    """The embedded default base shipped inside the package (`marlaas/model/embedded`).
+
+    The directory may not exist in a fresh checkout before `marlaas base build` ran.
+    """
+    return Path(__file__).resolve().parent / "embedded"
+
+
+def load_base(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer from a local directory, frozen and in eval mode.
+
+    Raises `ModelError` when the directory is missing, holds no model config, is not a
+    causal LM, or has no tokenizer.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise ModelError(
+            f"base model directory {str(root)!r} does not exist; pass a local Hugging Face "
+            "model directory (or build the embedded base with `marlaas base build`)"
+        )
+    if not (root / "config.json").is_file():
+        raise ModelError(
+            f"{str(root)!r} has no config.json; it is not a Hugging Face model directory"
+        )
+    try:
+        config = AutoConfig.from_pretrained(root, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelError(f"cannot read the model config in {str(root)!r}: {e}") from e
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            root, config=config, dtype=dtype, local_files_only=True
+        )
+    except ValueError as e:
+        raise ModelError(
+            f"{str(root)!r} holds a {type(config).__name__}, which is not a causal language "
+            f"model Hugging Face can load: {e}"
+        ) from e
+    except (OSError, KeyError, RuntimeError) as e:
+        raise ModelError(f"cannot load the model weights in {str(root)!r}: {e}") from e
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ModelError(f"cannot load a tokenizer from {str(root)!r}: {e}") from e
+    if not isinstance(tokenizer, PreTrainedTokenizerBase):
+        raise ModelError(f"{str(root)!r} does not hold a Hugging Face tokenizer")
+
+    model = model.to(torch.device(device))  # type: ignore[arg-type]  # HF's to() stub
+    model.eval()
+    model.requires_grad_(False)
+    return model, tokenizer

@@ -1,0 +1,341 @@
+"""Multi-LoRA layers: one frozen base, a different LoRA adapter on every batch row.
+
+Each targeted `nn.Linear` of the base is replaced, once per process, by a
+`MultiLoRALinear` that wraps the original layer (same `nn.Linear` object, same
+parameters, nothing copied). Before a forward the caller sets a `LaneBatch` with
+`LoRAModel.lanes(...)`: a set of adapters stacked along a lane axis `L`, and for each
+batch row the lane it uses. Every targeted layer then computes, in one batched matmul
+over all rows (no loop over tenants):
+
+    y_B = base(x_B) + scale_L[lane_B] * (x_B @ A_L[lane_B]^T) @ B_L[lane_B]^T
+
+Invariants:
+- The base's parameters are never written and never require grad. Gradients reach only
+  the tensors of the lane batch, i.e. only the adapters of the tenants in the batch.
+- Lanes of a lower rank are zero-padded to the batch's rank: the padding contributes
+  exactly zero. A module a lane does not target holds zeros for that lane, a lane with
+  `scale_L == 0` is the plain base, and a module absent from the lane batch (or a
+  forward with no lane batch set) computes the plain base output.
+- One lane batch at a time per model: `lanes()` holds a lock for its duration, and the
+  lane batch is visible only to the thread that set it, so a plain forward in another
+  thread never picks up someone else's adapters.
+- Adapter tensors use PEFT's layout: A is `[r, in_features]`, B is `[out_features, r]`,
+  keyed by the module's path in the base (e.g. `model.layers.0.self_attn.q_proj`).
+
+Training note: the backward of a forward run inside `lanes()` may happen after the
+context exits (autograd keeps the gathered tensors). Activation checkpointing, which
+re-runs the forward during backward, must therefore run its backward inside `lanes()`.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import PreTrainedModel
+
+from marlaas.config.specs import DEFAULT_TARGET_MODULES, LoRASpec
+from marlaas.errors import ModelError
+
+#: One adapter in PEFT layout: module path -> (A [r, in], B [out, r]).
+AdapterTensors = dict[str, tuple[Tensor, Tensor]]
+
+
+@dataclass(frozen=True)
+class LaneBatch:
+    """Adapters stacked along a lane axis, and the lane of every batch row.
+
+    `A[path]` is `[L, r, in]`, `B[path]` is `[L, out, r]` (one `r` per batch, lanes of a
+    lower rank zero-padded), `scale_L` is `[L]` (alpha/r per lane; 0 is the plain base)
+    and `lane_B` is `[B]`, the lane of each row. Modules missing from `A`/`B` compute
+    the plain base for every row. For packed inputs (all sequences in one row) `lane_B`
+    may instead hold one lane per token, `[B * T]` in row-major order.
+    """
+
+    lane_B: Tensor
+    A: Mapping[str, Tensor]
+    B: Mapping[str, Tensor]
+    scale_L: Tensor
+
+    @property
+    def num_lanes(self) -> int:
+        return int(self.scale_L.shape[0])
+
+
+class _LaneContext:
+    """The lane batch of the forward in progress and the thread that set it."""
+
+    def __init__(self) -> None:
+        self.batch: LaneBatch | None = None
+        self.scale_B: Tensor | None = None
+        self.owner: int | None = None
+
+    def current(self) -> tuple[LaneBatch, Tensor] | None:
+        if self.owner != threading.get_ident() or self.batch is None or self.scale_B is None:
+            return None
+        return self.batch, self.scale_B
+
+
+class MultiLoRALinear(nn.Module):
+    """A frozen `nn.Linear` plus the per-row LoRA update of the current lane batch."""
+
+    def __init__(self, base_layer: nn.Linear, path: str, context: _LaneContext) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        self.path = path
+        self.in_features = base_layer.in_features
+        self.out_features = base_layer.out_features
+        self._context = context
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = self.base_layer(x)
+        current = self._context.current()
+        if current is None:
+            return y
+        batch, scale_B = current
+        A_Lri = batch.A.get(self.path)
+        if A_Lri is None:
+            return y
+        B_Lor = batch.B[self.path]
+        lane_B = batch.lane_B
+        rows = lane_B.shape[0]
+        if x.dim() >= 2 and x.shape[0] == rows:  # one lane per row (the first axis)
+            x_BTi = x.reshape(rows, -1, x.shape[-1])
+        elif x.dim() >= 2 and x.shape[:-1].numel() == rows:  # one lane per token (packed)
+            x_BTi = x.reshape(rows, 1, x.shape[-1])
+        else:
+            raise ModelError(
+                f"{self.path}: input of shape {tuple(x.shape)} does not match a lane batch "
+                f"of {rows} entries; give one lane per row (first axis) or per token"
+            )
+        x_BTi = x_BTi.to(A_Lri.dtype)
+        # index_select (not fancy indexing): about 2x faster on strided slot views.
+        A_Bri = A_Lri.index_select(0, lane_B)
+        B_Bor = B_Lor.index_select(0, lane_B)
+        h_BTr = torch.bmm(x_BTi, A_Bri.transpose(1, 2))
+        h_BTr = h_BTr * scale_B.to(h_BTr.dtype)[:, None, None]
+        delta_BTo = torch.bmm(h_BTr, B_Bor.transpose(1, 2))
+        return y + delta_BTo.reshape(y.shape).to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return (
+            f"path={self.path!r}, in_features={self.in_features}, out_features={self.out_features}"
+        )
+
+
+class LoRAModel:
+    """The frozen base with multi-LoRA layers injected, once per process.
+
+    `target_modules` are leaf names (`q_proj`, ...): every `nn.Linear` with one of these
+    names gets a `MultiLoRALinear`. A tenant may target any subset of them, with any
+    rank up to `max_rank`.
+    """
+
+    def __init__(
+        self,
+        base: PreTrainedModel,
+        max_rank: int,
+        target_modules: Sequence[str] = DEFAULT_TARGET_MODULES,
+    ) -> None:
+        if max_rank < 1:
+            raise ModelError(f"max_rank must be >= 1, got {max_rank}")
+        if any(isinstance(m, MultiLoRALinear) for m in base.modules()):
+            raise ModelError(
+                "this base already has multi-LoRA layers; build one LoRAModel per base and "
+                "share it between the rollout engine and the trainer"
+            )
+        self.base = base
+        self.max_rank = max_rank
+        self.target_modules: tuple[str, ...] = tuple(dict.fromkeys(target_modules))
+        self._context = _LaneContext()
+        self._lock = threading.Lock()
+        base.requires_grad_(False)
+
+        found: list[tuple[str, nn.Linear]] = [
+            (name, module)
+            for name, module in base.named_modules()
+            if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in self.target_modules
+        ]
+        missing = set(self.target_modules) - {name.rsplit(".", 1)[-1] for name, _ in found}
+        if missing:
+            raise ModelError(
+                f"target modules {sorted(missing)} match no nn.Linear in "
+                f"{type(base).__name__}; pass the leaf names of its linear layers"
+            )
+        self._shapes: dict[str, tuple[int, int]] = {}
+        for path, linear in found:
+            parent_path, _, leaf = path.rpartition(".")
+            parent = base.get_submodule(parent_path) if parent_path else base
+            setattr(parent, leaf, MultiLoRALinear(linear, path, self._context))
+            self._shapes[path] = (linear.in_features, linear.out_features)
+
+    @property
+    def module_shapes(self) -> dict[str, tuple[int, int]]:
+        """Module path -> (in_features, out_features), in the base's module order."""
+        return dict(self._shapes)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.base.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.base.parameters()).dtype
+
+    # -- specs and tensors -------------------------------------------------------------
+
+    def validate_spec(self, spec: LoRASpec) -> None:
+        """Raise `ModelError` unless this model can serve an adapter of this shape."""
+        if spec.rank > self.max_rank:
+            raise ModelError(
+                f"LoRA rank {spec.rank} exceeds this model's max_rank {self.max_rank}; "
+                "lower the rank or start the service with a larger max_rank"
+            )
+        extra = set(spec.target_modules) - set(self.target_modules)
+        if extra:
+            raise ModelError(
+                f"target modules {sorted(extra)} were not injected (injected: "
+                f"{list(self.target_modules)}); choose a subset of the injected modules"
+            )
+
+    def module_paths(self, spec: LoRASpec) -> list[str]:
+        """The module paths an adapter of this spec covers, in the base's module order."""
+        self.validate_spec(spec)
+        wanted = set(spec.target_modules)
+        return [p for p in self._shapes if p.rsplit(".", 1)[-1] in wanted]
+
+    def check_tensors(self, spec: LoRASpec, tensors: Mapping[str, tuple[Tensor, Tensor]]) -> None:
+        """Raise `ModelError` unless `tensors` is exactly an adapter of `spec` (PEFT layout)."""
+        paths = self.module_paths(spec)
+        missing = [p for p in paths if p not in tensors]
+        extra = [p for p in tensors if p not in set(paths)]
+        if missing or extra:
+            raise ModelError(
+                f"adapter tensors do not match the spec: missing {missing[:3]}"
+                f"{'...' if len(missing) > 3 else ''}, unexpected {extra[:3]}"
+                f"{'...' if len(extra) > 3 else ''}"
+            )
+        r = spec.rank
+        for path in paths:
+            fan_in, fan_out = self._shapes[path]
+            A, B = tensors[path]
+            if tuple(A.shape) != (r, fan_in) or tuple(B.shape) != (fan_out, r):
+                raise ModelError(
+                    f"{path}: expected A {(r, fan_in)} and B {(fan_out, r)} for rank {r}, "
+                    f"got A {tuple(A.shape)} and B {tuple(B.shape)}"
+                )
+
+    def init_adapter(self, spec: LoRASpec, seed: int) -> AdapterTensors:
+        """A fresh adapter with PEFT's default init: A kaiming-uniform(a=sqrt(5)), B zeros.
+
+        float32 on the CPU, deterministic in `seed`; only the modules `spec` targets.
+        """
+        generator = torch.Generator().manual_seed(seed)
+        out: AdapterTensors = {}
+        for path in self.module_paths(spec):
+            fan_in, fan_out = self._shapes[path]
+            A = torch.empty(spec.rank, fan_in)
+            if spec.rank > 0:
+                nn.init.kaiming_uniform_(A, a=math.sqrt(5), generator=generator)
+            out[path] = (A, torch.zeros(fan_out, spec.rank))
+        return out
+
+    def lane_batch(
+        self,
+        adapters: Sequence[tuple[LoRASpec, Mapping[str, tuple[Tensor, Tensor]]] | None],
+        lane_B: Tensor,
+    ) -> LaneBatch:
+        """Stack per-tenant adapters into a lane batch (lane i = `adapters[i]`; None = base).
+
+        Differentiable: built with `F.pad` and `torch.stack`, so gradients flow back to
+        the given tensors (e.g. the trainer's leaf parameters). All tensors must share one
+        device and dtype. The batch's rank is the largest rank among the lanes.
+        """
+        present = [a for a in adapters if a is not None]
+        for spec, tensors in present:
+            self.check_tensors(spec, tensors)
+        if present:
+            ref = next(iter(present[0][1].values()))[0]  # device and dtype of the lanes
+        else:
+            ref = torch.empty(0, dtype=self.dtype, device=self.device)
+        r = max([spec.rank for spec, _ in present] + [1])
+        scale_L = torch.tensor(
+            [a[0].scaling if a is not None else 0.0 for a in adapters],
+            dtype=torch.float32,
+            device=ref.device,
+        )
+        A: dict[str, Tensor] = {}
+        B: dict[str, Tensor] = {}
+        for path, (fan_in, fan_out) in self._shapes.items():
+            if not any(path in tensors for _, tensors in present):
+                continue
+            A_list: list[Tensor] = []
+            B_list: list[Tensor] = []
+            for adapter in adapters:
+                if adapter is None or path not in adapter[1]:
+                    A_list.append(ref.new_zeros(r, fan_in))
+                    B_list.append(ref.new_zeros(fan_out, r))
+                    continue
+                A_ri, B_or = adapter[1][path]
+                pad = r - A_ri.shape[0]
+                A_list.append(F.pad(A_ri, (0, 0, 0, pad)))
+                B_list.append(F.pad(B_or, (0, pad)))
+            A[path] = torch.stack(A_list)
+            B[path] = torch.stack(B_list)
+        return LaneBatch(lane_B=lane_B, A=A, B=B, scale_L=scale_L)
+
+    # -- forward context ---------------------------------------------------------------
+
+    def _check_lane_batch(self, batch: LaneBatch) -> None:
+        if batch.lane_B.dim() != 1 or batch.lane_B.dtype != torch.long:
+            raise ModelError("lane_B must be a 1-D LongTensor (one lane index per row)")
+        if batch.scale_L.dim() != 1:
+            raise ModelError("scale_L must be 1-D (one scale per lane)")
+        if set(batch.A) != set(batch.B):
+            raise ModelError("a lane batch needs the same module paths in A and B")
+        L = batch.num_lanes
+        for path, A_Lri in batch.A.items():
+            shape = self._shapes.get(path)
+            if shape is None:
+                raise ModelError(f"lane batch names module {path!r}, which was not injected")
+            fan_in, fan_out = shape
+            B_Lor = batch.B[path]
+            if (
+                A_Lri.dim() != 3
+                or B_Lor.dim() != 3
+                or tuple(A_Lri.shape[::2]) != (L, fan_in)
+                or tuple(B_Lor.shape[:2]) != (L, fan_out)
+                or A_Lri.shape[1] != B_Lor.shape[2]
+            ):
+                raise ModelError(
+                    f"{path}: expected A [{L}, r, {fan_in}] and B [{L}, {fan_out}, r], got "
+                    f"A {list(A_Lri.shape)} and B {list(B_Lor.shape)}"
+                )
+        if batch.lane_B.device.type == "cpu" and batch.lane_B.numel() > 0:
+            lo, hi = int(batch.lane_B.min()), int(batch.lane_B.max())
+            if lo < 0 or hi >= L:
+                raise ModelError(f"lane_B holds lane {lo if lo < 0 else hi}, outside [0, {L})")
+
+    @contextmanager
+    def lanes(self, batch: LaneBatch) -> Iterator[None]:
+        """Use `batch` for every forward run by this thread inside the `with` block."""
+        if self._context.owner == threading.get_ident():
+            raise ModelError("lanes() is already active in this thread; contexts do not nest")
+        self._check_lane_batch(batch)
+        scale_B = batch.scale_L[batch.lane_B]
+        with self._lock:
+            self._context.batch = batch
+            self._context.scale_B = scale_B
+            self._context.owner = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._context.owner = None
+                self._context.batch = None
+                self._context.scale_B = None

@@ -1,0 +1,207 @@
+"""Multi-LoRA layers: per-row adapters in one batched forward, exact against the math,
+and the frozen base is never written."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor
+
+from marlaas.config.specs import LoRASpec
+from marlaas.errors import ModelError
+from marlaas.model.base import default_base_path, load_base
+from marlaas.model.lora import (
+    AdapterTensors,
+    LaneBatch,
+    LoRAModel,
+    MultiLoRALinear,
+    _LaneContext,
+)
+
+MakeAdapter = Callable[[LoRAModel, LoRASpec, int], AdapterTensors]
+
+SPEC_X = LoRASpec(rank=4, alpha=8.0)
+SPEC_Y = LoRASpec(rank=2, alpha=3.0, target_modules=("q_proj", "v_proj", "down_proj"))
+SPEC_Z = LoRASpec(rank=8, alpha=4.0, target_modules=("o_proj", "up_proj"), use_rslora=True)
+
+
+def _ids(rows: int, seq: int = 7, seed: int = 0) -> Tensor:
+    return torch.randint(4, 128, (rows, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def _logits(model: LoRAModel, ids: Tensor, batch: LaneBatch | None = None) -> Tensor:
+    with torch.no_grad():
+        if batch is None:
+            return model.base(input_ids=ids).logits
+        with model.lanes(batch):
+            return model.base(input_ids=ids).logits
+
+
+def test_load_base_freezes_and_names_bad_paths(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    base, tokenizer = load_base(tiny_llama_dir)
+    assert not base.training
+    assert all(not p.requires_grad for p in base.parameters())
+    assert max(tokenizer("abc").input_ids) < 128
+    with pytest.raises(ModelError, match="does not exist"):
+        load_base(tmp_path / "nowhere")
+    with pytest.raises(ModelError, match=r"config\.json"):
+        load_base(tmp_path)
+    assert default_base_path().name == "embedded"
+
+
+def test_no_lanes_is_the_plain_base(tiny_dir: Path) -> None:
+    reference, _ = load_base(tiny_dir)
+    base, _ = load_base(tiny_dir)
+    model = LoRAModel(base, max_rank=8)
+    assert isinstance(base.get_submodule("model.layers.1.mlp.down_proj"), MultiLoRALinear)
+    assert len(model.module_shapes) == 2 * 7
+    ids = _ids(2)
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits
+    assert torch.equal(_logits(model, ids), expected)
+    # A lane batch whose only lane is the base (scale 0, zeros) is exact too.
+    plain = model.lane_batch([None], torch.zeros(2, dtype=torch.long))
+    assert torch.equal(_logits(model, ids, plain), expected)
+
+
+def test_layer_matches_the_lora_formula() -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(6, 5)
+    context = _LaneContext()
+    layer = MultiLoRALinear(linear, "m", context)
+    A_Lri, B_Lor, scale_L = torch.randn(3, 2, 6), torch.randn(3, 5, 2), torch.tensor([0.0, 2, 0.5])
+    lane_B = torch.tensor([2, 0, 1, 2])
+    context.batch = LaneBatch(lane_B, {"m": A_Lri}, {"m": B_Lor}, scale_L)
+    context.scale_B = scale_L[lane_B]
+    context.owner = threading.get_ident()
+    for x in (torch.randn(4, 6), torch.randn(4, 3, 6)):
+        got = layer(x)
+        for b, lane in enumerate(lane_B.tolist()):
+            delta = scale_L[lane] * (x[b] @ A_Lri[lane].T) @ B_Lor[lane].T
+            torch.testing.assert_close(got[b], linear(x[b]) + delta, rtol=0, atol=1e-6)
+    packed = torch.randn(1, 4, 6)  # one lane per token
+    got = layer(packed)[0]
+    for t, lane in enumerate(lane_B.tolist()):
+        delta = scale_L[lane] * (packed[0, t] @ A_Lri[lane].T) @ B_Lor[lane].T
+        torch.testing.assert_close(got[t], linear(packed[0, t]) + delta, rtol=0, atol=1e-6)
+    with pytest.raises(ModelError, match="one lane per row"):
+        layer(torch.randn(3, 6))
+
+
+def test_mixed_batch_equals_each_row_alone(tiny_dir: Path, make_adapter: MakeAdapter) -> None:
+    base, _ = load_base(tiny_dir)
+    model = LoRAModel(base, max_rank=8)
+    adapters = [
+        (spec, make_adapter(model, spec, i)) for i, spec in enumerate([SPEC_X, SPEC_Y, SPEC_Z])
+    ]
+    ids = _ids(4)
+    lanes: list[tuple[LoRASpec, AdapterTensors] | None] = [*adapters, None]
+    mixed = _logits(model, ids, model.lane_batch(lanes, torch.tensor([0, 1, 2, 3])))
+    plain = _logits(model, ids)
+    for row, adapter in enumerate(lanes):
+        one = model.lane_batch([adapter], torch.zeros(1, dtype=torch.long))
+        alone = _logits(model, ids[row : row + 1], one)
+        assert (mixed[row] - alone[0]).abs().max() < 1e-5
+        if adapter is None:
+            assert (mixed[row] - plain[row]).abs().max() < 1e-6
+        else:  # the adapter really changes the output
+            assert (mixed[row] - plain[row]).abs().max() > 1e-3
+
+
+def test_training_reaches_only_the_batch_adapters(
+    tiny_llama_dir: Path, make_adapter: MakeAdapter
+) -> None:
+    base, _ = load_base(tiny_llama_dir)
+    model = LoRAModel(base, max_rank=8)
+    before = {name: p.detach().clone() for name, p in base.named_parameters()}
+    leaves = {}
+    for name, spec, seed in (("x", SPEC_X, 0), ("y", SPEC_Y, 1), ("z", SPEC_Z, 2)):
+        tensors = {
+            p: (A.requires_grad_(), B.requires_grad_())
+            for p, (A, B) in make_adapter(model, spec, seed).items()
+        }
+        leaves[name] = (spec, tensors)
+    ids = _ids(3)
+
+    def loss_of(rows: slice, lanes: list[str], lane_B: list[int]) -> Tensor:
+        batch = model.lane_batch([leaves[n] for n in lanes], torch.tensor(lane_B))
+        with model.lanes(batch):
+            logits = base(input_ids=ids[rows]).logits
+        return logits.logsumexp(-1).sum()  # backward runs after the context exits
+
+    _logits(model, ids, model.lane_batch([leaves["x"]], torch.zeros(3, dtype=torch.long)))
+    loss_of(slice(0, 3), ["x", "y"], [0, 1, 0]).backward()
+    assert all(A.grad is None and B.grad is None for A, B in leaves["z"][1].values())
+    assert all(A.grad is not None and B.grad is not None for A, B in leaves["x"][1].values())
+    assert all(B.grad is not None and B.grad.abs().sum() > 0 for _, B in leaves["y"][1].values())
+    for name, p in base.named_parameters():
+        assert torch.equal(p, before[name]), name
+        assert p.grad is None and not p.requires_grad
+
+    # Multi-lane gradients equal those of each tenant's rows alone.
+    grad_y = {p: B.grad.clone() for p, (_, B) in leaves["y"][1].items() if B.grad is not None}
+    for _, B in leaves["y"][1].values():
+        B.grad = None
+    loss_of(slice(1, 2), ["y"], [0]).backward()
+    for path, (_, B) in leaves["y"][1].items():
+        assert B.grad is not None
+        torch.testing.assert_close(B.grad, grad_y[path], rtol=1e-4, atol=1e-5)
+
+
+def test_specs_and_injection_are_checked(tiny_llama_dir: Path) -> None:
+    base, _ = load_base(tiny_llama_dir)
+    with pytest.raises(ModelError, match=r"match no nn\.Linear"):
+        LoRAModel(base, max_rank=4, target_modules=("q_proj", "qkv"))
+    model = LoRAModel(base, max_rank=4, target_modules=("q_proj", "v_proj"))
+    with pytest.raises(ModelError, match="already has multi-LoRA"):
+        LoRAModel(base, max_rank=4)
+    with pytest.raises(ModelError, match="max_rank 4"):
+        model.init_adapter(LoRASpec(rank=8, target_modules=("q_proj",)), 0)
+    with pytest.raises(ModelError, match="not injected"):
+        model.init_adapter(LoRASpec(rank=2, target_modules=("q_proj", "o_proj")), 0)
+    spec = LoRASpec(rank=2, target_modules=("v_proj",))
+    tensors = model.init_adapter(spec, 0)
+    path = next(iter(tensors))
+    tensors[path] = (tensors[path][0][:1], tensors[path][1])
+    with pytest.raises(ModelError, match="expected A"):
+        model.lane_batch([(spec, tensors)], torch.zeros(1, dtype=torch.long))
+    bad = LaneBatch(torch.tensor([3]), {}, {}, torch.zeros(2))
+    with pytest.raises(ModelError, match="outside"):
+        model.lanes(bad).__enter__()
+
+
+def test_init_adapter_is_peft_default_and_seeded(tiny_llama_dir: Path) -> None:
+    base, _ = load_base(tiny_llama_dir)
+    model = LoRAModel(base, max_rank=8)
+    first, again = model.init_adapter(SPEC_Y, 3), model.init_adapter(SPEC_Y, 3)
+    assert len(first) == 2 * 3
+    for path, (A, B) in first.items():
+        fan_in, fan_out = model.module_shapes[path]
+        assert A.shape == (2, fan_in) and B.shape == (fan_out, 2)
+        assert torch.equal(A, again[path][0]) and not B.any()
+        assert A.abs().max() <= fan_in**-0.5 and A.std() > 0.2 * fan_in**-0.5
+    assert not torch.equal(
+        next(iter(first.values()))[0], next(iter(model.init_adapter(SPEC_Y, 4).values()))[0]
+    )
+
+
+def test_lanes_are_private_to_the_thread(tiny_llama_dir: Path, make_adapter: MakeAdapter) -> None:
+    base, _ = load_base(tiny_llama_dir)
+    model = LoRAModel(base, max_rank=8)
+    ids = _ids(1)
+    plain = _logits(model, ids)
+    batch = model.lane_batch(
+        [(SPEC_X, make_adapter(model, SPEC_X, 0))], torch.zeros(1, dtype=torch.long)
+    )
+    seen: list[Tensor] = []
+    with model.lanes(batch):
+        worker = threading.Thread(target=lambda: seen.append(_logits(model, ids)))
+        worker.start()
+        worker.join()
+        with pytest.raises(ModelError, match="do not nest"), model.lanes(batch):
+            pass
+    assert torch.equal(seen[0], plain)
