@@ -1,0 +1,10 @@
+"""The rollout stage: a continuous-batching, multi-LoRA generation engine.
+
+`RolloutEngine.submit(request)` returns a future of the `Completion`; rows of every
+tenant share each decode iteration, each with its own adapter slot.
+"""
+
+from marlaas.rollout.core import EngineStats, InvalidRequest
+from marlaas.rollout.engine import EngineClosed, RolloutEngine
+
+__all__ = ["EngineClosed", "EngineStats", "InvalidRequest", "RolloutEngine"]

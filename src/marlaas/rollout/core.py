@@ -1,0 +1,339 @@
+"""The synchronous heart of the rollout engine: one call of `Scheduler.iterate` is one
+iteration of continuous batching. No threads and no asyncio here; `RolloutEngine`
+serialises the calls and owns the request queue.
+
+One iteration:
+1. abort the running rows named by the engine (cancelled futures);
+2. admit queued requests, oldest first, while the batch has room and the prefill budget
+   lasts: validate, pin the adapter (`bank.acquire`, which fixes the version for the
+   request's whole life), take the session's cached KV when it can be continued;
+   prefill the rest of every admitted prompt in one forward and sample the first tokens;
+3. one decode forward over every running row, each with its own adapter slot, and one
+   batched sampling call;
+4. finished rows leave: the adapter pin is released, the KV may be kept for the
+   session, the callback gets the `Completion`.
+
+Invariants:
+- Every admitted request is answered exactly once (its `deliver` is called with a
+  `Completion` or an exception) and its adapter pin is released exactly once.
+- An error in one request (bad prompt, unknown tenant) fails that request only; an
+  error in a forward fails the rows of that forward only.
+- A row's output depends on its own request only (prompt, adapter version, sampling
+  params, seed), never on its batch mates or its admission time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from marlaas.errors import CapacityError, MarlaasError
+from marlaas.model.bank import AdapterBank
+from marlaas.model.lora import LoRAModel
+from marlaas.rollout.batch import Deliver, Row, RowBatch, decode_logits, prefill_logits
+from marlaas.rollout.finish import FinishPolicy
+from marlaas.rollout.kv import KVBatch, RowKV, kv_geometry
+from marlaas.rollout.sampling import sample_B, uniform_B
+from marlaas.rollout.sessions import SessionCache, SessionEntry
+from marlaas.types import Completion, RolloutRequest
+
+
+class InvalidRequest(MarlaasError, ValueError):
+    """A rollout request the model cannot serve (empty or too long prompt, bad token ids)."""
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine started."""
+
+    iterations: int = 0
+    #: Prompt tokens run through the model (excluding padding and reused tokens).
+    prefill_tokens: int = 0
+    #: Prompt tokens whose KV came from a session's previous turn.
+    reused_tokens: int = 0
+    #: Row-steps of decode forwards (one per running row per iteration).
+    decode_tokens: int = 0
+    #: Tokens sampled (decode row-steps plus the first token of each prefilled row).
+    sampled_tokens: int = 0
+    completed: int = 0
+    failed: int = 0
+    aborted: int = 0
+    #: The largest number of rows that ran together.
+    max_batch: int = 0
+
+
+@dataclass
+class Pending:
+    """A queued request and the callback that answers it."""
+
+    request: RolloutRequest
+    deliver: Deliver
+
+
+@dataclass
+class _Admitted:
+    row: Row
+    past: RowKV | None
+    new_tokens: tuple[int, ...]
+    seed: int
+    max_new: int
+
+
+class Scheduler:
+    """Admission, prefill, decode and completion over one `RowBatch` (not thread-safe)."""
+
+    def __init__(
+        self,
+        model: LoRAModel,
+        bank: AdapterBank,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        max_batch_size: int,
+        max_prefill_tokens: int,
+        sessions: SessionCache,
+        eos_token_ids: Sequence[int] | None,
+        seed: int | None,
+    ) -> None:
+        if max_batch_size < 1 or max_prefill_tokens < 1:
+            raise ValueError("max_batch_size and max_prefill_tokens must be >= 1")
+        self.model = model
+        self.bank = bank
+        self.max_batch_size = max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self.sessions = sessions
+        self.stats = EngineStats()
+        config = model.base.config
+        num_layers, kv_heads, head_dim = kv_geometry(config)
+        self._empty = KVBatch.empty(num_layers, kv_heads, head_dim, model.dtype, model.device)
+        self.batch = RowBatch.build([], self._empty, [], [])
+        self._vocab = int(config.get_text_config(decoder=True).vocab_size)
+        max_pos = getattr(config, "max_position_embeddings", None)
+        self._max_positions: int | None = int(max_pos) if max_pos else None
+        pad = tokenizer.pad_token_id
+        self._pad_id = int(pad) if isinstance(pad, int) else 0
+        self._finisher = FinishPolicy(tokenizer, _eos_ids(model, tokenizer, eos_token_ids))
+        self._rng = random.Random(seed)
+
+    @property
+    def room(self) -> int:
+        """How many more rows the batch can take."""
+        return max(self.max_batch_size - self.batch.size, 0)
+
+    def iterate(self, candidates: list[Pending], aborts: set[str]) -> tuple[int, list[Pending]]:
+        """One iteration over the oldest queued requests (at most `room` of them); returns
+        (tokens sampled, candidates to queue again, in order)."""
+        if aborts:
+            self._abort_rows(aborts)
+        admitted, back = self._admit(candidates)
+        advanced = self._prefill(admitted) if admitted else 0
+        if self.batch.size:
+            advanced += self._decode()
+        if advanced:
+            self.stats.iterations += 1
+        return advanced, back
+
+    def fail_all(self, exc: BaseException) -> None:
+        """Fail every running row with `exc` and empty the batch."""
+        batch, self.batch = self.batch, RowBatch.build([], self._empty, [], [])
+        for row in batch.rows:
+            self._release(row)
+            self.fail(row.deliver, exc)
+
+    def fail(self, deliver: Deliver, exc: BaseException) -> None:
+        self.stats.failed += 1
+        _call(deliver, exc)
+
+    # -- admission and prefill ------------------------------------------------------------
+
+    def _admit(self, candidates: list[Pending]) -> tuple[list[_Admitted], list[Pending]]:
+        room = self.room
+        taken: list[_Admitted] = []
+        back: list[Pending] = []
+        budget = self.max_prefill_tokens
+        for i, pending in enumerate(candidates):
+            request = pending.request
+            if len(taken) >= room or (taken and len(request.prompt_ids) > budget):
+                back.extend(candidates[i:])
+                break
+            try:
+                max_new = self._validate(request)
+                handle = self.bank.acquire(request.tenant, request.version)
+            except CapacityError as exc:
+                if self.batch.size == 0 and not taken:  # nothing running would free a slot
+                    self.fail(pending.deliver, exc)
+                else:
+                    back.append(pending)
+                continue
+            except Exception as exc:
+                self.fail(pending.deliver, exc)
+                continue
+            reused, past = 0, None
+            if request.session is not None:
+                reused, past = self.sessions.take(
+                    request.session, request.tenant, handle.version, request.prompt_ids
+                )
+            budget -= len(request.prompt_ids)
+            row = Row(request, handle, pending.deliver, reused=reused)
+            row.stop_window = self._finisher.window(request.sampling.stop)
+            seed = request.sampling.seed
+            taken.append(
+                _Admitted(
+                    row=row,
+                    past=past,
+                    new_tokens=request.prompt_ids[reused:],
+                    seed=_int64(seed if seed is not None else self._rng.getrandbits(63)),
+                    max_new=max_new,
+                )
+            )
+        return taken, back
+
+    def _validate(self, request: RolloutRequest) -> int:
+        """Raise `InvalidRequest` unless the model can serve it; the row's token limit."""
+        prompt = request.prompt_ids
+        if not prompt:
+            raise InvalidRequest(f"request {request.request_id}: the prompt is empty")
+        if min(prompt) < 0 or max(prompt) >= self._vocab:
+            raise InvalidRequest(
+                f"request {request.request_id}: prompt token ids must be in [0, {self._vocab})"
+            )
+        limit = request.sampling.max_new_tokens
+        if self._max_positions is not None:
+            if len(prompt) > self._max_positions:
+                raise InvalidRequest(
+                    f"request {request.request_id}: the prompt has {len(prompt)} tokens, the "
+                    f"model at most {self._max_positions} positions; shorten the prompt"
+                )
+            # The last sampled token is never fed, so it needs no position.
+            limit = min(limit, self._max_positions - len(prompt) + 1)
+        return limit
+
+    def _prefill(self, admitted: list[_Admitted]) -> int:
+        rows = [a.row for a in admitted]
+        slot_R = torch.tensor([r.handle.slot for r in rows], device=self._empty.lengths_B.device)
+        try:
+            logits_RV, kv = prefill_logits(
+                self.model,
+                self.bank,
+                slot_R,
+                [a.past for a in admitted],
+                [a.new_tokens for a in admitted],
+                self._empty,
+                self._pad_id,
+            )
+        except Exception as exc:
+            for row in rows:
+                self._release(row)
+                self.fail(row.deliver, exc)
+            return 0
+        self.stats.prefill_tokens += sum(len(a.new_tokens) for a in admitted)
+        self.stats.reused_tokens += sum(r.reused for r in rows)
+        new = RowBatch.build(rows, kv, [a.seed for a in admitted], [a.max_new for a in admitted])
+        new = self._sample_and_finish(new, logits_RV)
+        self.batch = RowBatch.concat(self.batch, new)
+        self.stats.max_batch = max(self.stats.max_batch, self.batch.size)
+        return len(rows)
+
+    # -- decode and completion ------------------------------------------------------------
+
+    def _decode(self) -> int:
+        batch = self.batch
+        try:
+            logits_BV = decode_logits(self.model, self.bank, batch)
+        except Exception as exc:
+            self.fail_all(exc)
+            return 0
+        self.stats.decode_tokens += batch.size
+        self.batch = self._sample_and_finish(batch, logits_BV)
+        return batch.size
+
+    def _sample_and_finish(self, batch: RowBatch, logits_BV: torch.Tensor) -> RowBatch:
+        """Sample one token per row, record it, and let finished rows leave."""
+        # Greedy-only batches draw nothing; any float tensor of the right shape will do.
+        u_B = uniform_B(batch.seed_B, batch.n_gen_B) if batch.n_sampling else batch.top_p_B
+        tokens_B, logprobs_B = sample_B(
+            logits_BV,
+            batch.temperature_B,
+            batch.top_k_B,
+            batch.top_p_B,
+            u_B,
+            all_greedy=batch.n_sampling == 0,
+            any_filter=batch.n_filter > 0,
+        )
+        batch.record(tokens_B, logprobs_B)
+        self.stats.sampled_tokens += batch.size
+        done_B, eos_B = self._finisher.done_B(batch, tokens_B)
+        if not bool(done_B.any()):
+            return batch
+        finished = done_B.nonzero().squeeze(-1).tolist()
+        self._complete(batch, finished, eos_B[finished].tolist(), aborted=False)
+        return batch.select((~done_B).nonzero().squeeze(-1).tolist())
+
+    def _abort_rows(self, ids: set[str]) -> None:
+        batch = self.batch
+        hit = [i for i, row in enumerate(batch.rows) if row.request.request_id in ids]
+        if hit:
+            self._complete(batch, hit, [False] * len(hit), aborted=True)
+            gone = set(hit)
+            self.batch = batch.select([i for i in range(batch.size) if i not in gone])
+
+    def _complete(self, batch: RowBatch, rows: list[int], eos: list[bool], aborted: bool) -> None:
+        """Build the rows' completions, keep session KV, release the pins, deliver."""
+        completions = self._finisher.completions(batch, rows, eos, aborted=aborted)
+        for i, completion in zip(rows, completions, strict=True):
+            row = batch.rows[i]
+            if row.request.session is not None and not aborted:
+                self._keep_session(batch, i, completion)
+            self._release(row)
+            if aborted:
+                self.stats.aborted += 1
+            else:
+                self.stats.completed += 1
+            _call(row.deliver, completion)
+
+    def _keep_session(self, batch: RowBatch, i: int, completion: Completion) -> None:
+        request = batch.rows[i].request
+        assert request.session is not None
+        tokens = request.prompt_ids + completion.token_ids[:-1]
+        kv = batch.kv.row(i)
+        if int(kv[0][0].shape[1]) != len(tokens):  # a broken invariant must not poison reuse
+            return
+        self.sessions.put(
+            request.session, SessionEntry(request.tenant, completion.version, tokens, kv)
+        )
+
+    def _release(self, row: Row) -> None:
+        with contextlib.suppress(MarlaasError):  # already released: nothing left to undo
+            self.bank.release(row.handle)
+
+
+def _call(deliver: Deliver, result: Completion | BaseException) -> None:
+    with contextlib.suppress(Exception):  # a caller's callback must not break the batch
+        deliver(result)
+
+
+def _int64(seed: int) -> int:
+    """Any Python int as the int64 with the same low 64 bits."""
+    seed %= 1 << 64
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+def _eos_ids(
+    model: LoRAModel, tokenizer: PreTrainedTokenizerBase, given: Sequence[int] | None
+) -> list[int]:
+    """`given`, else the tokenizer's EOS and the model's generation-config EOS ids."""
+    if given is not None:
+        return sorted(set(given))
+    ids: set[int] = set()
+    if isinstance(tokenizer.eos_token_id, int):
+        ids.add(tokenizer.eos_token_id)
+    extra = getattr(getattr(model.base, "generation_config", None), "eos_token_id", None)
+    if isinstance(extra, int):
+        ids.add(extra)
+    elif isinstance(extra, list | tuple):
+        ids.update(int(x) for x in extra)
+    return sorted(ids)

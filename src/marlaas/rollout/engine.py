@@ -1,0 +1,299 @@
+"""The rollout engine: continuous batching of every tenant's sequences over one shared base.
+
+Lifecycle: `RolloutEngine(lora_model, bank, tokenizer, ...)` is ready when constructed.
+`await engine.submit(request)` gives the `Completion`; `engine.publish(tenant, version,
+tensors)` adds an adapter version; `await engine.close()` ends it. Iterations run either
+in the background driver (`background=True`, the default: started by the first
+`submit`, or explicitly with `await engine.run_forever()`), or by whoever calls the
+synchronous `engine.step()` (e.g. a device executor interleaving decode iterations with
+trainer steps). What one iteration does is described in `marlaas.rollout.core`.
+
+What a request gets back (`Completion`):
+- `token_ids`: every sampled token, including the EOS token or the token that completed
+  a stop string; `logprobs`: `log_softmax(logits / T)` of each (T = temperature, 1.0
+  when greedy), before top-k/top-p, aligned with `token_ids`;
+- `text`: the decoded new tokens (special tokens skipped), without the EOS, cut before
+  the first occurrence of the stop string that ended the row;
+- `version`: the adapter version pinned at admission; publishing never changes it.
+- Seeded requests (`SamplingParams.seed`) sample the same tokens whatever their batch
+  mates; unseeded ones get a seed from the engine's generator (`seed=`).
+
+Threading: `step()` may run in any thread (the driver runs it in a worker thread with
+`asyncio.to_thread`, and waits on an `asyncio.Event` when idle: no polling). `submit`,
+`enqueue` and `abort` never wait for an iteration; `publish` waits for the iteration in
+progress, so a new version lands between two iterations.
+
+Shutdown order (`close`): stop accepting requests -> wake the driver and let the
+iteration in progress finish -> fail every queued and running request with
+`EngineClosed` and release its adapter pin -> drop the session caches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import threading
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import replace
+
+from transformers import PreTrainedTokenizerBase
+
+from marlaas.errors import MarlaasError
+from marlaas.model.bank import AdapterBank
+from marlaas.model.lora import AdapterTensors, LoRAModel
+from marlaas.rollout.batch import Deliver
+from marlaas.rollout.core import EngineStats, Pending, Scheduler
+from marlaas.rollout.sessions import SessionCache
+from marlaas.types import Completion, RolloutRequest
+
+
+class EngineClosed(MarlaasError, RuntimeError):
+    """The rollout engine was closed; the request was not (or not fully) served."""
+
+
+class RolloutEngine:
+    """Continuous-batching multi-LoRA generation (see the module docstring).
+
+    `max_batch_size` bounds the running rows, `max_prefill_tokens` the prompt tokens
+    admitted per iteration (a longer prompt is admitted alone), `max_sessions` and
+    `max_session_tokens` the KV kept for multi-turn sessions. `eos_token_ids` overrides
+    the tokenizer's and the model's EOS ids (`[]`: never stop on EOS).
+    """
+
+    def __init__(
+        self,
+        model: LoRAModel,
+        bank: AdapterBank,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        max_batch_size: int = 64,
+        max_prefill_tokens: int = 4096,
+        max_sessions: int = 256,
+        max_session_tokens: int = 1 << 16,
+        eos_token_ids: Sequence[int] | None = None,
+        background: bool = True,
+        seed: int | None = None,
+    ) -> None:
+        self.model = model
+        self.bank = bank
+        self.tokenizer = tokenizer
+        self.background = background
+        self._core = Scheduler(
+            model,
+            bank,
+            tokenizer,
+            max_batch_size=max_batch_size,
+            max_prefill_tokens=max_prefill_tokens,
+            sessions=SessionCache(max_sessions, max_session_tokens),
+            eos_token_ids=eos_token_ids,
+            seed=seed,
+        )
+        # `_lock` serialises iterations, publishes and shutdown; `_queue_lock` guards the
+        # queue, the abort set and the closing flag, and is never held across model work.
+        self._lock = threading.Lock()
+        self._queue_lock = threading.Lock()
+        self._pending: deque[Pending] = deque()
+        self._aborts: set[str] = set()
+        self._closing = False
+        self._closed = False
+        self._driving = False
+        self._halt = False
+        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+
+    # -- requests -------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> EngineStats:
+        """A snapshot of the counters."""
+        return replace(self._core.stats)
+
+    @property
+    def running(self) -> int:
+        """Rows in the decode batch now."""
+        return self._core.batch.size
+
+    @property
+    def queued(self) -> int:
+        with self._queue_lock:
+            return len(self._pending)
+
+    def has_work(self) -> bool:
+        with self._queue_lock:
+            return bool(self._pending or self._aborts) or self._core.batch.size > 0
+
+    def submit(self, request: RolloutRequest) -> asyncio.Future[Completion]:
+        """Queue a request; the returned future resolves with its `Completion`.
+
+        Call it from a running event loop. With `background=True` it starts the driver
+        task on that loop if none runs. Cancelling the future aborts the request.
+        Raises `EngineClosed` after `close()`.
+        """
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Completion] = loop.create_future()
+
+        def deliver(result: Completion | BaseException) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                loop.call_soon_threadsafe(_settle, future, result)
+
+        self.enqueue(request, deliver)
+        rid = request.request_id
+        future.add_done_callback(lambda f: self.abort(rid) if f.cancelled() else None)
+        if self.background and not self._driving:
+            self._task = loop.create_task(self.run_forever(), name="rollout-engine")
+        return future
+
+    def enqueue(self, request: RolloutRequest, deliver: Deliver) -> None:
+        """Queue a request; `deliver` is called once, from the thread that steps, with
+        the `Completion` or the exception that failed the request."""
+        with self._queue_lock:
+            if self._closing:
+                raise EngineClosed("the rollout engine is closed; create a new one to submit")
+            self._pending.append(Pending(request, deliver))
+        self._notify()
+
+    def abort(self, request_id: str) -> None:
+        """Stop a queued or running request at the next iteration.
+
+        A running row is answered with its tokens so far (`finish_reason='aborted'`), a
+        queued one with `asyncio.CancelledError`.
+        """
+        with self._queue_lock:
+            self._aborts.add(request_id)
+        self._notify()
+
+    def publish(self, tenant: str, version: int, tensors: AdapterTensors) -> None:
+        """Publish an adapter version to the bank between two iterations.
+
+        Running sequences keep the version they were admitted with; requests admitted
+        after this returns (with `version=None`) get the new one.
+        """
+        with self._lock:
+            self.bank.publish(tenant, version, tensors)
+
+    def generate(self, requests: Sequence[RolloutRequest]) -> list[Completion]:
+        """Serve `requests` by stepping in this thread until all are answered.
+
+        Raises the first failed request's error after all are answered.
+        """
+        results: dict[int, Completion | BaseException] = {}
+        for i, request in enumerate(requests):
+            self.enqueue(request, functools.partial(results.__setitem__, i))
+        while len(results) < len(requests):
+            if self.step() == 0 and not self.has_work() and len(results) < len(requests):
+                raise RuntimeError("the rollout engine went idle with requests unanswered")
+        answers = [results[i] for i in range(len(requests))]
+        for answer in answers:
+            if isinstance(answer, BaseException):
+                raise answer
+        return [a for a in answers if isinstance(a, Completion)]
+
+    # -- iterations -----------------------------------------------------------------------
+
+    def step(self) -> int:
+        """One iteration: admit and prefill, then decode one token on every running row.
+
+        Returns the number of tokens sampled (rows advanced); 0 when idle or closed.
+        """
+        with self._lock:
+            if self._closed:
+                return 0
+            cancelled: list[Pending] = []
+            with self._queue_lock:
+                aborts, self._aborts = self._aborts, set()
+                if aborts:
+                    cancelled = [p for p in self._pending if p.request.request_id in aborts]
+                    kept = [p for p in self._pending if p.request.request_id not in aborts]
+                    self._pending = deque(kept)
+                room = min(self._core.room, len(self._pending))
+                candidates = [self._pending.popleft() for _ in range(room)]
+            for p in cancelled:
+                self._core.stats.aborted += 1
+                with contextlib.suppress(Exception):
+                    p.deliver(asyncio.CancelledError(f"request {p.request.request_id}"))
+            advanced, back = self._core.iterate(candidates, aborts)
+            if back:
+                with self._queue_lock:
+                    self._pending.extendleft(reversed(back))
+            return advanced
+
+    async def run_forever(self) -> None:
+        """Drive iterations until `close()`: steps run in a worker thread while there is
+        work; when idle the driver waits on an event that `enqueue` and `abort` set."""
+        if self._driving:
+            raise RuntimeError("this rollout engine is already being driven")
+        self._driving, self._halt = True, False
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        try:
+            while not self._closing:
+                self._wake.clear()
+                if self.has_work():
+                    await asyncio.to_thread(self._run_until_idle)
+                else:
+                    await self._wake.wait()
+        except asyncio.CancelledError:
+            self._halt = True  # the worker thread stops after its current iteration
+            raise
+        except Exception as exc:
+            self._fail_everything(exc)
+            raise
+        finally:
+            self._driving = False
+            self._wake = None
+
+    async def close(self) -> None:
+        """Stop the engine (see the shutdown order in the module docstring)."""
+        with self._queue_lock:
+            self._closing = True
+        self._notify()
+        task = self._task
+        if task is not None and task is not asyncio.current_task():
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await task
+        await asyncio.to_thread(self.shutdown)
+
+    def shutdown(self) -> None:
+        """The synchronous `close`, for code that steps the engine itself."""
+        with self._queue_lock:
+            self._closing = True
+        self._fail_everything(
+            EngineClosed("the rollout engine was closed before this request completed")
+        )
+        with self._lock:
+            self._closed = True
+            self._core.sessions.clear()
+
+    # -- helpers --------------------------------------------------------------------------
+
+    def _run_until_idle(self) -> None:
+        while not self._closing and not self._halt and self.has_work():
+            self.step()
+
+    def _notify(self) -> None:
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None:
+            with contextlib.suppress(RuntimeError):  # the driver's loop is closed
+                loop.call_soon_threadsafe(wake.set)
+
+    def _fail_everything(self, exc: BaseException) -> None:
+        with self._lock:
+            with self._queue_lock:
+                pending = list(self._pending)
+                self._pending.clear()
+                self._aborts.clear()
+            for p in pending:
+                self._core.fail(p.deliver, exc)
+            self._core.fail_all(exc)
+
+
+def _settle(future: asyncio.Future[Completion], result: Completion | BaseException) -> None:
+    if future.done():  # cancelled by its owner
+        return
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)

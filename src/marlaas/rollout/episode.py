@@ -1,0 +1,103 @@
+"""The agent loop: one environment episode played through the rollout engine.
+
+Each model turn is one engine request continuing the episode's context; its tokens and
+behaviour log-probs are recorded with loss mask 1. Environment observations (tool
+output) are appended with loss mask 0 and log-prob 0. All turns of an episode share one
+engine session, so the engine can keep the episode's KV cache between turns.
+
+The loop never blocks: the engine and the environment are both awaited.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+
+from transformers import PreTrainedTokenizerBase
+
+from marlaas.envs.base import TURN_END, Env
+from marlaas.types import Completion, FinishReason, RolloutRequest, SamplingParams, Trajectory
+
+#: How the episode reaches the engine: `RolloutEngine.submit`, or anything shaped like it.
+Submit = Callable[[RolloutRequest], Awaitable[Completion]]
+
+_episode_ids = itertools.count()
+
+
+def turn_sampling(sampling: SamplingParams) -> SamplingParams:
+    """The sampling of one model turn: a turn always ends at a newline."""
+    if TURN_END in sampling.stop:
+        return sampling
+    return replace(sampling, stop=(*sampling.stop, TURN_END))
+
+
+async def run_episode(
+    submit: Submit,
+    tokenizer: PreTrainedTokenizerBase,
+    env: Env,
+    *,
+    tenant: str,
+    example_id: str,
+    sampling: SamplingParams,
+    version: int | None = None,
+) -> Trajectory:
+    """Play `env` to the end with `tenant`'s adapter; returns the finished trajectory.
+
+    `version=None` samples every turn with the tenant's newest adapter at that moment;
+    the trajectory records the oldest and newest versions used.
+    """
+    prompt = await env.initial_observation()
+    prompt_ids = tuple(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    session = f"{tenant}/episode-{next(_episode_ids)}"
+    sampling = turn_sampling(sampling)
+    tokens: list[int] = []
+    mask: list[int] = []
+    logprobs: list[float] = []
+    text: list[str] = [prompt]
+    versions: list[int] = []
+    reward = 0.0
+    finish: FinishReason = "length"
+    turns = 0
+    for turns in range(1, env.max_turns + 1):
+        stop = tuple(dict.fromkeys((*sampling.stop, *env.stop)))
+        request = RolloutRequest(
+            tenant=tenant,
+            prompt_ids=prompt_ids + tuple(tokens),
+            sampling=replace(sampling, stop=stop),
+            version=version,
+            session=session,
+        )
+        completion = await submit(request)
+        versions.append(completion.version)
+        tokens.extend(completion.token_ids)
+        mask.extend([1] * len(completion.token_ids))
+        logprobs.extend(completion.logprobs)
+        text.append(completion.text + TURN_END)
+        finish = completion.finish_reason
+        result = await env.step(completion.text)
+        if result.done:
+            reward = result.reward
+            break
+        if turns == env.max_turns:
+            break  # still talking after the last turn: reward 0
+        observation = result.observation or ""
+        obs_ids = tokenizer(observation, add_special_tokens=False)["input_ids"]
+        tokens.extend(obs_ids)
+        mask.extend([0] * len(obs_ids))
+        logprobs.extend([0.0] * len(obs_ids))
+        text.append(observation)
+    return Trajectory(
+        tenant=tenant,
+        example_id=example_id,
+        prompt_ids=prompt_ids,
+        token_ids=tuple(tokens),
+        loss_mask_T=tuple(mask),
+        logprobs_T=tuple(logprobs),
+        reward=float(reward),
+        min_version=min(versions),
+        max_version=max(versions),
+        turns=turns,
+        finish_reason=finish,
+        text="".join(text),
+    )
