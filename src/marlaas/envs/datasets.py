@@ -1,0 +1,274 @@
+"""User datasets: rows of (prompt, reference) scored by a declarative grader.
+
+Loading is strict. Every row must be an object whose prompt and reference fields are
+non-empty strings; an optional `id` field (a string or an integer) must be unique. The
+first bad row fails the whole load with a `DataError` naming the file and 1-based line
+(JSONL) or the row index (Hugging Face); nothing is ever skipped silently, except blank
+lines of a JSONL file, which are not rows. Rows without an `id` get `row-<n>`, where `n`
+is the JSONL line number or the Hugging Face row index. All other fields go to
+`Example.meta` and reach the grader as its `row` argument.
+
+`split_examples` makes a deterministic, disjoint train/eval split. `DatasetTask` is a
+single-turn `TaskFamily` over such a split: the prompt is the row's prompt, the model
+answers in one turn, and the grader's score is the reward.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from marlaas.envs.base import Env, Example, Segment, Split, StepResult, TaskFamily
+from marlaas.errors import DataError
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+    from marlaas.envs.graders import Grader
+
+_ID_FIELD = "id"
+
+
+def _text_field(row: Mapping[str, Any], name: str, where: str) -> str:
+    if name not in row:
+        present = ", ".join(sorted(map(str, row))) or "none"
+        raise DataError(f"{where}: missing field {name!r} (fields present: {present})")
+    value = row[name]
+    if not isinstance(value, str):
+        raise DataError(
+            f"{where}: field {name!r} must be a string, got {type(value).__name__} "
+            f"{value!r:.60}; store it as a string, e.g. {json.dumps(str(value))[:60]}"
+        )
+    if not value.strip():
+        raise DataError(f"{where}: field {name!r} is empty")
+    return value
+
+
+def _row_id(row: Mapping[str, Any], where: str, default: str) -> str:
+    if _ID_FIELD not in row:
+        return default
+    value = row[_ID_FIELD]
+    if isinstance(value, bool) or not isinstance(value, str | int):
+        raise DataError(
+            f"{where}: field 'id' must be a string or an integer, got {type(value).__name__}"
+        )
+    text = str(value)
+    if not text.strip():
+        raise DataError(f"{where}: field 'id' is empty")
+    return text
+
+
+def _to_example(
+    row: object, where: str, default_id: str, prompt_field: str, reference_field: str
+) -> Example:
+    if not isinstance(row, Mapping):
+        raise DataError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
+    prompt = _text_field(row, prompt_field, where)
+    reference = _text_field(row, reference_field, where)
+    example_id = _row_id(row, where, default_id)
+    skip = {prompt_field, reference_field, _ID_FIELD}
+    meta = {str(k): v for k, v in row.items() if k not in skip}
+    return Example(id=example_id, prompt=prompt, reference=reference, meta=meta)
+
+
+def _collect(
+    rows: Iterable[tuple[str, str, object]], prompt_field: str, reference_field: str
+) -> list[Example]:
+    """(where, default id, raw row) triples to examples; ids must be unique."""
+    examples: list[Example] = []
+    seen: dict[str, str] = {}
+    for where, default_id, row in rows:
+        example = _to_example(row, where, default_id, prompt_field, reference_field)
+        if example.id in seen:
+            raise DataError(
+                f"{where}: duplicate id {example.id!r} (first seen at {seen[example.id]}); "
+                "ids must be unique"
+            )
+        seen[example.id] = where
+        examples.append(example)
+    return examples
+
+
+def _check_max_rows(max_rows: int | None) -> None:
+    if max_rows is not None and max_rows < 1:
+        raise DataError(f"max_rows must be at least 1 or None, got {max_rows}")
+
+
+def load_jsonl(
+    path: str | os.PathLike[str],
+    prompt_field: str = "prompt",
+    reference_field: str = "reference",
+    max_rows: int | None = None,
+) -> list[Example]:
+    """Examples from a JSON Lines file (one object per line), at most `max_rows` of them.
+
+    Raises `DataError` naming the file and line of the first bad row.
+    """
+    _check_max_rows(max_rows)
+    name = os.fspath(path)
+
+    def rows() -> Iterable[tuple[str, str, object]]:
+        count = 0
+        with open(name, "rb") as fh:
+            for lineno, raw in enumerate(fh, start=1):
+                if max_rows is not None and count >= max_rows:
+                    return
+                where = f"{name}:{lineno}"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise DataError(f"{where}: not valid UTF-8 ({exc.reason})") from exc
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise DataError(
+                        f"{where}: invalid JSON ({exc.msg} at column {exc.colno})"
+                    ) from exc
+                count += 1
+                yield where, f"row-{lineno}", row
+
+    try:
+        examples = _collect(rows(), prompt_field, reference_field)
+    except OSError as exc:
+        raise DataError(f"{name}: cannot read the dataset ({exc.strerror or exc})") from exc
+    if not examples:
+        raise DataError(f"{name}: the file has no rows")
+    return examples
+
+
+def from_hf_dataset(
+    ds: Dataset,
+    prompt_field: str = "prompt",
+    reference_field: str = "reference",
+    max_rows: int | None = None,
+) -> list[Example]:
+    """Examples from a Hugging Face `datasets.Dataset` (one split, not a DatasetDict).
+
+    Raises `DataError` naming the row index of the first bad row.
+    """
+    _check_max_rows(max_rows)
+    columns = getattr(ds, "column_names", None)
+    if not isinstance(columns, list):
+        raise DataError(
+            f"expected a datasets.Dataset, got {type(ds).__name__}; "
+            "for a DatasetDict pass one split, e.g. ds['train']"
+        )
+    for name in (prompt_field, reference_field):
+        if name not in columns:
+            raise DataError(f"dataset has no column {name!r} (columns: {', '.join(columns)})")
+
+    def rows() -> Iterable[tuple[str, str, object]]:
+        for index, row in enumerate(ds):
+            if max_rows is not None and index >= max_rows:
+                return
+            yield f"dataset row {index}", f"row-{index}", row
+
+    examples = _collect(rows(), prompt_field, reference_field)
+    if not examples:
+        raise DataError("the dataset has no rows")
+    return examples
+
+
+def split_examples(
+    examples: Sequence[Example], eval_fraction: float, seed: int
+) -> tuple[list[Example], list[Example]]:
+    """A deterministic, disjoint (train, eval) split; each keeps the input order.
+
+    The eval part has `round(len * eval_fraction)` examples, but at least one (and at
+    most all but one) when `0 < eval_fraction` and there are two or more examples.
+    """
+    if not 0.0 <= eval_fraction < 1.0:
+        raise DataError(f"eval_fraction must be in [0, 1), got {eval_fraction}")
+    ids = [ex.id for ex in examples]
+    if len(set(ids)) != len(ids):
+        raise DataError("examples have duplicate ids; a split needs unique ids")
+    n = len(examples)
+    n_eval = round(n * eval_fraction)
+    if eval_fraction > 0 and n >= 2:
+        n_eval = min(max(n_eval, 1), n - 1)
+    order = list(range(n))
+    random.Random(f"split:{seed}").shuffle(order)
+    eval_idx = set(order[:n_eval])
+    train = [ex for i, ex in enumerate(examples) if i not in eval_idx]
+    evals = [ex for i, ex in enumerate(examples) if i in eval_idx]
+    return train, evals
+
+
+class DatasetEnv(Env):
+    """One single-turn episode: the prompt, one model turn, the grader's score."""
+
+    max_turns = 1
+
+    def __init__(self, example: Example, grader: Grader) -> None:
+        self.example = example
+        self.grader = grader
+
+    async def initial_observation(self) -> str:
+        return self.example.prompt
+
+    async def step(self, action: str) -> StepResult:
+        # A GraderError propagates: the caller fails this tenant's work, nobody else's.
+        score = await self.grader(action, self.example.reference, self.example.meta)
+        return StepResult(done=True, reward=score, metrics={"score": score})
+
+
+class DatasetTask(TaskFamily):
+    """A tenant's dataset and grader as a single-turn task family.
+
+    The split is fixed when the task is built (`split_examples(examples, eval_fraction,
+    split_seed)`), or given explicitly with `eval_examples`. `examples(split, n, seed)`
+    draws `n` examples of that split in a seeded order; if `n` exceeds the split, it
+    continues with a fresh permutation (another epoch), so ids repeat only across epochs.
+    """
+
+    max_turns = 1
+
+    def __init__(
+        self,
+        examples: Sequence[Example],
+        grader: Grader,
+        *,
+        name: str = "dataset",
+        eval_fraction: float = 0.1,
+        split_seed: int = 0,
+        eval_examples: Sequence[Example] | None = None,
+    ) -> None:
+        self.name = name
+        self.grader = grader
+        if eval_examples is None:
+            self.train, self.eval = split_examples(examples, eval_fraction, split_seed)
+        else:
+            self.train, self.eval = list(examples), list(eval_examples)
+            shared = {ex.id for ex in self.train} & {ex.id for ex in self.eval}
+            if shared:
+                raise DataError(
+                    f"train and eval share ids {sorted(shared)[:5]}; they must be disjoint"
+                )
+        if not self.train:
+            raise DataError(f"task {name!r}: the train split is empty")
+
+    def examples(self, split: Split, n: int, seed: int = 0) -> list[Example]:
+        pool = self.train if split == "train" else self.eval
+        if n <= 0:
+            return []
+        if not pool:
+            raise DataError(f"task {self.name!r}: the {split} split is empty")
+        drawn: list[Example] = []
+        epoch = 0
+        while len(drawn) < n:
+            order = list(pool)
+            random.Random(f"{split}:{seed}:{epoch}").shuffle(order)
+            drawn.extend(order[: n - len(drawn)])
+            epoch += 1
+        return drawn
+
+    def make_env(self, example: Example) -> Env:
+        return DatasetEnv(example, self.grader)
+
+    def demonstration(self, example: Example) -> list[Segment]:
+        return [Segment(example.prompt, False), Segment(example.reference + "\n", True)]

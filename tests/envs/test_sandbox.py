@@ -1,0 +1,341 @@
+"""The sandbox on both backends: what runs, what is refused, what is contained.
+
+Every case that makes sense for both backends runs on both; the isolation cases
+(network, host files, /proc of the host) run on bubblewrap only, because the rlimit
+fallback does not isolate by design (see the module docstring of `marlaas.envs.sandbox`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import socket
+import tracemalloc
+import uuid
+from pathlib import Path
+
+import pytest
+
+from marlaas.envs import sandbox as sandbox_module
+from marlaas.envs.sandbox import Sandbox, SandboxLimits, default_sandbox
+from marlaas.errors import ConfigError, SandboxError
+
+BWRAP_MISSING = "bubblewrap is not installed here (apt-get install bubblewrap)"
+
+
+def _make(backend: str) -> Sandbox:
+    if backend == "bwrap" and shutil.which("bwrap") is None:
+        pytest.skip(BWRAP_MISSING)
+    return Sandbox(backend=backend)  # type: ignore[arg-type]
+
+
+@pytest.fixture(params=["bwrap", "rlimit"])
+def sandbox(request: pytest.FixtureRequest) -> Sandbox:
+    return _make(request.param)
+
+
+@pytest.fixture
+def bwrap() -> Sandbox:
+    return _make("bwrap")
+
+
+@pytest.fixture
+def no_bwrap_on_path(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    """bubblewrap looks uninstalled, and the once-per-process choices are made afresh."""
+    monkeypatch.setenv("PATH", "/nonexistent")
+    sandbox_module._bwrap_problem.cache_clear()
+    sandbox_module._auto_backend.cache_clear()
+    yield
+    sandbox_module._bwrap_problem.cache_clear()
+    sandbox_module._auto_backend.cache_clear()
+
+
+def _live_pids_named(comm: str) -> list[int]:
+    """Host pids of live (not zombie) processes whose name is `comm`."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # not a process, or it just ended
+            continue
+        name, state = stat[stat.find("(") + 1 : stat.rfind(")")], stat[stat.rfind(")") + 2 :][:1]
+        if name == comm and state != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+def _named(code: str) -> tuple[str, str]:
+    """A fresh process name and `code` prefixed so that it renames its process to it, which
+    lets the host find the program and everything it forks."""
+    name = "mlsbx" + uuid.uuid4().hex[:8]
+    rename = f"import ctypes\nctypes.CDLL(None).prctl(15, {name.encode()!r}, 0, 0, 0)\n"
+    return name, rename + code
+
+
+#: Every process forks for ever; at the process limit it waits and tries again.
+FORK_BOMB = """\
+import os, time
+while True:
+    try:
+        os.fork()
+    except OSError:
+        time.sleep(0.05)
+"""
+
+#: 20 children that would outlive the program if nothing killed them.
+FORK_CROWD = """\
+import os, time
+for _ in range(20):
+    if os.fork() == 0:
+        break
+time.sleep(60)
+"""
+
+
+async def test_runs_a_program_with_stdin_stdout_stderr_and_a_private_cwd(sandbox: Sandbox) -> None:
+    code = (
+        "import sys\n"
+        "text = sys.stdin.read()\n"
+        "with open('scratch.txt', 'w') as f:\n"
+        "    f.write(text.upper())\n"
+        "print(open('scratch.txt').read())\n"
+        "print('to stderr', file=sys.stderr)\n"
+    )
+    result = await sandbox.run_python(code, stdin="hello sandbox")
+    assert result.ok and result.returncode == 0 and result.reason is None
+    assert result.stdout == "HELLO SANDBOX\n"
+    assert result.stderr == "to stderr\n"
+    assert not result.timed_out and not result.truncated
+
+
+async def test_input_the_program_never_reads_does_not_block(sandbox: Sandbox) -> None:
+    result = await sandbox.run_python("print('ignored my input')", stdin="x" * 4_000_000)
+    assert result.ok and result.stdout == "ignored my input\n"
+
+
+async def test_a_failing_program_is_a_result_not_an_exception(sandbox: Sandbox) -> None:
+    result = await sandbox.run_python("raise ValueError('boom')")
+    assert not result.ok
+    assert result.returncode == 1 and result.reason == "exit code 1"
+    assert "ValueError: boom" in result.stderr
+
+
+async def test_sleeping_past_the_wall_clock_is_killed(sandbox: Sandbox) -> None:
+    limits = SandboxLimits(wall_seconds=1.0)
+    result = await sandbox.run_python(
+        "import time\nprint('start', flush=True)\ntime.sleep(60)", limits=limits
+    )
+    assert not result.ok and result.timed_out and result.reason == "timeout"
+    assert result.returncode is None
+    assert result.stdout == "start\n"  # output written before the kill is kept
+    assert 1.0 <= result.wall_s < 3.0
+
+
+async def test_an_infinite_loop_is_stopped_by_the_cpu_or_wall_limit(sandbox: Sandbox) -> None:
+    # On an idle machine RLIMIT_CPU fires after 1 s; on a loaded one the wall limit may win.
+    limits = SandboxLimits(cpu_seconds=1.0, wall_seconds=3.0)
+    result = await sandbox.run_python("while True:\n    pass", limits=limits)
+    assert not result.ok
+    assert result.reason in {"killed by signal SIGXCPU (cpu limit)", "timeout"}
+    assert result.wall_s < 5.0
+
+
+async def test_a_memory_bomb_fails_inside_the_sandbox(sandbox: Sandbox) -> None:
+    result = await sandbox.run_python("block = bytearray(2 * 1024**3)\nprint('allocated')")
+    assert not result.ok and result.reason == "exit code 1"
+    assert "MemoryError" in result.stderr and "allocated" not in result.stdout
+
+
+async def test_a_fork_bomb_is_contained_and_cleaned_up(sandbox: Sandbox) -> None:
+    if sandbox.backend_name == "bwrap":
+        limits = SandboxLimits(wall_seconds=2.0, max_processes=8)
+        name, code = _named(FORK_BOMB)
+    else:
+        # The fallback's RLIMIT_NPROC does not bind root (and counts all of a user's
+        # processes otherwise): a real bomb would reach the host, so run a bounded crowd
+        # and check that the group kill at the wall limit leaves none of it behind.
+        limits = SandboxLimits(wall_seconds=2.0, max_processes=10_000)
+        name, code = _named(FORK_CROWD)
+    run = asyncio.create_task(sandbox.run_python(code, limits=limits))
+    peak = 0
+    while not run.done():
+        peak = max(peak, len(_live_pids_named(name)))
+        await asyncio.sleep(0.05)
+    result = run.result()
+    assert result.timed_out and not result.ok
+    assert result.wall_s < limits.wall_seconds + 2.0
+    assert 2 <= peak <= min(limits.max_processes, 21)  # the host saw the crowd, bounded
+    for _ in range(40):  # the kernel finishes the kills asynchronously
+        if not _live_pids_named(name):
+            break
+        await asyncio.sleep(0.05)
+    assert _live_pids_named(name) == []
+
+
+async def test_parent_environment_is_not_visible(
+    sandbox: Sandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    secret = "s3cret-" + uuid.uuid4().hex
+    monkeypatch.setenv("MARLAAS_TEST_SECRET", secret)
+    code = "import os\nprint(dict(os.environ))\n"
+    if sandbox.backend_name == "bwrap":  # the fallback cannot hide /proc (documented)
+        code += (
+            f"for path in ('/proc/{os.getpid()}/environ', '/proc/1/environ'):\n"
+            "    try:\n"
+            "        print(path, open(path, 'rb').read())\n"
+            "    except OSError as exc:\n"
+            "        print(path, 'refused', type(exc).__name__)\n"
+        )
+    result = await sandbox.run_python(code)
+    assert result.ok, result.stderr
+    assert "PATH" in result.stdout  # the environment was printed ...
+    assert "MARLAAS_TEST_SECRET" not in result.stdout and secret not in result.stdout
+    assert secret not in result.stderr  # ... and holds no secret
+
+
+async def test_huge_output_is_truncated_with_bounded_parent_memory(sandbox: Sandbox) -> None:
+    code = "import sys\nfor _ in range(100):\n    sys.stdout.write('x' * 1_000_000)\n"
+    tracemalloc.start()
+    try:
+        result = await sandbox.run_python(code)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert result.truncated and not result.ok and result.reason == "output limit"
+    assert result.returncode is None and not result.timed_out
+    assert result.stdout == "x" * sandbox.limits.output_bytes
+    assert peak < 8 * 1024 * 1024  # 100 MB were printed; the parent held a few hundred KiB
+    assert result.wall_s < 3.0
+
+
+async def test_bwrap_has_no_network(bwrap: Sandbox) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        code = (
+            "import socket\n"
+            "try:\n"
+            f"    socket.create_connection(('127.0.0.1', {port}), timeout=2)\n"
+            "    print('connected')\n"
+            "except OSError as exc:\n"
+            "    print('refused', type(exc).__name__)\n"
+        )
+        result = await bwrap.run_python(code)
+        server.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            server.accept()  # nobody reached the parent's listening socket
+    assert result.ok and result.stdout.startswith("refused")
+
+
+async def test_bwrap_keeps_host_files_out_of_reach(bwrap: Sandbox, tmp_path: Path) -> None:
+    (tmp_path / "secret.txt").write_text("host secret")
+    scratch = f"/tmp/marlaas-sandbox-{uuid.uuid4().hex}"
+    attempts = [
+        ("read", str(tmp_path / "secret.txt")),
+        ("write", str(tmp_path / "escape.txt")),
+        ("write", "/usr/escape.txt"),
+        ("write", scratch),  # the sandbox's own /tmp: allowed, but never the host's
+    ]
+    code = f"attempts = {attempts!r}\n" + (
+        "for mode, path in attempts:\n"
+        "    try:\n"
+        "        if mode == 'read':\n"
+        "            print(mode, path, 'ok', open(path).read())\n"
+        "        else:\n"
+        "            open(path, 'w').write('x')\n"
+        "            print(mode, path, 'ok')\n"
+        "    except OSError as exc:\n"
+        "        print(mode, path, 'refused', type(exc).__name__)\n"
+    )
+    result = await bwrap.run_python(code)
+    assert result.ok, result.stderr
+    lines = result.stdout.splitlines()
+    assert [line.split()[2] for line in lines] == ["refused", "refused", "refused", "ok"]
+    assert "host secret" not in result.stdout
+    assert not (tmp_path / "escape.txt").exists()
+    assert not os.path.exists(scratch)  # the sandbox's /tmp is its own
+
+
+async def test_bwrap_setup_failure_raises_sandbox_error(
+    bwrap: Sandbox, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mounts = sandbox_module._readonly_mounts
+    broken = [*mounts(sandbox_module._base_python()), "--ro-bind", "/nonexistent-marlaas", "/mnt"]
+    monkeypatch.setattr(sandbox_module, "_readonly_mounts", lambda python: broken)
+    with pytest.raises(SandboxError, match="could not set up"):
+        await bwrap.run_python("print('never runs')")
+
+
+async def test_fallback_warns_once_with_the_fix(
+    no_bwrap_on_path: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="marlaas.envs.sandbox"):
+        first, second = Sandbox(), Sandbox()
+    assert first.backend_name == second.backend_name == "rlimit"
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    message = warnings[0].getMessage()
+    assert "bwrap not found" in message and "apt-get install bubblewrap" in message
+    assert (await first.run_python("print(2 + 2)")).stdout == "4\n"
+
+
+def test_forcing_bwrap_where_it_cannot_run_raises(no_bwrap_on_path: None) -> None:
+    with pytest.raises(SandboxError, match="apt-get install bubblewrap"):
+        Sandbox(backend="bwrap")
+
+
+def test_limits_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match="wall_seconds"):
+        SandboxLimits(wall_seconds=0)
+
+
+def test_default_sandbox_is_shared() -> None:
+    assert default_sandbox() is default_sandbox()
+    assert default_sandbox().backend_name in {"bwrap", "rlimit"}
+
+
+async def test_bwrap_concurrent_runs_each_get_their_own_process_budget(bwrap: Sandbox) -> None:
+    limits = SandboxLimits(max_processes=6)
+    code = (
+        "import os, time\n"
+        "forked = 0\n"
+        "for _ in range(5):\n"
+        "    try:\n"
+        "        if os.fork() == 0:\n"
+        "            time.sleep(0.5)\n"
+        "            os._exit(0)\n"
+        "        forked += 1\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "print('forked', forked)\n"
+    )
+    results = await asyncio.gather(*(bwrap.run_python(code, limits=limits) for _ in range(4)))
+    assert [r.stdout for r in results] == ["forked 5\n"] * 4
+
+
+async def test_cancelling_a_run_kills_the_program(sandbox: Sandbox) -> None:
+    name, code = _named("import time\ntime.sleep(60)\n")
+    run = asyncio.create_task(sandbox.run_python(code, limits=SandboxLimits(wall_seconds=30)))
+    for _ in range(100):
+        if _live_pids_named(name):
+            break
+        await asyncio.sleep(0.02)
+    assert _live_pids_named(name), "the program never started"
+    run.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await run
+    for _ in range(40):
+        if not _live_pids_named(name):
+            break
+        await asyncio.sleep(0.05)
+    assert _live_pids_named(name) == []
+
+
+async def test_runs_leak_no_file_descriptors(sandbox: Sandbox) -> None:
+    await sandbox.run_python("print(1)")  # warm up lazily opened descriptors
+    before = len(os.listdir("/proc/self/fd"))
+    for code in ("print(1)", "raise SystemExit(3)", "print('x' * 200_000)"):
+        await sandbox.run_python(code)
+    assert len(os.listdir("/proc/self/fd")) == before
