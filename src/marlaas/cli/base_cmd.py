@@ -31,12 +31,16 @@ def build(
         recipe = replace(recipe, steps=steps)
     target = out or default_base_path()
     facts = build_base(target, recipe, log=console.print)
-    console.print(f"built {target} in {facts['build_seconds']} s ({facts['parameters']} parameters)")
+    console.print(
+        f"built {target} in {facts['build_seconds']} s ({facts['parameters']} parameters)"
+    )
 
 
 @app.command("eval")
 def evaluate(
-    model: Path = typer.Option(None, help="A Hugging Face causal LM directory (default: embedded)."),
+    model: Path = typer.Option(
+        None, help="A Hugging Face causal LM directory (default: embedded)."
+    ),
     episodes: int = typer.Option(100, help="Held-out episodes per family."),
     json_out: Path = typer.Option(None, "--json", help="Also write the scores to this JSON file."),
     seed: int = typer.Option(0, help="Seed of the eval split and of sampling."),

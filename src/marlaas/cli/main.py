@@ -6,7 +6,7 @@ from __future__ import annotations
 import typer
 
 from marlaas import __version__
-from marlaas.cli import base_cmd
+from marlaas.cli import base_cmd, bench_cmd
 
 app = typer.Typer(no_args_is_help=True, add_completion=False)
 
@@ -17,6 +17,7 @@ def main() -> None:
 
 
 app.add_typer(base_cmd.app, name="base")
+app.add_typer(bench_cmd.app, name="bench")
 
 
 @app.command()

@@ -56,13 +56,16 @@ class BuildRecipe:
     )
     steps: int = 1500
     batch_size: int = 48
-    learning_rate: float = 3e-3
+    learning_rate: float = 1e-3
     warmup_steps: int = 50
     weight_decay: float = 0.01
-    threads: int = 2
+    #: One thread: reproducible, and robust to a busy machine.
+    threads: int = 1
 
 
-def _encode(tokenizer: PreTrainedTokenizerBase, segments: Sequence[Segment]) -> tuple[list[int], list[int]]:
+def _encode(
+    tokenizer: PreTrainedTokenizerBase, segments: Sequence[Segment]
+) -> tuple[list[int], list[int]]:
     """Token ids and labels of a demonstration: labels are IGNORE on untrainable text."""
     ids: list[int] = []
     labels: list[int] = []
@@ -95,7 +98,7 @@ def _model_config(recipe: BuildRecipe, tokenizer: PreTrainedTokenizerBase) -> Ll
         num_attention_heads=recipe.num_heads,
         num_key_value_heads=recipe.num_kv_heads,
         max_position_embeddings=recipe.max_positions,
-        rope_theta=10000.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         tie_word_embeddings=True,
         bos_token_id=tokenizer.eos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -107,6 +110,7 @@ def build_base(
     out_dir: Path,
     recipe: BuildRecipe = BuildRecipe(),
     log: Callable[[str], None] = print,
+    on_progress: Callable[[int, LlamaForCausalLM], None] | None = None,
 ) -> dict[str, object]:
     """Train the embedded base into `out_dir` (replaced atomically). Returns build facts."""
     torch.set_num_threads(recipe.threads)
@@ -124,9 +128,11 @@ def build_base(
             data[name] = [_encode(tokenizer, family.demonstration(ex)) for ex in examples]
         model = LlamaForCausalLM(_model_config(recipe, tokenizer))
         params = sum(p.numel() for p in model.parameters())
-        log(f"model: {params / 1e6:.2f}M parameters; data: "
-            + ", ".join(f"{k}={len(v)}" for k, v in data.items()))
-        loss_curve = _train(model, data, recipe, tokenizer.pad_token_id, log)
+        log(
+            f"model: {params / 1e6:.2f}M parameters; data: "
+            + ", ".join(f"{k}={len(v)}" for k, v in data.items())
+        )
+        loss_curve = _train(model, data, recipe, tokenizer.pad_token_id, log, on_progress)
         model.save_pretrained(str(work), safe_serialization=True)
         facts: dict[str, object] = {
             "parameters": params,
@@ -155,6 +161,7 @@ def _train(
     recipe: BuildRecipe,
     pad_id: int,
     log: Callable[[str], None],
+    on_progress: Callable[[int, LlamaForCausalLM], None] | None = None,
 ) -> list[float]:
     rng = random.Random(recipe.seed)
     names = list(data)
@@ -162,7 +169,10 @@ def _train(
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": recipe.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        [
+            {"params": decay, "weight_decay": recipe.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ],
         lr=recipe.learning_rate,
         betas=(0.9, 0.98),
     )
@@ -178,8 +188,9 @@ def _train(
     curve: list[float] = []
     running = 0.0
     for step in range(recipe.steps):
-        picks = rng.choices(names, weights=weights, k=recipe.batch_size)
-        rows = [rng.choice(data[name]) for name in picks]
+        # One family per batch: rows of a family have similar lengths, so little padding.
+        name = rng.choices(names, weights=weights)[0]
+        rows = [rng.choice(data[name]) for _ in range(recipe.batch_size)]
         batch = _collate(rows, pad_id)
         loss = model(**batch).loss
         opt.zero_grad(set_to_none=True)
@@ -192,5 +203,9 @@ def _train(
             curve.append(round(running / 100, 4))
             log(f"step {step + 1}/{recipe.steps} loss {curve[-1]:.4f}")
             running = 0.0
+            if on_progress is not None:
+                model.eval()
+                on_progress(step + 1, model)
+                model.train()
     model.eval()
     return curve or [round(running, 4)]

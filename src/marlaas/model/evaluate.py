@@ -48,7 +48,7 @@ def generate_turns(
         pad_token_id=tokenizer.pad_token_id,
     )
     with torch.no_grad():
-        out = model.generate(**enc, generation_config=config)
+        out = model.generate(**enc, generation_config=config)  # type: ignore[operator]
     new = out[:, enc["input_ids"].shape[1] :]
     texts = tokenizer.batch_decode(new, skip_special_tokens=True)
     return [t.split(TURN_END, 1)[0] for t in texts]
@@ -75,7 +75,9 @@ async def play_episodes(
             temperature=temperature,
             max_new_tokens=max_new_tokens,
         )
-        results = await asyncio.gather(*(envs[i].step(a) for i, a in zip(active, actions, strict=True)))
+        results = await asyncio.gather(
+            *(envs[i].step(a) for i, a in zip(active, actions, strict=True))
+        )
         still: list[int] = []
         for i, action, res in zip(active, actions, results, strict=True):
             turns[i] += 1

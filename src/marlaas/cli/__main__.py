@@ -1,0 +1,3 @@
+from marlaas.cli.main import app
+
+app(prog_name="marlaas")

@@ -1,0 +1,88 @@
+"""One subprocess smoke test per CLI entry point: the installed `marlaas` command."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+MARLAAS = [sys.executable, "-m", "marlaas.cli"]
+
+
+def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "120"}
+    proc = subprocess.run(
+        [*MARLAAS, *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+    assert proc.returncode == 0, f"marlaas {' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def test_help_lists_commands() -> None:
+    out = run("--help").stdout
+    for command in ("base", "bench", "demo", "version"):
+        assert command in out
+
+
+def test_bad_option_fails_with_a_message() -> None:
+    proc = subprocess.run(
+        [*MARLAAS, "bench", "rollout", "--tenants", "x"], capture_output=True, text=True
+    )
+    assert proc.returncode != 0
+    assert "comma-separated integers" in proc.stdout + proc.stderr
+
+
+def test_base_build_writes_a_loadable_model(tmp_path: Path) -> None:
+    out = tmp_path / "base"
+    run("base", "build", "--out", str(out), "--steps", "5")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    assert model.config.model_type == "llama"
+    assert tok.decode(tok("Q: 1+2\nA: ")["input_ids"]) == "Q: 1+2\nA: "
+    facts = json.loads((out / "build.json").read_text())
+    assert facts["recipe"]["steps"] == 5
+
+
+def test_base_eval_writes_per_family_json(tmp_path: Path) -> None:
+    path = tmp_path / "eval.json"
+    run("base", "eval", "--episodes", "4", "--json", str(path))
+    data = json.loads(path.read_text())
+    families = {f["family"] for f in data["families"]}
+    assert families == {"arithmetic", "reverse", "countdown", "calculator", "search"}
+    for f in data["families"]:
+        assert f["episodes"] == 4
+        assert 0.0 <= f["greedy"] <= 1.0 and 0.0 <= f["sampled"] <= 1.0
+
+
+def test_bench_rollout_smoke(tmp_path: Path) -> None:
+    path = tmp_path / "rollout.json"
+    run(
+        "bench",
+        "rollout",
+        "--tenants",
+        "1,2",
+        "--requests-per-tenant",
+        "1",
+        "--max-new-tokens",
+        "3",
+        "--repeats",
+        "1",
+        "--json",
+        str(path),
+    )
+    data = json.loads(path.read_text())
+    assert [row["tenants"] for row in data["rows"]] == [1, 2]
+    assert all(row["outputs_agree"] == 1.0 for row in data["rows"])
+
+
+@pytest.mark.slow
+def test_demo_prints_per_family_accuracy() -> None:
+    out = run("demo", "--episodes", "4").stdout
+    for family in ("arithmetic", "reverse", "countdown", "calculator", "search"):
+        assert family in out
