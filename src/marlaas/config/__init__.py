@@ -3,6 +3,8 @@
 Importable without torch: the service validates specs without loading a model.
 """
 
+from marlaas.config.graders import GraderSpec, parse_grader
+from marlaas.config.job import DatasetSpec, EngineSpec, JobSpec, RunSpec, TrainerSpec
 from marlaas.config.specs import (
     AlgorithmSpec,
     GRPOSpec,
@@ -11,4 +13,17 @@ from marlaas.config.specs import (
     TaskSpec,
 )
 
-__all__ = ["AlgorithmSpec", "GRPOSpec", "LoRASpec", "SamplingSpec", "TaskSpec"]
+__all__ = [
+    "AlgorithmSpec",
+    "DatasetSpec",
+    "EngineSpec",
+    "GRPOSpec",
+    "GraderSpec",
+    "JobSpec",
+    "LoRASpec",
+    "RunSpec",
+    "SamplingSpec",
+    "TaskSpec",
+    "TrainerSpec",
+    "parse_grader",
+]

@@ -98,10 +98,15 @@ AlgorithmSpec = Annotated[GRPOSpec, Field(discriminator="type")]
 class TaskSpec(Spec):
     """A built-in task family and its knobs."""
 
+    type: Literal["builtin"] = "builtin"
     family: str = Field(..., description="Name of a built-in task family, e.g. 'arithmetic'.")
     seed: int = Field(0, description="Seed of the train/eval splits.")
     tool_latency_s: tuple[float, float] = Field(
         (0.0, 0.0), description="Uniform range of simulated tool latency, in seconds."
+    )
+    options: dict[str, int | float | str] = Field(
+        default_factory=dict,
+        description="Family-specific knobs, e.g. {'max_digits': 2} for arithmetic.",
     )
 
     @model_validator(mode="after")

@@ -1,0 +1,131 @@
+"""A tenant's RL job, and a run of several jobs.
+
+`JobSpec` is what a tenant submits (over HTTP or in a JOBS.yaml): the data and its
+grader, the adapter shape, the algorithm and the schedule. `RunSpec` is what
+`marlaas run` executes: the shared base, the engine and trainer sizes, and the jobs.
+Both are pure data (no torch import) and are written next to a run's outputs, resolved.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
+
+from marlaas.config.graders import GraderSpec
+from marlaas.config.specs import GRPOSpec, LoRASpec, SamplingSpec, Spec, TaskSpec
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class DatasetSpec(Spec):
+    """User data: a JSONL file of prompt + reference rows, scored by a declarative grader."""
+
+    type: Literal["dataset"] = "dataset"
+    path: str = Field(..., description="Path of the JSONL file (one JSON object per line).")
+    prompt_field: str = Field("prompt", description="Row field holding the prompt text.")
+    reference_field: str = Field("reference", description="Row field holding the reference.")
+    grader: GraderSpec = Field(..., description="How a completion is scored against the row.")
+    eval_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="Rows held out for eval.")
+    seed: int = Field(0, description="Seed of the train/eval split.")
+
+
+def _data_kind(value: Any) -> str:
+    """`type` may be left out for a built-in task: `{family: arithmetic}` is enough."""
+    if isinstance(value, dict):
+        return str(value.get("type", "builtin"))
+    return str(getattr(value, "type", "builtin"))
+
+
+DataSpec = Annotated[
+    Annotated[TaskSpec, Tag("builtin")] | Annotated[DatasetSpec, Tag("dataset")],
+    Discriminator(_data_kind),
+]
+
+
+class JobSpec(Spec):
+    """One tenant's RL fine-tuning job."""
+
+    name: str = Field(..., description="Job name: letters, digits, '_', '.', '-' (1-64).")
+    task: DataSpec = Field(..., description="A built-in task family or a user dataset.")
+    lora: LoRASpec = Field(default_factory=LoRASpec, description="The tenant's adapter.")
+    algorithm: GRPOSpec = Field(default_factory=GRPOSpec, description="RL algorithm knobs.")
+    sampling: SamplingSpec = Field(
+        default_factory=SamplingSpec, description="Rollout sampling per model turn."
+    )
+    steps: int = Field(20, ge=1, le=1_000_000, description="Optimizer steps to run.")
+    eval_every: int = Field(
+        0, ge=0, description="Evaluate every this many steps (0: only before and after)."
+    )
+    eval_episodes: int = Field(64, ge=1, le=100_000, description="Held-out episodes per eval.")
+    checkpoint_every: int = Field(
+        0, ge=0, description="Checkpoint every this many steps (0: only at the end)."
+    )
+    priority: float = Field(
+        1.0, gt=0.0, le=1000.0, description="Weight of this job's share of device time."
+    )
+    seed: int = Field(0, description="Seed of the adapter init, data order and sampling.")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME.match(v):
+            raise ValueError(
+                "use 1-64 letters, digits, '_', '.' or '-', starting with a letter or digit"
+            )
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> JobSpec:
+        if self.sampling.temperature == 0:
+            raise ValueError(
+                "sampling.temperature must be > 0 for RL: greedy rollouts give every sample "
+                "of a group the same reward, hence zero advantage"
+            )
+        return self
+
+
+class EngineSpec(Spec):
+    """Sizes of the shared rollout engine."""
+
+    max_batch_size: int = Field(64, ge=1, le=4096, description="Rows decoded per iteration.")
+    adapter_slots: int = Field(64, ge=1, le=4096, description="Adapters resident for compute.")
+    max_rank: int = Field(16, ge=1, le=256, description="Largest LoRA rank any tenant may use.")
+
+
+class TrainerSpec(Spec):
+    """Sizes of the shared multi-lane trainer."""
+
+    max_tokens_per_microbatch: int = Field(
+        8192, ge=64, description="Token budget of one forward/backward (bounds memory)."
+    )
+
+
+class RunSpec(Spec):
+    """A set of tenant jobs run together on one shared base (`marlaas run JOBS.yaml`)."""
+
+    base_model: str | None = Field(
+        None, description="Hugging Face causal-LM directory; None: the embedded base."
+    )
+    backend: Literal["inprocess", "ray"] = Field("inprocess", description="Where stages run.")
+    max_active_tenants: int = Field(
+        32, ge=1, le=4096, description="Admission cap; further jobs wait in a queue."
+    )
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    trainer: TrainerSpec = Field(default_factory=TrainerSpec)
+    jobs: tuple[JobSpec, ...] = Field(..., min_length=1, description="The tenants' jobs.")
+
+    @model_validator(mode="after")
+    def _check(self) -> RunSpec:
+        names = [j.name for j in self.jobs]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"job names must be unique; repeated: {', '.join(dup)}")
+        too_big = [j.name for j in self.jobs if j.lora.rank > self.engine.max_rank]
+        if too_big:
+            raise ValueError(
+                f"jobs {', '.join(too_big)} ask for a LoRA rank above engine.max_rank "
+                f"({self.engine.max_rank}); raise engine.max_rank or lower their rank"
+            )
+        return self

@@ -1,0 +1,1 @@
+"""Observability: metrics, per-stage spans (trace export), plots and the live view."""
