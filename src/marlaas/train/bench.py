@@ -1,0 +1,313 @@
+"""Trainer benchmark: multi-lane (all tenants in one step) vs single-lane (one tenant per
+step, same code) vs PEFT with torch AdamW, one tenant at a time.
+
+Every mode trains the same synthetic GRPO batches (random tokens, random rewards,
+behaviour log-probs that make ratios differ from 1) with the same loss
+(`policy_loss` with per-tenant `token_weights`), LoRA shape and AdamW settings, and
+tensorises its data inside the timed region. Each mode runs one untimed warm-up round
+first. Throughput counts tenant optimizer steps and trained (model-written) tokens.
+
+The PEFT baseline loads its own copy of the base (PEFT injects its layers into the
+model it wraps); it is released before the next tenant count is measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from marlaas.config.specs import DEFAULT_TARGET_MODULES, GRPOSpec, LoRASpec
+from marlaas.model.base import default_base_path, load_base
+from marlaas.model.lora import LoRAModel
+from marlaas.train.batch import TrainBatch, tensorise
+from marlaas.train.losses import policy_loss, token_logprobs
+from marlaas.train.trainer import MultiLaneTrainer, vocab_size
+from marlaas.types import Trajectory
+
+MODES = ("multi-lane", "single-lane", "peft")
+
+
+def synthetic_batches(
+    tenants: Sequence[str],
+    steps: int,
+    algo: GRPOSpec,
+    vocab: int,
+    prompt_len: int,
+    completion_len: int,
+    seed: int = 0,
+) -> dict[str, list[TrainBatch]]:
+    """`steps` GRPO batches per tenant (batch k is for version k), random but seeded."""
+    g = torch.Generator().manual_seed(seed)
+    out: dict[str, list[TrainBatch]] = {}
+    for tenant in tenants:
+        out[tenant] = []
+        for k in range(steps):
+            groups: list[list[Trajectory]] = []
+            for p in range(algo.prompts_per_step):
+                prompt = tuple(torch.randint(0, vocab, (prompt_len,), generator=g).tolist())
+                group = []
+                for i in range(algo.group_size):
+                    n = int(
+                        torch.randint(completion_len // 2, completion_len + 1, (1,), generator=g)
+                    )
+                    group.append(
+                        Trajectory(
+                            tenant=tenant,
+                            example_id=f"{tenant}-{k}-{p}",
+                            prompt_ids=prompt,
+                            token_ids=tuple(torch.randint(0, vocab, (n,), generator=g).tolist()),
+                            loss_mask_T=(1,) * n,
+                            logprobs_T=tuple((-torch.rand(n, generator=g) * 6 - 2).tolist()),
+                            reward=float(torch.rand((), generator=g)) + 0.01 * i,
+                            min_version=k,
+                            max_version=k,
+                            turns=1,
+                            finish_reason="stop",
+                        )
+                    )
+                groups.append(group)
+            out[tenant].append(TrainBatch.from_groups(tenant, k, groups, scale_rewards=True))
+    return out
+
+
+def _timed(run_step: Callable[[int], None], steps: int) -> list[float]:
+    """Seconds of each round after one untimed warm-up round (allocations, lazy init)."""
+    run_step(0)
+    times: list[float] = []
+    for k in range(1, steps + 1):
+        started = time.perf_counter()
+        run_step(k)
+        times.append(time.perf_counter() - started)
+    return times
+
+
+def _bench_lanes(
+    model: LoRAModel,
+    data: dict[str, list[TrainBatch]],
+    lora: LoRASpec,
+    algo: GRPOSpec,
+    steps: int,
+    budget: int,
+    together: bool,
+) -> list[float]:
+    trainer = MultiLaneTrainer(model, max_tokens_per_microbatch=budget)
+    for i, tenant in enumerate(data):
+        trainer.register(tenant, lora, algo, seed=i)
+
+    def run_step(k: int) -> None:
+        batches = [data[t][k] for t in data]
+        if together:
+            trainer.step(batches)
+        else:
+            for batch in batches:
+                trainer.step([batch])
+
+    return _timed(run_step, steps)
+
+
+def _bench_peft(
+    model_path: Path,
+    data: dict[str, list[TrainBatch]],
+    lora: LoRASpec,
+    algo: GRPOSpec,
+    steps: int,
+) -> list[float]:
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    base, _ = load_base(model_path)
+    config = LoraConfig(
+        r=lora.rank,
+        lora_alpha=round(lora.alpha),  # integral here: alpha = 2 x rank
+        target_modules=list(lora.target_modules),
+        lora_dropout=0.0,
+        use_rslora=lora.use_rslora,
+    )
+    tenants = list(data)
+    peft_model = get_peft_model(base, config, adapter_name=tenants[0])
+    assert isinstance(peft_model, PeftModel)
+    for tenant in tenants[1:]:
+        peft_model.add_adapter(tenant, config)
+    optimizers: dict[str, torch.optim.Optimizer] = {}
+    params: dict[str, list[torch.nn.Parameter]] = {}
+    for tenant in tenants:
+        params[tenant] = [
+            p for n, p in peft_model.named_parameters() if f".{tenant}." in n and "lora_" in n
+        ]
+        for p in params[tenant]:
+            p.requires_grad_(True)
+        optimizers[tenant] = torch.optim.AdamW(
+            params[tenant],
+            lr=algo.learning_rate,
+            betas=algo.betas,
+            weight_decay=algo.weight_decay,
+        )
+
+    def run_step(k: int) -> None:
+        for tenant in tenants:
+            peft_model.set_adapter(tenant)
+            rows = tensorise([data[tenant][k]], [(algo.loss_norm, None)])
+            T = int(rows.lengths_N.max())
+            attn = (torch.arange(T) < rows.lengths_N[:, None]).long()
+            logits = peft_model(
+                input_ids=rows.input_ids_NT[:, :T], attention_mask=attn, use_cache=False
+            ).logits
+            loss, _ = policy_loss(
+                token_logprobs(logits.float(), rows.target_ids_NT[:, :T]),
+                rows.behaviour_NT[:, :T],
+                rows.advantages_N,
+                rows.mask_NT[:, :T],
+                clip_low=algo.clip_low,
+                clip_high=algo.clip_high,
+                weights_BT=rows.weights_NT[:, :T],
+            )
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params[tenant], algo.max_grad_norm)
+            optimizers[tenant].step()
+            optimizers[tenant].zero_grad(set_to_none=True)
+
+    return _timed(run_step, steps)  # the PEFT copy of the base is freed on return
+
+
+def run_trainer_bench(
+    model_path: str | Path | None = None,
+    tenant_counts: Sequence[int] = (1, 8, 32),
+    steps: int = 5,
+    rows_per_tenant: int = 4,
+    prompt_len: int = 16,
+    completion_len: int = 16,
+    rank: int = 8,
+    max_tokens_per_microbatch: int = 16384,
+    modes: Sequence[str] = MODES,
+    threads: int | None = 1,
+    json_path: str | Path | None = None,
+    seed: int = 0,
+    console: Console | None = None,
+) -> dict[str, Any]:
+    """Measure optimizer steps/s and trained tokens/s per mode and tenant count.
+
+    A round gives every tenant one optimizer step; each mode runs one warm-up round and
+    `steps` timed rounds, and throughput uses the median round (robust to a busy
+    machine). `rows_per_tenant` is one GRPO group per tenant per step; completions are
+    `completion_len / 2 .. completion_len` tokens. `threads` pins torch's intra-op
+    threads for the run (None leaves them). Returns (and writes to `json_path`) the
+    config, one record per (tenants, mode) and the speed-ups of multi-lane.
+    """
+    unknown = set(modes) - set(MODES)
+    if unknown or not tenant_counts or steps < 1 or rows_per_tenant < 2:
+        raise ValueError(
+            f"need modes from {MODES}, tenant counts, steps >= 1 and rows_per_tenant >= 2 "
+            f"(got unknown modes {sorted(unknown)})"
+        )
+    path = Path(model_path) if model_path is not None else default_base_path()
+    console = console or Console()
+    previous_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        base, _ = load_base(path)
+        model = LoRAModel(base, max_rank=rank)
+        vocab = vocab_size(model)
+        lora = LoRASpec.model_validate(
+            {"rank": rank, "alpha": 2.0 * rank, "target_modules": DEFAULT_TARGET_MODULES}
+        )
+        algo = GRPOSpec.model_validate(
+            {"group_size": rows_per_tenant, "prompts_per_step": 1, "max_staleness": 0}
+        )
+        records: list[dict[str, Any]] = []
+        for count in tenant_counts:
+            names = [f"tenant-{i:03d}" for i in range(count)]
+            data = synthetic_batches(
+                names, steps + 1, algo, vocab, prompt_len, completion_len, seed
+            )
+            tokens = [
+                sum(sum(t.loss_mask_T) for n in names for t in data[n][k].trajectories)
+                for k in range(1, steps + 1)
+            ]
+            for mode in modes:
+                if mode == "peft":
+                    times = _bench_peft(path, data, lora, algo, steps)
+                else:
+                    together = mode == "multi-lane"
+                    times = _bench_lanes(
+                        model, data, lora, algo, steps, max_tokens_per_microbatch, together
+                    )
+                median = statistics.median(times)
+                records.append(
+                    {
+                        "tenants": count,
+                        "mode": mode,
+                        "round_seconds": times,
+                        "median_round_s": median,
+                        "optimizer_steps_per_s": count / median,
+                        "tokens_per_s": statistics.fmean(tokens) / median,
+                    }
+                )
+                console.log(f"{count} tenants, {mode}: median round {median:.3f} s")
+    finally:
+        torch.set_num_threads(previous_threads)
+
+    speedup: dict[str, dict[str, float]] = {}
+    for count in tenant_counts:
+        by_mode = {r["mode"]: r["median_round_s"] for r in records if r["tenants"] == count}
+        if "multi-lane" in by_mode:
+            speedup[str(count)] = {
+                f"multi_vs_{m.removesuffix('-lane')}": by_mode[m] / by_mode["multi-lane"]
+                for m in by_mode
+                if m != "multi-lane"
+            }
+    result: dict[str, Any] = {
+        "model": str(path),
+        "config": {
+            "tenant_counts": list(tenant_counts),
+            "steps": steps,
+            "rows_per_tenant": rows_per_tenant,
+            "prompt_len": prompt_len,
+            "completion_len": completion_len,
+            "rank": rank,
+            "target_modules": list(lora.target_modules),
+            "max_tokens_per_microbatch": max_tokens_per_microbatch,
+            "device": str(model.device),
+            "dtype": str(model.dtype),
+            "torch_threads": threads if threads is not None else previous_threads,
+        },
+        "results": records,
+        "speedup": speedup,
+    }
+    _print_table(console, result)
+    if json_path is not None:
+        out = Path(json_path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, out)
+    return result
+
+
+def _print_table(console: Console, result: dict[str, Any]) -> None:
+    cfg = result["config"]
+    table = Table(
+        title=f"Trainer throughput: {Path(result['model']).name}, rank {cfg['rank']}, "
+        f"{cfg['rows_per_tenant']} rows/tenant/step, {cfg['device']} x{cfg['torch_threads']}"
+    )
+    for column in ("tenants", "mode", "opt steps/s", "tokens/s", "multi-lane speed-up"):
+        table.add_column(column, justify="right" if column != "mode" else "left")
+    for r in result["results"]:
+        speedup = result["speedup"].get(str(r["tenants"]), {})
+        key = f"multi_vs_{r['mode'].removesuffix('-lane')}"
+        table.add_row(
+            str(r["tenants"]),
+            r["mode"],
+            f"{r['optimizer_steps_per_s']:.2f}",
+            f"{r['tokens_per_s']:.0f}",
+            f"{speedup[key]:.2f}x" if key in speedup else "-",
+        )
+    console.print(table)
