@@ -1,3 +1,3 @@
-from marlaas.cli.main import app
+from marlaas.cli.main import run
 
-app(prog_name="marlaas")
+run()

@@ -17,7 +17,7 @@ console = Console()
 @app.command("build")
 def build(
     out: Path = typer.Option(None, help="Output directory (default: the embedded base)."),
-    steps: int = typer.Option(None, help="Override the recipe's warm-up steps."),
+    max_steps: int = typer.Option(None, help="Override the recipe's step limit."),
     seed: int = typer.Option(0, help="Seed of data, initialisation and batch order."),
 ) -> None:
     """Train the embedded base from the built-in task families (reproducible)."""
@@ -27,8 +27,8 @@ def build(
     from marlaas.model.build import BuildRecipe, build_base
 
     recipe = BuildRecipe(seed=seed)
-    if steps is not None:
-        recipe = replace(recipe, steps=steps)
+    if max_steps is not None:
+        recipe = replace(recipe, max_steps=max_steps)
     target = out or default_base_path()
     facts = build_base(target, recipe, log=console.print)
     console.print(

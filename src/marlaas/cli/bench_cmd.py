@@ -45,3 +45,26 @@ def rollout(
         include_hf=not no_hf,
     )
     typer.echo(f"wrote {json_out}")
+
+
+@app.command("trainer")
+def trainer(
+    json_out: Path = typer.Option(Path("bench-trainer.json"), "--json", help="Result file."),
+    model: Path = typer.Option(None, help="Base model directory (default: embedded)."),
+    tenants: str = typer.Option("1,8,32", help="Tenant counts, comma-separated."),
+    steps: int = typer.Option(5, min=1, help="Timed rounds per mode (the median is used)."),
+    rows_per_tenant: int = typer.Option(4, min=1, help="Rows (one GRPO group) per tenant."),
+    completion_len: int = typer.Option(16, min=2, help="Longest completion, in tokens."),
+) -> None:
+    """Optimizer steps/s: multi-lane vs single-lane vs PEFT + torch AdamW per tenant."""
+    from marlaas.train.bench import run_trainer_bench
+
+    run_trainer_bench(
+        model,
+        _counts(tenants),
+        steps=steps,
+        rows_per_tenant=rows_per_tenant,
+        completion_len=completion_len,
+        json_path=json_out,
+    )
+    typer.echo(f"wrote {json_out}")

@@ -3,12 +3,15 @@ per concern, and are mounted here."""
 
 from __future__ import annotations
 
+import sys
+
 import typer
 
 from marlaas import __version__
 from marlaas.cli import base_cmd, bench_cmd
+from marlaas.errors import MarlaasError
 
-app = typer.Typer(no_args_is_help=True, add_completion=False)
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 
 
 @app.callback()
@@ -35,3 +38,12 @@ def demo(
 def version() -> None:
     """Print the marlaas version."""
     typer.echo(__version__)
+
+
+def run() -> None:
+    """The console entry point: our own errors are one clear line, not a traceback."""
+    try:
+        app(prog_name="marlaas")
+    except MarlaasError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

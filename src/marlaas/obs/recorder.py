@@ -15,6 +15,10 @@ from typing import Protocol
 #: Stage names used by spans. "device" spans are model compute (busy time).
 STAGES = ("device", "rollout", "env", "train", "eval", "checkpoint", "orchestrator")
 
+#: Metric keys the plots and the live view look for in `Recorder.metrics` values.
+METRIC_REWARD = "reward"
+METRIC_EVAL_ACCURACY = "eval_accuracy"
+
 
 class Recorder(Protocol):
     def span(

@@ -142,7 +142,9 @@ class RolloutEngine:
         self.enqueue(request, deliver)
         rid = request.request_id
         future.add_done_callback(lambda f: self.abort(rid) if f.cancelled() else None)
-        if self.background and not self._driving:
+        # `_driving` is only set once the task runs: several submits in one loop tick
+        # must not each start a driver, so the task itself is what we check.
+        if self.background and not self._driving and (self._task is None or self._task.done()):
             self._task = loop.create_task(self.run_forever(), name="rollout-engine")
         return future
 

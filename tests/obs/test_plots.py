@@ -1,0 +1,48 @@
+"""Plots: PNG files that exist, decode as PNG and carry a drawing (not a blank page)."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+
+from marlaas.obs.memory import RunRecorder
+from marlaas.obs.plots import CURVES_FILE, UTILIZATION_FILE, plot_utilization, write_plots
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC
+    assert data[12:16] == b"IHDR"
+    assert data.rstrip(b"\x00").endswith(b"IEND\xaeB`\x82")
+    width, height = struct.unpack(">II", data[16:24])
+    return width, height
+
+
+def test_write_plots(sample: RunRecorder, tmp_path: Path) -> None:
+    paths = write_plots(sample, tmp_path / "plots")
+    assert [p.name for p in paths] == [CURVES_FILE, UTILIZATION_FILE]
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == sorted(
+        [CURVES_FILE, UTILIZATION_FILE]
+    )
+    for path in paths:
+        width, height = _png_size(path)
+        assert width >= 600 and height >= 300
+        assert path.stat().st_size > 20_000  # lines, bars and text, not an empty canvas
+
+
+def test_empty_recorder_still_plots(recorder: RunRecorder, tmp_path: Path) -> None:
+    for path in write_plots(recorder, tmp_path):
+        _png_size(path)
+
+
+def test_utilization_plot_options(sample: RunRecorder, tmp_path: Path) -> None:
+    t0 = sample.origin
+    path = plot_utilization(sample, tmp_path / "u.png", bin_s=0.5, start=t0 + 2, end=t0 + 6)
+    _png_size(path)
+    with pytest.raises(ValueError, match="bin_s"):
+        plot_utilization(sample, tmp_path / "bad.png", bin_s=-1)
+    assert not (tmp_path / "bad.png").exists()
