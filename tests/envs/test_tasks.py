@@ -152,16 +152,16 @@ def test_arithmetic_formats_and_mixed_difficulty() -> None:
         a, b, op = int(e.meta["a"]), int(e.meta["b"]), str(e.meta["op"])  # type: ignore[call-overload]
         assert e.prompt == f"Q: {a}{op}{b}\nA: "
         assert e.reference == str(safe_eval(f"{a}{op}{b}"))
-        assert max(a, b) < (100 if op == "*" else 1000)
+        assert max(a, b) < 100  # default: 1-2 digit operands for every op
     widths = {len(str(e.meta["a"])) for e in examples}
-    assert widths == {1, 2, 3}
+    assert widths == {1, 2}
     assert any(e.reference.startswith("-") for e in examples)
 
 
 def test_reverse_format() -> None:
     examples = make("reverse").examples("eval", 100)
     lengths = {len(e.reference) for e in examples}
-    assert min(lengths) == 3 and max(lengths) == 8
+    assert min(lengths) == 3 and max(lengths) == 10
     for e in examples:
         word = e.prompt.removeprefix("Q: reverse ").removesuffix("\nA: ")
         assert word.isalpha() and word.islower() and e.reference == word[::-1]

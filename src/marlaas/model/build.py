@@ -12,8 +12,8 @@ on the same software stack.
 
 from __future__ import annotations
 
+import asyncio
 import json
-import math
 import random
 import shutil
 import tempfile
@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
-from marlaas.envs.base import Segment
+from marlaas.envs.base import Example, Segment
 from marlaas.envs.tasks import get_family
+from marlaas.model.evaluate import play_episodes
 from marlaas.model.tokenizer import save_tokenizer
 
 IGNORE = -100
@@ -47,18 +48,26 @@ class BuildRecipe:
     examples_per_family: int = 6000
     family_weights: dict[str, float] = field(
         default_factory=lambda: {
-            "arithmetic": 1.0,
-            "reverse": 1.0,
-            "countdown": 1.0,
+            "arithmetic": 1.5,
+            "reverse": 0.5,
+            "countdown": 1.5,
             "calculator": 1.0,
             "search": 1.0,
         }
     )
-    steps: int = 1500
+    max_steps: int = 3000
     batch_size: int = 48
     learning_rate: float = 1e-3
-    warmup_steps: int = 50
+    warmup_steps: int = 100
     weight_decay: float = 0.01
+    #: Partial competence, not mastery: every `check_every` steps (from `first_check`)
+    #: each family is played greedily on `dev_episodes` train-split instances it was not
+    #: trained on, and the build keeps the weights whose worst family sits deepest inside
+    #: `dev_band` (the held-out target is 10%-70%; the dev band leaves room for noise).
+    dev_band: tuple[float, float] = (0.15, 0.6)
+    first_check: int = 900
+    check_every: int = 150
+    dev_episodes: int = 60
     #: One thread: reproducible, and robust to a busy machine.
     threads: int = 1
 
@@ -106,11 +115,13 @@ def _model_config(recipe: BuildRecipe, tokenizer: PreTrainedTokenizerBase) -> Ll
     )
 
 
+Demo = tuple[list[int], list[int]]
+
+
 def build_base(
     out_dir: Path,
     recipe: BuildRecipe = BuildRecipe(),
     log: Callable[[str], None] = print,
-    on_progress: Callable[[int, LlamaForCausalLM], None] | None = None,
 ) -> dict[str, object]:
     """Train the embedded base into `out_dir` (replaced atomically). Returns build facts."""
     torch.set_num_threads(recipe.threads)
@@ -121,25 +132,28 @@ def build_base(
     work = Path(tempfile.mkdtemp(prefix=".base-build-", dir=out_dir.parent))
     try:
         tokenizer = save_tokenizer(work)
-        data: dict[str, list[tuple[list[int], list[int]]]] = {}
+        data: dict[str, list[Demo]] = {}
+        dev: dict[str, list[Example]] = {}
         for name in recipe.family_weights:
             family = get_family(name)
-            examples = family.examples("train", recipe.examples_per_family, seed=recipe.seed)
-            data[name] = [_encode(tokenizer, family.demonstration(ex)) for ex in examples]
+            n = recipe.examples_per_family
+            examples = family.examples("train", n + recipe.dev_episodes, seed=recipe.seed)
+            data[name] = [_encode(tokenizer, family.demonstration(ex)) for ex in examples[:n]]
+            dev[name] = examples[n:]
         model = LlamaForCausalLM(_model_config(recipe, tokenizer))
         params = sum(p.numel() for p in model.parameters())
         log(
             f"model: {params / 1e6:.2f}M parameters; data: "
             + ", ".join(f"{k}={len(v)}" for k, v in data.items())
         )
-        loss_curve = _train(model, data, recipe, tokenizer.pad_token_id, log, on_progress)
+        history = _train(model, tokenizer, data, dev, recipe, log)
         model.save_pretrained(str(work), safe_serialization=True)
         facts: dict[str, object] = {
             "parameters": params,
             "build_seconds": round(time.perf_counter() - started, 1),
-            "final_loss": loss_curve[-1],
             "torch": torch.__version__,
             "recipe": asdict(recipe),
+            **history,
         }
         (work / "build.json").write_text(json.dumps(facts, indent=2) + "\n")
         if out_dir.exists():
@@ -155,19 +169,42 @@ def build_base(
         shutil.rmtree(work, ignore_errors=True)
 
 
+def _dev_accuracy(
+    model: LlamaForCausalLM,
+    tokenizer: PreTrainedTokenizerBase,
+    dev: dict[str, list[Example]],
+    names: list[str],
+) -> dict[str, float]:
+    model.eval()
+    scores: dict[str, float] = {}
+    for name in names:
+        family = get_family(name)
+        envs = [family.make_env(ex) for ex in dev[name]]
+        rewards = asyncio.run(play_episodes(model, tokenizer, envs, temperature=0.0))
+        scores[name] = sum(rewards) / len(rewards)
+    model.train()
+    return scores
+
+
+def _band_margin(scores: dict[str, float], band: tuple[float, float]) -> float:
+    """How deep the worst family sits inside `band` (negative: some family is outside)."""
+    lo, hi = band
+    return min(min(acc - lo, hi - acc) for acc in scores.values())
+
+
 def _train(
     model: LlamaForCausalLM,
-    data: dict[str, list[tuple[list[int], list[int]]]],
+    tokenizer: PreTrainedTokenizerBase,
+    data: dict[str, list[Demo]],
+    dev: dict[str, list[Example]],
     recipe: BuildRecipe,
-    pad_id: int,
     log: Callable[[str], None],
-    on_progress: Callable[[int, LlamaForCausalLM], None] | None = None,
-) -> list[float]:
+) -> dict[str, object]:
     rng = random.Random(recipe.seed)
     names = list(data)
     weights = [recipe.family_weights[n] for n in names]
-    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW(
         [
             {"params": decay, "weight_decay": recipe.weight_decay},
@@ -176,36 +213,51 @@ def _train(
         lr=recipe.learning_rate,
         betas=(0.9, 0.98),
     )
-
-    def lr_at(step: int) -> float:
-        if step < recipe.warmup_steps:
-            return (step + 1) / recipe.warmup_steps
-        progress = (step - recipe.warmup_steps) / max(1, recipe.steps - recipe.warmup_steps)
-        return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda step: min(1.0, (step + 1) / recipe.warmup_steps)
+    )
     model.train()
     curve: list[float] = []
+    checks: list[dict[str, object]] = []
+    best: tuple[float, int, dict[str, torch.Tensor], dict[str, float]] | None = None
     running = 0.0
-    for step in range(recipe.steps):
+    for step in range(recipe.max_steps):
         # One family per batch: rows of a family have similar lengths, so little padding.
         name = rng.choices(names, weights=weights)[0]
         rows = [rng.choice(data[name]) for _ in range(recipe.batch_size)]
-        batch = _collate(rows, pad_id)
-        loss = model(**batch).loss
+        loss = model(**_collate(rows, tokenizer.pad_token_id)).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         running += loss.item()
-        if (step + 1) % 100 == 0:
-            curve.append(round(running / 100, 4))
-            log(f"step {step + 1}/{recipe.steps} loss {curve[-1]:.4f}")
+        steps = step + 1
+        if steps % recipe.check_every == 0:
+            curve.append(round(running / recipe.check_every, 4))
             running = 0.0
-            if on_progress is not None:
-                model.eval()
-                on_progress(step + 1, model)
-                model.train()
+            if steps < recipe.first_check and steps < recipe.max_steps:
+                continue
+            scores = _dev_accuracy(model, tokenizer, dev, names)
+            margin = _band_margin(scores, recipe.dev_band)
+            checks.append({"step": steps, "dev_accuracy": scores, "margin": round(margin, 4)})
+            log(
+                f"step {steps}: loss {curve[-1]:.4f}; dev accuracy "
+                + " ".join(f"{n}={a:.2f}" for n, a in scores.items())
+                + f"; band margin {margin:+.2f}"
+            )
+            if best is None or margin > best[0]:
+                state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                best = (margin, steps, state, scores)
+    if best is None:  # max_steps below the first check: keep the last weights
+        return {"steps": recipe.max_steps, "kept_step": recipe.max_steps, "loss_curve": curve}
+    model.load_state_dict(best[2])
     model.eval()
-    return curve or [round(running, 4)]
+    log(f"kept the weights of step {best[1]} (band margin {best[0]:+.2f})")
+    return {
+        "steps": recipe.max_steps,
+        "kept_step": best[1],
+        "kept_dev_accuracy": best[3],
+        "loss_curve": curve,
+        "checks": checks,
+    }

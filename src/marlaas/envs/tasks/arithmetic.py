@@ -35,7 +35,7 @@ class ArithmeticFamily(GeneratedFamily):
         *,
         tool_latency_s: tuple[float, float] = (0.0, 0.0),
         eval_fraction: float = 0.2,
-        max_digits: int = 3,
+        max_digits: int = 2,
         max_mul_digits: int = 2,
         ops: Sequence[str] = _OPS,
     ) -> None:

@@ -1,7 +1,7 @@
 """`reverse`: one line, reverse a word.
 
 Prompt ``"Q: reverse {word}\\nA: "`` with a random lowercase word (letters a-z) of
-`min_len`..`max_len` letters (3..8 by default, length drawn uniformly); the reference is
+`min_len`..`max_len` letters (3..10 by default, length drawn uniformly); the reference is
 the word reversed, e.g. ``"Q: reverse hello\\nA: "`` -> ``"olleh"``. Reward 1 iff the
 stripped answer line equals the reference.
 """
@@ -26,7 +26,7 @@ class ReverseFamily(GeneratedFamily):
         tool_latency_s: tuple[float, float] = (0.0, 0.0),
         eval_fraction: float = 0.2,
         min_len: int = 3,
-        max_len: int = 8,
+        max_len: int = 10,
     ) -> None:
         super().__init__(tool_latency_s=tool_latency_s, eval_fraction=eval_fraction)
         self.min_len = check_range("min_len", min_len, 1, 64)

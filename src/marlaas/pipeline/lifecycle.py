@@ -1,0 +1,282 @@
+"""Per-tenant operations that the async orchestrator and the sync baseline share:
+setting a tenant up (fresh or from its checkpoint), playing a GRPO group, evaluating,
+checkpointing, recording a step's metrics, saving the final adapter, tearing down.
+
+Invariants:
+- The trainer is touched only through the device executor (`executor.call`), and the
+  bank's versions only move in step with the trainer's: a tenant is registered in both
+  with the same tensors at the same version.
+- Disk writes (checkpoints, the final PEFT adapter) run in worker threads and are
+  atomic (`save_checkpoint`, `save_peft`); a checkpoint's `extra` holds the data
+  cursor and the eval history, so a resume continues the same data stream.
+- Eval is greedy, on the held-out split, pinned to one adapter version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Coroutine, Sequence
+from dataclasses import replace
+from statistics import fmean
+from typing import Any, TypeVar
+
+from marlaas.envs.base import Example, TaskFamily
+from marlaas.errors import ModelError
+from marlaas.model.lora import AdapterTensors
+from marlaas.model.peft_io import save_peft
+from marlaas.pipeline.context import PipelineContext
+from marlaas.pipeline.data import (
+    ExampleStream,
+    build_task,
+    episode_seed,
+    eval_examples,
+    eval_sampling,
+    train_sampling,
+)
+from marlaas.pipeline.envpool import EnvCallError, play_episode
+from marlaas.pipeline.executor import ExecutorClosed
+from marlaas.pipeline.tenant import PipelineError, TenantState
+from marlaas.train.batch import TenantStepResult, TrainBatch
+from marlaas.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from marlaas.train.optim import TenantSnapshot
+from marlaas.types import Trajectory
+
+T = TypeVar("T")
+
+
+async def gather_all(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
+    """Run `coros` together; on the first failure cancel the rest and raise that error."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(c) for c in coros]
+    except BaseExceptionGroup as eg:
+        first: BaseException = eg
+        while isinstance(first, BaseExceptionGroup):
+            first = first.exceptions[0]
+        raise first from None
+    return [t.result() for t in tasks]
+
+
+class TenantRuntime:
+    """A tenant's task, data and the operations on it (see the module docstring)."""
+
+    def __init__(self, ctx: PipelineContext, state: TenantState) -> None:
+        self.ctx = ctx
+        self.state = state
+        self.job = state.job
+        self.name = state.name
+        self.sampling = train_sampling(self.job)
+        self.eval_sampling = eval_sampling(self.job)
+        self._family: TaskFamily | None = None
+        self.stream: ExampleStream | None = None
+        self.evals: list[Example] = []
+        self.last_checkpoint: int | None = None
+        self.registered = False
+        self._last_step_at = time.perf_counter()
+
+    @property
+    def family(self) -> TaskFamily:
+        if self._family is None:
+            raise PipelineError(f"tenant {self.name!r} is not set up")
+        return self._family
+
+    # -- setup and teardown ----------------------------------------------------------
+
+    async def setup(self) -> None:
+        """Build the task and register the adapter (restored from the latest checkpoint
+        when the run resumes and one exists). Raises on a bad spec, data or checkpoint."""
+        ctx, job = self.ctx, self.job
+        family = ctx.tasks.get(self.name)
+        if family is None:
+            family = await asyncio.to_thread(build_task, job)
+        self._family = family
+        self.stream = ExampleStream(family, job)
+        self.evals = await asyncio.to_thread(eval_examples, family, job)
+        # Draw the first block of train examples off the loop: bad data fails here.
+        await asyncio.to_thread(self.stream.__getitem__, 0)
+        snapshot: TenantSnapshot | None = None
+        extra: dict[str, Any] = {}
+        path = latest_checkpoint(ctx.checkpoint_dir(self.name)) if ctx.resume else None
+        if path is not None:
+            ckpt = await asyncio.to_thread(load_checkpoint, path, ctx.model)
+            if ckpt.snapshot.tenant != self.name or ckpt.snapshot.lora != job.lora:
+                raise ModelError(
+                    f"checkpoint {str(path)!r} is not for job {self.name!r} with this LoRA "
+                    "spec; resume with the job spec it was written for, or start afresh"
+                )
+            # The job's current algorithm and temperature apply from here on (a resume
+            # may change the schedule); the optimizer state is layout-compatible.
+            snapshot = replace(
+                ckpt.snapshot, algo=job.algorithm, temperature=job.sampling.temperature
+            )
+            extra = ckpt.extra
+        self.registered = True  # from here on, teardown removes whatever got registered
+        await ctx.executor.call(self._install, snapshot)
+        if snapshot is not None:
+            self.state.restore(snapshot.version, int(extra.get("cursor", 0)))
+            history = extra.get("eval", {})
+            self.state.stats.eval_accuracy.update({int(k): float(v) for k, v in history.items()})
+            self.last_checkpoint = snapshot.version
+            ctx.recorder.event(
+                "tenant_resumed", tenant=self.name, version=snapshot.version, path=str(path)
+            )
+        ctx.gate.set_weight(self.name, job.priority)
+        self._last_step_at = time.perf_counter()
+
+    def _install(self, snapshot: TenantSnapshot | None) -> None:
+        """On the device thread: register the tenant in the trainer and the bank."""
+        ctx, job = self.ctx, self.job
+        if snapshot is None:
+            algo = job.algorithm
+            norm = None
+            if algo.loss_norm == "constant":
+                norm = float(algo.samples_per_step * job.sampling.max_new_tokens)
+            ctx.trainer.register(
+                self.name,
+                job.lora,
+                algo,
+                seed=job.seed,
+                temperature=job.sampling.temperature,
+                constant_norm_tokens=norm,
+            )
+        else:
+            ctx.trainer.restore(snapshot)
+        tensors = ctx.trainer.adapter(self.name)
+        ctx.bank.register(self.name, job.lora, tensors=tensors)
+        # The bank numbers versions from 0; step it to the trainer's version. Versions
+        # older than the bank's window are dropped as they are published.
+        for version in range(1, ctx.trainer.version(self.name) + 1):
+            ctx.engine.publish(self.name, version, tensors)
+
+    async def teardown(self) -> None:
+        """Stop the tenant's waiting requests and free its trainer state (the bank keeps
+        its adapter versions, so it can still be served)."""
+        self.ctx.gate.remove(self.name)
+        if self.registered:
+            self.registered = False
+            with contextlib.suppress(ExecutorClosed):
+                await self.ctx.executor.call(self.ctx.trainer.remove, self.name)
+
+    # -- rollouts --------------------------------------------------------------------
+
+    async def play_group(self, index: int) -> list[Trajectory]:
+        """The G samples of data index `index` (raises `TenantFailure` for good failures)."""
+        assert self.stream is not None
+        example = self.stream[index]
+        coros = [
+            play_episode(
+                submit=self.ctx.gate.submit,
+                tokenizer=self.ctx.tokenizer,
+                family=self.family,
+                example=example,
+                pool=self.ctx.envs,
+                tenant=self.name,
+                sampling=replace(self.sampling, seed=episode_seed(self.job, index, g)),
+                retries=self.ctx.options.episode_retries,
+                on_retry=self._on_retry,
+            )
+            for g in range(self.state.group_size)
+        ]
+        t0 = time.perf_counter()
+        group = await gather_all(coros)
+        self.ctx.recorder.span(
+            "rollout", "group", t0, time.perf_counter(), tenant=self.name, args={"index": index}
+        )
+        return group
+
+    def _on_retry(self, exc: EnvCallError) -> None:
+        self.state.stats.episode_retries += 1
+        self.ctx.recorder.event("episode_retry", tenant=self.name, error=str(exc))
+
+    async def evaluate(self, version: int) -> float | None:
+        """Greedy accuracy of adapter `version` on the held-out examples (None: none)."""
+        if not self.evals:
+            return None
+        t0 = time.perf_counter()
+        coros = [
+            play_episode(
+                submit=self.ctx.gate.submit,
+                tokenizer=self.ctx.tokenizer,
+                family=self.family,
+                example=example,
+                pool=self.ctx.envs,
+                tenant=self.name,
+                sampling=self.eval_sampling,
+                version=version,
+                retries=self.ctx.options.episode_retries,
+                on_retry=self._on_retry,
+            )
+            for example in self.evals
+        ]
+        trajectories = await gather_all(coros)
+        accuracy = fmean(t.reward for t in trajectories)
+        self.state.stats.eval_accuracy[version] = accuracy
+        self.ctx.recorder.span("eval", "eval", t0, time.perf_counter(), tenant=self.name)
+        self.ctx.recorder.metrics(self.name, version, {"eval_accuracy": accuracy})
+        return accuracy
+
+    # -- steps -----------------------------------------------------------------------
+
+    def record_step(self, batch: TrainBatch, result: TenantStepResult, submitted: float) -> None:
+        now = time.perf_counter()
+        values: dict[str, float] = {
+            "reward_mean": result.reward_mean,
+            "reward_std": result.reward_std,
+            "loss": result.loss,
+            "clip_frac": result.clip_frac,
+            "ratio_mean": result.ratio_mean,
+            "kl_behaviour": result.kl_behaviour,
+            "entropy": result.entropy,
+            "staleness_max": float(result.staleness_max),
+            "staleness_mean": result.staleness_mean,
+            "tokens": float(result.tokens),
+            "rows": float(result.rows),
+            "grad_norm": result.grad_norm,
+            "lr": result.lr,
+            "step_time_s": now - self._last_step_at,
+            "train_wait_s": now - submitted,
+        }
+        if result.kl_base is not None:
+            values["kl_base"] = result.kl_base
+        self._last_step_at = now
+        self.ctx.recorder.span("train", "step", submitted, now, tenant=self.name)
+        self.ctx.recorder.metrics(self.name, result.version, values)
+
+    def checkpoint_due(self) -> bool:
+        every, version = self.job.checkpoint_every, self.state.version
+        at_end = version >= self.job.steps
+        return version != self.last_checkpoint and (at_end or (every > 0 and version % every == 0))
+
+    def eval_due(self) -> bool:
+        every, version = self.job.eval_every, self.state.version
+        return bool(self.evals) and every > 0 and version % every == 0
+
+    async def checkpoint(self) -> None:
+        """Write the tenant's state at its current version, atomically."""
+        t0 = time.perf_counter()
+        snapshot = await self.ctx.executor.call(self.ctx.trainer.snapshot, self.name)
+        extra = {
+            "cursor": self.state.cursor,
+            "eval": {str(k): v for k, v in sorted(self.state.stats.eval_accuracy.items())},
+        }
+        path = await asyncio.to_thread(
+            save_checkpoint,
+            self.ctx.checkpoint_dir(self.name),
+            snapshot,
+            extra,
+            self.ctx.options.keep_checkpoints,
+        )
+        self.last_checkpoint = snapshot.version
+        self.ctx.recorder.span("checkpoint", "save", t0, time.perf_counter(), tenant=self.name)
+        self.ctx.recorder.event(
+            "checkpoint", tenant=self.name, version=snapshot.version, path=str(path)
+        )
+
+    async def save_adapter(self) -> None:
+        """The final adapter, in PEFT format, under the tenant's `adapter/`."""
+        tensors: AdapterTensors = await self.ctx.executor.call(self.ctx.trainer.adapter, self.name)
+        await asyncio.to_thread(
+            save_peft, self.ctx.adapter_dir(self.name), self.job.lora, tensors, self.ctx.base_name
+        )

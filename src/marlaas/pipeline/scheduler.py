@@ -1,0 +1,255 @@
+"""Fair share of the rollout engine between tenants, and admission of tenants to a run.
+
+`FairShare` is start-time fair queueing (Goyal et al. 1996) over generated tokens: each
+tenant has a virtual clock that advances by `tokens / weight` for the work it is given;
+the next request to enter the engine is the head of the backlogged tenant with the
+smallest start tag `max(finish[t], V)`, where `V` is the start tag of the last request
+dispatched. A request is charged its `max_new_tokens` when dispatched and corrected to
+the tokens it really generated when it completes. So when the engine is saturated, a
+tenant of weight w gets rows (and tokens) in proportion to w; a tenant that was idle
+gets no credit for the time it did not ask (its clock is pulled up to `V`); and every
+backlogged tenant is served within a bounded lag of the others (no starvation).
+
+`RequestGate` sits between the tenants and the engine: `submit` (event loop) queues a
+request in its tenant's queue and returns a future; `fill` (the device thread, before
+each engine iteration) moves requests into the engine, in fair order, only while the
+engine has free rows, so the engine's own FIFO queue stays (nearly) empty and the order
+of admission is the gate's. The gate is the `Submit` callable episodes use.
+
+`AdmissionQueue`: jobs beyond `max_active_tenants` wait; higher priority first, FIFO
+within a priority.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import heapq
+import itertools
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from marlaas.rollout.engine import RolloutEngine
+from marlaas.types import Completion, RolloutRequest
+
+
+class FairShare:
+    """Start-time fair queueing over tenants' generated tokens (not thread-safe)."""
+
+    def __init__(self) -> None:
+        self._weights: dict[str, float] = {}
+        self._finish: dict[str, float] = {}
+        self._queues: dict[str, deque[tuple[int, object, float]]] = {}
+        self._vtime = 0.0
+        self._seq = itertools.count()
+
+    def set_weight(self, tenant: str, weight: float) -> None:
+        if not weight > 0:
+            raise ValueError(f"tenant {tenant!r}: weight must be > 0, got {weight}")
+        self._weights[tenant] = float(weight)
+        self._finish.setdefault(tenant, self._vtime)
+        self._queues.setdefault(tenant, deque())
+
+    def remove(self, tenant: str) -> list[object]:
+        """Forget a tenant; returns its waiting items."""
+        self._weights.pop(tenant, None)
+        self._finish.pop(tenant, None)
+        queue = self._queues.pop(tenant, deque())
+        return [item for _, item, _ in queue]
+
+    def push(self, tenant: str, item: object, cost: float) -> None:
+        if tenant not in self._weights:
+            self.set_weight(tenant, 1.0)
+        self._queues[tenant].append((next(self._seq), item, float(cost)))
+
+    def discard(self, tenant: str, item: object) -> bool:
+        queue = self._queues.get(tenant)
+        if queue is None:
+            return False
+        for entry in queue:
+            if entry[1] is item:
+                queue.remove(entry)
+                return True
+        return False
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self._queues.values())
+
+    def waiting(self, tenant: str) -> int:
+        return len(self._queues.get(tenant, ()))
+
+    def pop(self) -> tuple[str, object, float] | None:
+        """The next (tenant, item, cost) in fair order, or None when nothing waits."""
+        best: tuple[float, int, str] | None = None
+        for tenant, queue in self._queues.items():
+            if queue:
+                start = max(self._finish[tenant], self._vtime)
+                key = (start, queue[0][0], tenant)
+                if best is None or key < best:
+                    best = key
+        if best is None:
+            return None
+        start, _, tenant = best
+        _, item, cost = self._queues[tenant].popleft()
+        self._vtime = start
+        self._finish[tenant] = start + cost / self._weights[tenant]
+        return tenant, item, cost
+
+    def charge(self, tenant: str, actual: float, estimate: float) -> None:
+        """Correct a dispatched request's estimated cost to what it really used."""
+        if tenant in self._finish:
+            self._finish[tenant] += (actual - estimate) / self._weights[tenant]
+
+    def virtual_finish(self, tenant: str) -> float:
+        return self._finish[tenant]
+
+
+@dataclass(eq=False)
+class _Waiting:
+    request: RolloutRequest
+    future: asyncio.Future[Completion]
+    loop: asyncio.AbstractEventLoop
+    cost: float
+    dispatched: bool = False
+
+
+class RequestGate:
+    """The fair-ordered entrance to the engine (see the module docstring).
+
+    `capacity` is the engine's `max_batch_size`. `on_submit` is called (from the event
+    loop) after each submit, to wake whoever calls `fill`. Per tenant it counts the
+    tokens generated (`tokens`) and the rows in the engine now (`rows`).
+    """
+
+    def __init__(
+        self, engine: RolloutEngine, capacity: int, on_submit: Callable[[], None] | None = None
+    ) -> None:
+        self.engine = engine
+        self.capacity = capacity
+        self.on_submit = on_submit
+        self._share = FairShare()
+        self._lock = threading.Lock()
+        self.tokens: dict[str, int] = {}
+        self.rows: dict[str, int] = {}
+        self.max_rows: dict[str, int] = {}
+
+    def set_weight(self, tenant: str, weight: float) -> None:
+        with self._lock:
+            self._share.set_weight(tenant, weight)
+
+    def remove(self, tenant: str) -> None:
+        """Forget a tenant; its waiting requests are cancelled."""
+        with self._lock:
+            items = self._share.remove(tenant)
+        for item in items:
+            assert isinstance(item, _Waiting)
+            _resolve(item, asyncio.CancelledError(f"tenant {tenant!r} was removed"))
+
+    def has_waiting(self) -> bool:
+        with self._lock:
+            return len(self._share) > 0
+
+    def submit(self, request: RolloutRequest) -> asyncio.Future[Completion]:
+        """Queue `request` under its tenant; the future resolves with its `Completion`.
+
+        Cancelling the future withdraws a waiting request or aborts a running one.
+        """
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Completion] = loop.create_future()
+        item = _Waiting(request, future, loop, float(request.sampling.max_new_tokens))
+        with self._lock:
+            self._share.push(request.tenant, item, item.cost)
+        future.add_done_callback(lambda f: self._withdraw(item) if f.cancelled() else None)
+        if self.on_submit is not None:
+            self.on_submit()
+        return future
+
+    def fill(self) -> int:
+        """Move waiting requests into the engine while it has free rows; returns how many.
+
+        Call it from the thread that steps the engine, right before `engine.step()`.
+        """
+        room = self.capacity - self.engine.running - self.engine.queued
+        moved = 0
+        while room > 0:
+            with self._lock:
+                nxt = self._share.pop()
+                if nxt is None:
+                    break
+                tenant, item, _ = nxt
+                assert isinstance(item, _Waiting)
+                item.dispatched = True
+                self.rows[tenant] = self.rows.get(tenant, 0) + 1
+                self.max_rows[tenant] = max(self.max_rows.get(tenant, 0), self.rows[tenant])
+            self.engine.enqueue(item.request, _Deliver(self, item))
+            room -= 1
+            moved += 1
+        return moved
+
+    def _withdraw(self, item: _Waiting) -> None:
+        with self._lock:
+            if not item.dispatched and self._share.discard(item.request.tenant, item):
+                return
+        self.engine.abort(item.request.request_id)
+
+    def _done(self, item: _Waiting, result: Completion | BaseException) -> None:
+        tenant = item.request.tenant
+        used = len(result.token_ids) if isinstance(result, Completion) else 0
+        with self._lock:
+            self.rows[tenant] = self.rows.get(tenant, 1) - 1
+            self.tokens[tenant] = self.tokens.get(tenant, 0) + used
+            self._share.charge(tenant, used, item.cost)
+        _resolve(item, result)
+
+
+class _Deliver:
+    """The engine's callback for one dispatched request (called in the stepping thread)."""
+
+    def __init__(self, gate: RequestGate, item: _Waiting) -> None:
+        self.gate = gate
+        self.item = item
+
+    def __call__(self, result: Completion | BaseException) -> None:
+        self.gate._done(self.item, result)
+
+
+def _resolve(item: _Waiting, result: Completion | BaseException) -> None:
+    def settle() -> None:
+        if item.future.done():
+            return
+        if isinstance(result, BaseException):
+            item.future.set_exception(result)
+        else:
+            item.future.set_result(result)
+
+    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+        item.loop.call_soon_threadsafe(settle)
+
+
+class AdmissionQueue:
+    """Jobs waiting for a place: highest priority first, FIFO within a priority."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, str]] = []
+        self._seq = itertools.count()
+
+    def push(self, name: str, priority: float) -> None:
+        heapq.heappush(self._heap, (-priority, next(self._seq), name))
+
+    def pop(self) -> str:
+        return heapq.heappop(self._heap)[2]
+
+    def remove(self, name: str) -> bool:
+        kept = [e for e in self._heap if e[2] != name]
+        found = len(kept) != len(self._heap)
+        self._heap = kept
+        heapq.heapify(self._heap)
+        return found
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __contains__(self, name: object) -> bool:
+        return any(e[2] == name for e in self._heap)

@@ -1,0 +1,133 @@
+"""Helpers shared by the pipeline tests (a plain module: `conftest` names clash across
+test folders): an in-memory recorder, job factories, a tiny random base on disk."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from marlaas.config.job import JobSpec
+from marlaas.model.base import default_base_path
+from marlaas.model.tokenizer import build_tokenizer
+
+
+def save_tiny_llama(path: Path) -> Path:
+    """A tiny random Llama with the byte-level tokenizer, saved as a HF directory."""
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=256,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(str(path))
+    return path
+
+
+def embedded_base() -> Path | None:
+    path = default_base_path()
+    return path if (path / "config.json").is_file() else None
+
+
+def job(
+    name: str,
+    family: str = "arithmetic",
+    *,
+    steps: int = 3,
+    staleness: int = 1,
+    priority: float = 1.0,
+    P: int = 2,
+    G: int = 4,
+    max_new_tokens: int = 16,
+    **extra: Any,
+) -> JobSpec:
+    """A small job; `extra` sets any other JobSpec field."""
+    fields: dict[str, Any] = {
+        "name": name,
+        "task": {"family": family},
+        "steps": steps,
+        "eval_episodes": 4,
+        "algorithm": {"group_size": G, "prompts_per_step": P, "max_staleness": staleness},
+        "sampling": {"max_new_tokens": max_new_tokens},
+        "lora": {"rank": 4},
+        "priority": priority,
+    }
+    fields.update(extra)
+    return JobSpec.model_validate(fields)
+
+
+@dataclass
+class MemoryRecorder:
+    """Keeps every record in memory (thread-safe), for assertions."""
+
+    spans: list[tuple[str, str, float, float, str | None]] = field(default_factory=list)
+    metric_rows: list[tuple[str, int, dict[str, float]]] = field(default_factory=list)
+    events: list[tuple[str, str | None, dict[str, object]]] = field(default_factory=list)
+    #: Called after each train metric with (tenant, step), e.g. to set an event.
+    on_metrics: Callable[[str, int], object] | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def span(
+        self,
+        stage: str,
+        name: str,
+        start: float,
+        end: float,
+        *,
+        tenant: str | None = None,
+        args: Mapping[str, object] | None = None,
+    ) -> None:
+        assert end >= start
+        with self._lock:
+            self.spans.append((stage, name, start, end, tenant))
+
+    def metrics(self, tenant: str, step: int, values: Mapping[str, float]) -> None:
+        with self._lock:
+            self.metric_rows.append((tenant, step, dict(values)))
+        if self.on_metrics is not None and "loss" in values:
+            self.on_metrics(tenant, step)
+
+    def progress_when(self, tenant: str, step: int) -> dict[str, int]:
+        """Every tenant's last train step at the moment `tenant` recorded step `step`."""
+        last: dict[str, int] = {}
+        for t, s, values in self.metric_rows:
+            if "loss" in values:
+                last[t] = max(last.get(t, 0), s)
+                if (t, s) == (tenant, step):
+                    return last
+        raise KeyError((tenant, step))
+
+    def event(self, name: str, *, tenant: str | None = None, **fields: object) -> None:
+        with self._lock:
+            self.events.append((name, tenant, dict(fields)))
+
+    def train_steps(self, tenant: str) -> list[int]:
+        """The steps of `tenant`'s train metrics, in the order they were recorded."""
+        return [s for t, s, v in self.metric_rows if t == tenant and "loss" in v]
+
+    def train_metrics(self, tenant: str) -> list[dict[str, float]]:
+        return [v for t, _, v in self.metric_rows if t == tenant and "loss" in v]
+
+    def evals(self, tenant: str) -> dict[int, float]:
+        return {
+            s: v["eval_accuracy"]
+            for t, s, v in self.metric_rows
+            if t == tenant and "eval_accuracy" in v
+        }
+
+    def event_names(self, name: str) -> list[str | None]:
+        return [t for n, t, _ in self.events if n == name]
