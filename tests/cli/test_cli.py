@@ -105,3 +105,39 @@ def test_missing_model_is_one_clear_error(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: base model directory")
     assert "Traceback" not in proc.stderr
+
+
+def test_run_writes_a_run_folder(tmp_path: Path) -> None:
+    jobs = tmp_path / "jobs.yaml"
+    jobs.write_text(
+        "jobs:\n"
+        "  - name: a\n"
+        "    task: {family: arithmetic}\n"
+        "    algorithm: {group_size: 2, prompts_per_step: 2}\n"
+        "    sampling: {max_new_tokens: 8}\n"
+        "    steps: 2\n"
+        "    eval_episodes: 4\n"
+        "  - name: b\n"
+        "    task: {family: calculator}\n"
+        "    algorithm: {group_size: 2, prompts_per_step: 2, max_staleness: 0}\n"
+        "    sampling: {max_new_tokens: 12}\n"
+        "    steps: 1\n"
+        "    eval_episodes: 4\n"
+    )
+    out = tmp_path / "run"
+    run("run", str(jobs), "--out", str(out), "--no-live")
+    result = json.loads((out / "result.json").read_text())
+    assert {t["name"]: t["steps_done"] for t in result["tenants"].values()} == {"a": 2, "b": 1}
+    assert result["staleness_violations"] == 0
+    assert (out / "tenants" / "a" / "adapter" / "adapter_config.json").is_file()
+    trace = json.loads((out / "trace.json").read_text())
+    assert any(e.get("ph") == "X" for e in trace["traceEvents"])
+    assert (out / "curves.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_run_rejects_a_bad_spec_naming_the_field(tmp_path: Path) -> None:
+    jobs = tmp_path / "jobs.yaml"
+    jobs.write_text("jobs:\n  - name: a\n    task: {family: arithmetic}\n    steps: 0\n")
+    proc = subprocess.run([*MARLAAS, "run", str(jobs)], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert "jobs.0.steps" in proc.stderr and "Traceback" not in proc.stderr

@@ -8,7 +8,7 @@ import sys
 import typer
 
 from marlaas import __version__
-from marlaas.cli import base_cmd, bench_cmd
+from marlaas.cli import base_cmd, bench_cmd, run_cmd
 from marlaas.errors import MarlaasError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -21,6 +21,7 @@ def main() -> None:
 
 app.add_typer(base_cmd.app, name="base")
 app.add_typer(bench_cmd.app, name="bench")
+app.command("run")(run_cmd.run)
 
 
 @app.command()

@@ -9,9 +9,17 @@ Both are pure data (no torch import) and are written next to a run's outputs, re
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import (
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from marlaas.config.graders import GraderSpec
 from marlaas.config.specs import GRPOSpec, LoRASpec, SamplingSpec, Spec, TaskSpec
@@ -129,3 +137,30 @@ class RunSpec(Spec):
                 f"({self.engine.max_rank}); raise engine.max_rank or lower their rank"
             )
         return self
+
+
+def load_run_spec(path: str | Path) -> RunSpec:
+    """Read and validate a JOBS.yaml (or .json) file; errors name the file and field."""
+    import yaml
+
+    from marlaas.errors import ConfigError
+
+    source = Path(path)
+    try:
+        raw = yaml.safe_load(source.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError(f"cannot read {source}: {e.strerror or e}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source} is not valid YAML: {e}") from e
+    if isinstance(raw, list):  # a bare list of jobs
+        raw = {"jobs": raw}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: expected a mapping with a `jobs:` list at the top level")
+    try:
+        return RunSpec.model_validate(raw)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}"
+            for err in e.errors()
+        )
+        raise ConfigError(f"{source}: invalid run spec: {problems}") from e

@@ -1,0 +1,85 @@
+"""`marlaas run JOBS.yaml`: run a set of tenant jobs in-process, no server.
+
+The run folder gets the resolved spec, metrics and events (JSONL), a Perfetto trace,
+PNG plots, per-tenant checkpoints and each tenant's final adapter in PEFT format.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+console = Console()
+
+
+def run(
+    jobs_file: Path = typer.Argument(..., help="YAML file with a `jobs:` list (RunSpec)."),
+    out: Path = typer.Option(None, help="Run folder (default: runs/<time>)."),
+    mode: str = typer.Option("async", help="async (marlaas) or sync (the baseline loop)."),
+    resume: bool = typer.Option(False, help="Continue each job from its last checkpoint."),
+    live: bool = typer.Option(True, help="Show the live progress view."),
+) -> None:
+    """Run tenant jobs on one shared base; write a run folder."""
+    from marlaas.config.job import load_run_spec
+    from marlaas.errors import ConfigError
+
+    if mode not in ("async", "sync"):
+        raise ConfigError(f"--mode must be 'async' or 'sync', got {mode!r}")
+    spec = load_run_spec(jobs_file)
+    out = out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
+    execute(spec, out, mode=mode, resume=resume, live=live)
+
+
+def execute(spec: object, out: Path, *, mode: str, resume: bool, live: bool) -> object:
+    """Run `spec` with a recorder, live view, trace and plots; print the final table."""
+    from marlaas.config.job import RunSpec
+    from marlaas.obs.live import LiveView
+    from marlaas.obs.memory import RunRecorder
+    from marlaas.obs.plots import write_plots
+    from marlaas.obs.trace import write_trace
+    from marlaas.pipeline.runner import run_jobs
+
+    assert isinstance(spec, RunSpec)
+    out.mkdir(parents=True, exist_ok=True)
+    recorder = RunRecorder(out)
+    totals = {job.name: job.steps for job in spec.jobs}
+    try:
+        if live:
+            with LiveView(recorder, total_steps=totals, console=console):
+                result = asyncio.run(
+                    run_jobs(spec, out, mode=mode, recorder=recorder, resume=resume)  # type: ignore[arg-type]
+                )
+        else:
+            result = asyncio.run(
+                run_jobs(spec, out, mode=mode, recorder=recorder, resume=resume)  # type: ignore[arg-type]
+            )
+    finally:
+        recorder.close()
+    write_trace(recorder, out / "trace.json")
+    write_plots(recorder, out)
+    table = Table(title=f"{mode} run: {len(spec.jobs)} jobs, {result.wall_s:.1f} s")
+    for col in ("job", "status", "steps", "eval before", "eval after", "max staleness"):
+        table.add_column(col)
+    for t in result.tenants.values():
+        table.add_row(
+            t.name,
+            t.status if not t.failure_reason else f"{t.status}: {t.failure_reason[:60]}",
+            f"{t.steps_done}/{t.steps}",
+            "-" if t.eval_before is None else f"{t.eval_before:.1%}",
+            "-" if t.eval_after is None else f"{t.eval_after:.1%}",
+            str(t.staleness_max),
+        )
+    console.print(table)
+    console.print(
+        f"device busy {result.device_busy_fraction:.1%} of {result.wall_s:.1f} s; "
+        f"mean decode batch {result.mean_decode_batch:.1f}; "
+        f"{result.tokens_generated} tokens generated, {result.tokens_trained} trained; "
+        f"staleness violations {result.staleness_violations}"
+    )
+    console.print(f"run folder: {out} (trace.json opens in ui.perfetto.dev)")
+    return result
