@@ -141,3 +141,10 @@ def test_run_rejects_a_bad_spec_naming_the_field(tmp_path: Path) -> None:
     proc = subprocess.run([*MARLAAS, "run", str(jobs)], capture_output=True, text=True)
     assert proc.returncode == 2
     assert "jobs.0.steps" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_sandbox_smoke(tmp_path: Path) -> None:
+    path = tmp_path / "sandbox.json"
+    run("bench", "sandbox", "--calls", "2", "--json", str(path))
+    rows = {r["backend"]: r for r in json.loads(path.read_text())["rows"]}
+    assert rows["rlimit"]["available"] and rows["rlimit"]["calls"] == 2

@@ -68,3 +68,33 @@ def trainer(
         json_path=json_out,
     )
     typer.echo(f"wrote {json_out}")
+
+
+@app.command("sandbox")
+def sandbox(
+    json_out: Path = typer.Option(Path("bench-sandbox.json"), "--json", help="Result file."),
+    calls: int = typer.Option(20, min=1, help="Calls per backend."),
+) -> None:
+    """Overhead of one sandboxed Python call, bubblewrap vs the rlimit fallback."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from marlaas.envs.bench import run_sandbox_bench
+
+    result = run_sandbox_bench(calls, json_out)
+    table = Table(title="sandbox overhead per call (print(1))")
+    for col in ("backend", "mean ms", "median ms", "min ms", "concurrent calls/s"):
+        table.add_column(col)
+    for row in result["rows"]:
+        if not row["available"]:
+            table.add_row(row["backend"], "unavailable", "", "", row["reason"][:40])
+            continue
+        table.add_row(
+            row["backend"],
+            f"{row['mean_ms']:.1f}",
+            f"{row['median_ms']:.1f}",
+            f"{row['min_ms']:.1f}",
+            f"{row['concurrent_calls_per_s']:.0f}",
+        )
+    Console().print(table)
+    typer.echo(f"wrote {json_out}")
