@@ -60,7 +60,15 @@ class GRPOSpec(Spec):
     type: Literal["grpo"] = "grpo"
     group_size: int = Field(8, ge=2, description="G: samples per prompt.")
     prompts_per_step: int = Field(4, ge=1, description="P: prompts per optimizer step.")
-    learning_rate: float = Field(2e-3, gt=0)
+    learning_rate: float = Field(
+        3e-4,
+        gt=0,
+        description="AdamW learning rate. Adam moves every LoRA element by about lr per step "
+        "whatever the gradient's size, so with the sparse, noisy GRPO gradient most of each "
+        "step is noise: on the 0.77M-param embedded base (rank 8, all 7 projections), "
+        ">= 1e-3 lowers held-out accuracy within 16 steps and 3e-3 collapses it, while "
+        "3e-4..5e-4 is stable (greedy +0.05..0.08 on calculator).",
+    )
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
