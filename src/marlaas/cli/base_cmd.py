@@ -18,7 +18,7 @@ console = Console()
 def build(
     out: Path = typer.Option(None, help="Output directory (default: the embedded base)."),
     max_steps: int = typer.Option(None, help="Override the recipe's step limit."),
-    seed: int = typer.Option(0, help="Seed of data, initialisation and batch order."),
+    seed: int = typer.Option(None, help="Seed of data, init and batch order (default: recipe's)."),
 ) -> None:
     """Train the embedded base from the built-in task families (reproducible)."""
     from dataclasses import replace
@@ -26,7 +26,9 @@ def build(
     from marlaas.model.base import default_base_path
     from marlaas.model.build import BuildRecipe, build_base
 
-    recipe = BuildRecipe(seed=seed)
+    recipe = BuildRecipe()
+    if seed is not None:
+        recipe = replace(recipe, seed=seed)
     if max_steps is not None:
         recipe = replace(recipe, max_steps=max_steps)
     target = out or default_base_path()

@@ -49,9 +49,9 @@ class BuildRecipe:
     family_weights: dict[str, float] = field(
         default_factory=lambda: {
             "arithmetic": 1.5,
-            "reverse": 0.5,
+            "reverse": 0.75,
             "countdown": 1.5,
-            "calculator": 1.0,
+            "calculator": 0.4,
             "search": 1.0,
         }
     )
@@ -65,9 +65,9 @@ class BuildRecipe:
     #: trained on, and the build keeps the weights whose worst family sits deepest inside
     #: `dev_band` (the held-out target is 10%-70%; the dev band leaves room for noise).
     dev_band: tuple[float, float] = (0.15, 0.6)
-    first_check: int = 900
-    check_every: int = 150
-    dev_episodes: int = 60
+    first_check: int = 2550
+    check_every: int = 25
+    dev_episodes: int = 80
     #: One thread: reproducible, and robust to a busy machine.
     threads: int = 1
 
@@ -156,6 +156,10 @@ def build_base(
             **history,
         }
         (work / "build.json").write_text(json.dumps(facts, indent=2) + "\n")
+        # mkdtemp makes a private folder; the model is package data, readable by all.
+        work.chmod(0o755)
+        for f in work.iterdir():
+            f.chmod(0o644)
         if out_dir.exists():
             old = out_dir.with_name(out_dir.name + ".old")
             shutil.rmtree(old, ignore_errors=True)

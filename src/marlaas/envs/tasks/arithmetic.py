@@ -4,8 +4,10 @@ Prompt ``"Q: {a}{op}{b}\\nA: "`` with op in ``+ - *`` (no spaces), e.g. ``"Q: 37
 the reference is the exact integer result (``"522"``, or ``"-12"`` for a negative
 difference). Reward 1 iff the stripped answer line equals the reference.
 
-Difficulty is mixed by default: for + and - each operand has 1..`max_digits` digits (the
-digit count drawn uniformly), for * each factor has 1..`max_mul_digits` digits.
+Difficulty is mixed: for + and - each operand has 1..`max_digits` digits (the digit count
+drawn uniformly), for * each factor has 1..`max_mul_digits` digits. The defaults (2 and 1)
+are sized so the embedded base is partially competent; raise them for harder jobs
+(`options: {max_digits: 4, max_mul_digits: 3}`).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class ArithmeticFamily(GeneratedFamily):
         tool_latency_s: tuple[float, float] = (0.0, 0.0),
         eval_fraction: float = 0.2,
         max_digits: int = 2,
-        max_mul_digits: int = 2,
+        max_mul_digits: int = 1,
         ops: Sequence[str] = _OPS,
     ) -> None:
         super().__init__(tool_latency_s=tool_latency_s, eval_fraction=eval_fraction)
