@@ -38,3 +38,11 @@ class CapacityError(MarlaasError, RuntimeError):
 
 class TenantNotFound(MarlaasError, KeyError):
     """No tenant (or no adapter version) by that name is registered."""
+
+
+class InvalidRequest(MarlaasError, ValueError):
+    """A rollout request the model cannot serve (empty or too long prompt, bad token ids)."""
+
+
+class EngineClosed(MarlaasError, RuntimeError):
+    """The rollout engine was closed; the request was not (or not fully) served."""

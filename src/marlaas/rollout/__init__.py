@@ -4,7 +4,8 @@
 tenant share each decode iteration, each with its own adapter slot.
 """
 
-from marlaas.rollout.core import EngineStats, InvalidRequest
-from marlaas.rollout.engine import EngineClosed, RolloutEngine
+from marlaas.errors import EngineClosed, InvalidRequest
+from marlaas.rollout.core import EngineStats
+from marlaas.rollout.engine import RolloutEngine
 
 __all__ = ["EngineClosed", "EngineStats", "InvalidRequest", "RolloutEngine"]

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from marlaas.errors import CapacityError, MarlaasError
+from marlaas.errors import CapacityError, InvalidRequest, MarlaasError
 from marlaas.model.bank import AdapterBank
 from marlaas.model.lora import LoRAModel
 from marlaas.rollout.batch import Deliver, Row, RowBatch, decode_logits, prefill_logits
@@ -41,10 +41,6 @@ from marlaas.rollout.kv import KVBatch, RowKV, kv_geometry
 from marlaas.rollout.sampling import sample_B, uniform_B
 from marlaas.rollout.sessions import SessionCache, SessionEntry
 from marlaas.types import Completion, RolloutRequest
-
-
-class InvalidRequest(MarlaasError, ValueError):
-    """A rollout request the model cannot serve (empty or too long prompt, bad token ids)."""
 
 
 @dataclass

@@ -40,17 +40,13 @@ from dataclasses import replace
 
 from transformers import PreTrainedTokenizerBase
 
-from marlaas.errors import MarlaasError
+from marlaas.errors import EngineClosed
 from marlaas.model.bank import AdapterBank
 from marlaas.model.lora import AdapterTensors, LoRAModel
 from marlaas.rollout.batch import Deliver
 from marlaas.rollout.core import EngineStats, Pending, Scheduler
 from marlaas.rollout.sessions import SessionCache
 from marlaas.types import Completion, RolloutRequest
-
-
-class EngineClosed(MarlaasError, RuntimeError):
-    """The rollout engine was closed; the request was not (or not fully) served."""
 
 
 class RolloutEngine:
