@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
 import typer
@@ -52,6 +51,7 @@ def evaluate(
 
 
 def show_base_accuracy(model: Path | None, episodes: int, seed: int, json_out: Path | None) -> None:
+    from marlaas.fileio import atomic_write_json
     from marlaas.model.base import default_base_path, load_base
     from marlaas.model.evaluate import as_json, evaluate_base
 
@@ -66,5 +66,5 @@ def show_base_accuracy(model: Path | None, episodes: int, seed: int, json_out: P
     console.print(table)
     if json_out is not None:
         payload = {"model": str(path), "seed": seed, **as_json(scores)}
-        json_out.write_text(json.dumps(payload, indent=2) + "\n")
+        atomic_write_json(json_out, payload)
         console.print(f"wrote {json_out}")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 import time
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import Any
 
 from marlaas.envs.sandbox import Sandbox
 from marlaas.errors import SandboxError
+from marlaas.fileio import atomic_write_json
 
 
 async def _time_calls(sandbox: Sandbox, calls: int) -> list[float]:
@@ -55,5 +55,5 @@ def run_sandbox_bench(calls: int = 20, json_path: Path | None = None) -> dict[st
         )
     result = {"program": "print(1)", "rows": rows}
     if json_path is not None:
-        Path(json_path).write_text(json.dumps(result, indent=2) + "\n")
+        atomic_write_json(Path(json_path), result)
     return result

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 import re
 import threading
 from collections import OrderedDict
@@ -39,6 +38,7 @@ from torch import Tensor
 
 from marlaas.config.specs import LoRASpec
 from marlaas.errors import CapacityError, ModelError, TenantNotFound
+from marlaas.fileio import atomic_write
 from marlaas.model.lora import AdapterTensors, LaneBatch, LoRAModel
 
 
@@ -308,9 +308,7 @@ class AdapterBank:
         path = record.spill_dir / f"v{version}.safetensors"
         flat = {f"{p}.lora_A": A for p, (A, _) in host.items()}
         flat.update({f"{p}.lora_B": B for p, (_, B) in host.items()})
-        tmp = path.with_name(f".{path.name}.tmp")
-        save_file(flat, str(tmp))
-        os.replace(tmp, path)
+        atomic_write(path, lambda tmp: save_file(flat, str(tmp)))
         return _Version(record.name, version, record.spec, tensors=None, path=path)
 
     def _host(self, entry: _Version) -> AdapterTensors:

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Mapping
 from pathlib import Path
 
-from marlaas.obs._io import to_jsonable
+from marlaas.fileio import to_jsonable
 
 
 class JsonlWriter:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 
-from marlaas.obs._io import atomic_write_text, to_jsonable
+from marlaas.fileio import atomic_write_text, to_jsonable
 from marlaas.obs.intervals import IntervalSet
 from marlaas.obs.jsonl import JsonlWriter
 from marlaas.obs.recorder import STAGES

@@ -22,7 +22,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from marlaas.obs._io import atomic_write
+from marlaas.fileio import atomic_write
 from marlaas.obs.memory import RunRecorder
 from marlaas.obs.recorder import METRIC_EVAL_ACCURACY, METRIC_REWARD
 

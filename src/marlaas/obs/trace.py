@@ -26,7 +26,7 @@ from collections import defaultdict
 from datetime import UTC, datetime
 from pathlib import Path
 
-from marlaas.obs._io import atomic_write_text, to_jsonable
+from marlaas.fileio import atomic_write_text, to_jsonable
 from marlaas.obs.memory import RunRecorder
 from marlaas.obs.records import Span
 

@@ -41,7 +41,7 @@ from marlaas.pipeline.tenant import PipelineError, TenantState
 from marlaas.train.batch import TenantStepResult, TrainBatch
 from marlaas.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from marlaas.train.optim import TenantSnapshot
-from marlaas.types import Trajectory
+from marlaas.types import SamplingParams, Trajectory
 
 T = TypeVar("T")
 
@@ -166,17 +166,7 @@ class TenantRuntime:
         assert self.stream is not None
         example = self.stream[index]
         coros = [
-            play_episode(
-                submit=self.ctx.gate.submit,
-                tokenizer=self.ctx.tokenizer,
-                family=self.family,
-                example=example,
-                pool=self.ctx.envs,
-                tenant=self.name,
-                sampling=replace(self.sampling, seed=episode_seed(self.job, index, g)),
-                retries=self.ctx.options.episode_retries,
-                on_retry=self._on_retry,
-            )
+            self._episode(example, replace(self.sampling, seed=episode_seed(self.job, index, g)))
             for g in range(self.state.group_size)
         ]
         t0 = time.perf_counter()
@@ -185,6 +175,23 @@ class TenantRuntime:
             "rollout", "group", t0, time.perf_counter(), tenant=self.name, args={"index": index}
         )
         return group
+
+    def _episode(
+        self, example: Example, sampling: SamplingParams, version: int | None = None
+    ) -> Coroutine[Any, Any, Trajectory]:
+        """One episode of this tenant through the gate and the env pool, with retries."""
+        return play_episode(
+            submit=self.ctx.gate.submit,
+            tokenizer=self.ctx.tokenizer,
+            family=self.family,
+            example=example,
+            pool=self.ctx.envs,
+            tenant=self.name,
+            sampling=sampling,
+            version=version,
+            retries=self.ctx.options.episode_retries,
+            on_retry=self._on_retry,
+        )
 
     def _on_retry(self, exc: EnvCallError) -> None:
         self.state.stats.episode_retries += 1
@@ -195,21 +202,7 @@ class TenantRuntime:
         if not self.evals:
             return None
         t0 = time.perf_counter()
-        coros = [
-            play_episode(
-                submit=self.ctx.gate.submit,
-                tokenizer=self.ctx.tokenizer,
-                family=self.family,
-                example=example,
-                pool=self.ctx.envs,
-                tenant=self.name,
-                sampling=self.eval_sampling,
-                version=version,
-                retries=self.ctx.options.episode_retries,
-                on_retry=self._on_retry,
-            )
-            for example in self.evals
-        ]
+        coros = [self._episode(ex, self.eval_sampling, version) for ex in self.evals]
         trajectories = await gather_all(coros)
         accuracy = fmean(t.reward for t in trajectories)
         self.state.stats.eval_accuracy[version] = accuracy

@@ -17,8 +17,6 @@ step in progress; queued work fails with `ExecutorClosed`) -> shut the engine do
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -29,6 +27,7 @@ import torch
 
 from marlaas.config.job import RunSpec
 from marlaas.envs.base import TaskFamily
+from marlaas.fileio import atomic_write_json
 from marlaas.model.bank import AdapterBank
 from marlaas.model.base import default_base_path, load_base
 from marlaas.model.lora import LoRAModel
@@ -194,7 +193,7 @@ async def run_jobs(
         raise ValueError(f"mode must be 'async' or 'sync', got {mode!r}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    _write_json(out_dir / "run.json", run.model_dump(mode="json"))
+    atomic_write_json(out_dir / "run.json", run.model_dump(mode="json"), sort_keys=True)
     ctx = await asyncio.to_thread(
         build_context,
         run,
@@ -215,7 +214,7 @@ async def run_jobs(
         await asyncio.to_thread(ctx.engine.shutdown)
     wall = time.perf_counter() - t0
     result = _summarize(ctx, mode, states, wall)
-    _write_json(out_dir / "result.json", result.to_json())
+    atomic_write_json(out_dir / "result.json", result.to_json(), sort_keys=True)
     ctx.recorder.event(
         "run_finished", mode=mode, wall_s=wall, busy_fraction=result.device_busy_fraction
     )
@@ -249,10 +248,3 @@ def _summarize(
         staleness_violations=sum(r.staleness_violations for r in results),
         out_dir=str(ctx.out_dir),
     )
-
-
-def _write_json(path: Path, data: Any) -> None:
-    """Write JSON atomically (temporary sibling, then rename)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)

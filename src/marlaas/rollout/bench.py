@@ -16,8 +16,6 @@ engine is checked against PEFT on every request), so the numbers compare equal w
 
 from __future__ import annotations
 
-import json
-import os
 import random
 import tempfile
 import time
@@ -31,6 +29,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
 from marlaas.config.specs import DEFAULT_TARGET_MODULES, LoRASpec
+from marlaas.fileio import atomic_write_json
 from marlaas.model.bank import AdapterBank
 from marlaas.model.base import default_base_path, load_base
 from marlaas.model.lora import AdapterTensors, LoRAModel
@@ -213,7 +212,7 @@ def run_rollout_bench(
         "rows": rows,
     }
     if json_path is not None:
-        _write_json(Path(json_path), result)
+        atomic_write_json(Path(json_path), result)
     if print_table:
         _print_table(result)
     return result
@@ -234,13 +233,6 @@ def _peft_model(path: Path, spec: LoRASpec, adapters: Sequence[AdapterTensors]) 
         for i, d in enumerate(dirs[1:], start=1):
             model.load_adapter(str(d), adapter_name=f"t{i}")
     return model.eval()
-
-
-def _write_json(path: Path, result: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(result, indent=2) + "\n")
-    os.replace(tmp, path)
 
 
 def _print_table(result: dict[str, Any]) -> None:

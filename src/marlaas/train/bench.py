@@ -13,8 +13,6 @@ model it wraps); it is released before the next tenant count is measured.
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -26,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from marlaas.config.specs import DEFAULT_TARGET_MODULES, GRPOSpec, LoRASpec
+from marlaas.fileio import atomic_write_json
 from marlaas.model.base import default_base_path, load_base
 from marlaas.model.lora import LoRAModel
 from marlaas.train.batch import TrainBatch, tensorise
@@ -284,11 +283,7 @@ def run_trainer_bench(
     }
     _print_table(console, result)
     if json_path is not None:
-        out = Path(json_path)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(f".{out.name}.tmp")
-        tmp.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, out)
+        atomic_write_json(Path(json_path), result)
     return result
 
 

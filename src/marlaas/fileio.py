@@ -1,7 +1,12 @@
-"""Small file helpers shared by the obs modules: JSON-safe values and atomic writes."""
+"""File helpers every stage shares: JSON-safe values and atomic writes.
+
+State and reports on disk are written through these (temporary file, fsync, rename), so a
+crash leaves the old file or the complete new one, never a partial one.
+"""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import tempfile
@@ -59,3 +64,9 @@ def atomic_write_text(path: Path, text: str) -> Path:
         tmp.write_text(text, encoding="utf-8")
 
     return atomic_write(path, write)
+
+
+def atomic_write_json(path: Path, data: object, *, sort_keys: bool = False) -> Path:
+    """Write `data` as indented strict JSON to `path` atomically."""
+    text = json.dumps(to_jsonable(data), indent=2, sort_keys=sort_keys) + "\n"
+    return atomic_write_text(path, text)
