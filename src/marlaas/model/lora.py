@@ -283,9 +283,9 @@ class LoRAModel:
                     B_list.append(ref.new_zeros(fan_out, r))
                     continue
                 A_ri, B_or = adapter[1][path]
-                pad = r - A_ri.shape[0]
-                A_list.append(F.pad(A_ri, (0, 0, 0, pad)))
-                B_list.append(F.pad(B_or, (0, pad)))
+                pad = r - A_ri.shape[0]  # torch.stack copies anyway: pad only when needed
+                A_list.append(F.pad(A_ri, (0, 0, 0, pad)) if pad else A_ri)
+                B_list.append(F.pad(B_or, (0, pad)) if pad else B_or)
             A[path] = torch.stack(A_list)
             B[path] = torch.stack(B_list)
         return LaneBatch(lane_B=lane_B, A=A, B=B, scale_L=scale_L)
