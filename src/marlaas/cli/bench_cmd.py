@@ -98,3 +98,80 @@ def sandbox(
         )
     Console().print(table)
     typer.echo(f"wrote {json_out}")
+
+
+@app.command("paper")
+def paper(
+    json_out: Path = typer.Option(Path("bench-paper.json"), "--json", help="Result file."),
+    quick: bool = typer.Option(
+        False, "--quick", help="Small tenant counts and few steps (a few minutes)."
+    ),
+    tenants: str = typer.Option(
+        None, help="Tenant counts, comma-separated (default 1,4,8,16,32; --quick: 1,4)."
+    ),
+    regime: str = typer.Option("both", help="paper, compute or both."),
+    no_trl: bool = typer.Option(False, "--no-trl", help="Skip the TRL GRPOTrainer baseline."),
+    steps: int = typer.Option(
+        None, min=1, help="RL steps per tenant (default: the workload file's)."
+    ),
+    baseline_tenants: int = typer.Option(
+        None,
+        min=1,
+        help="Run the baselines on at most this many tenants and extrapolate linearly "
+        "(default: all with --quick, else 10).",
+    ),
+    out: Path = typer.Option(
+        None, help="Folder for the run outputs (default: a temporary folder, removed)."
+    ),
+    paper_workload: str = typer.Option(
+        "paper", help="Workload of the paper regime: a shipped name or a file."
+    ),
+    compute_workload: str = typer.Option(
+        "compute", help="Workload of the compute-bound regime: a shipped name or a file."
+    ),
+    threads: int = typer.Option(1, min=1, help="torch threads for every system."),
+    model: Path = typer.Option(None, help="Base model directory (default: embedded)."),
+) -> None:
+    """The paper's headline table: marlaas async vs the sync baseline vs TRL GRPOTrainer."""
+    import tempfile
+
+    from transformers.utils import logging as hf_logging
+
+    from marlaas.bench.paper import (
+        DEFAULT_BASELINE_TENANTS,
+        DEFAULT_TENANTS,
+        QUICK_TENANTS,
+        run_paper_bench,
+    )
+    from marlaas.bench.report import markdown
+    from marlaas.bench.workloads import resolve_workload
+
+    if regime not in ("paper", "compute", "both"):
+        raise typer.BadParameter(f"--regime must be paper, compute or both, got {regime!r}")
+    counts = _counts(tenants) if tenants else (QUICK_TENANTS if quick else DEFAULT_TENANTS)
+    names = {"paper": paper_workload, "compute": compute_workload}
+    chosen = ("paper", "compute") if regime == "both" else (regime,)
+    workloads = [resolve_workload(names[r]) for r in chosen]
+    for r, w in zip(chosen, workloads, strict=True):
+        if w.regime != r:
+            raise typer.BadParameter(f"workload {w.path.name} is a {w.regime} regime, not {r}")
+    hf_logging.disable_progress_bar()  # one "Loading weights" bar per run otherwise
+    if baseline_tenants is None and not quick:
+        baseline_tenants = DEFAULT_BASELINE_TENANTS
+    with tempfile.TemporaryDirectory(prefix="marlaas-bench-paper-") as tmp:
+        result = run_paper_bench(
+            workloads,
+            tenant_counts=counts,
+            steps=steps,
+            quick=quick,
+            include_trl=not no_trl,
+            baseline_tenants=baseline_tenants,
+            out_dir=out if out is not None else Path(tmp),
+            json_path=json_out,
+            base_path=model,
+            threads=threads,
+            log=typer.echo,
+        )
+    typer.echo(markdown(result))
+    typer.echo(f"bench wall time {result['bench_wall_s']:.0f} s")
+    typer.echo(f"wrote {json_out}, {json_out.with_suffix('.md')}, {json_out.with_suffix('.png')}")
