@@ -9,10 +9,15 @@ from __future__ import annotations
 import asyncio
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from marlaas.config.job import RunSpec
+    from marlaas.pipeline.runner import RunResult
 
 console = Console()
 
@@ -23,6 +28,9 @@ def run(
     mode: str = typer.Option("async", help="async (marlaas) or sync (the baseline loop)."),
     resume: bool = typer.Option(False, help="Continue each job from its last checkpoint."),
     live: bool = typer.Option(True, help="Show the live progress view."),
+    backend: str = typer.Option(
+        None, help="inprocess or ray (default: the file's `backend:`, else inprocess)."
+    ),
 ) -> None:
     """Run tenant jobs on one shared base; write a run folder."""
     from marlaas.config.job import load_run_spec
@@ -30,7 +38,11 @@ def run(
 
     if mode not in ("async", "sync"):
         raise ConfigError(f"--mode must be 'async' or 'sync', got {mode!r}")
+    if backend not in (None, "inprocess", "ray"):
+        raise ConfigError(f"--backend must be 'inprocess' or 'ray', got {backend!r}")
     spec = load_run_spec(jobs_file)
+    if backend is not None:
+        spec = spec.model_copy(update={"backend": backend})
     out = out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     execute(spec, out, mode=mode, resume=resume, live=live)
 
@@ -38,30 +50,9 @@ def run(
 def execute(spec: object, out: Path, *, mode: str, resume: bool, live: bool) -> object:
     """Run `spec` with a recorder, live view, trace and plots; print the final table."""
     from marlaas.config.job import RunSpec
-    from marlaas.obs.live import LiveView
-    from marlaas.obs.memory import RunRecorder
-    from marlaas.obs.plots import write_plots
-    from marlaas.obs.trace import write_trace
-    from marlaas.pipeline.runner import run_jobs
 
     assert isinstance(spec, RunSpec)
-    out.mkdir(parents=True, exist_ok=True)
-    recorder = RunRecorder(out)
-    totals = {job.name: job.steps for job in spec.jobs}
-    try:
-        if live:
-            with LiveView(recorder, total_steps=totals, console=console):
-                result = asyncio.run(
-                    run_jobs(spec, out, mode=mode, recorder=recorder, resume=resume)  # type: ignore[arg-type]
-                )
-        else:
-            result = asyncio.run(
-                run_jobs(spec, out, mode=mode, recorder=recorder, resume=resume)  # type: ignore[arg-type]
-            )
-    finally:
-        recorder.close()
-    write_trace(recorder, out / "trace.json")
-    write_plots(recorder, out)
+    result = record_run(spec, out, mode=mode, resume=resume, live=live)
     table = Table(title=f"{mode} run: {len(spec.jobs)} jobs, {result.wall_s:.1f} s")
     for col in ("job", "status", "steps", "eval before", "eval after", "max staleness"):
         table.add_column(col)
@@ -82,4 +73,35 @@ def execute(spec: object, out: Path, *, mode: str, resume: bool, live: bool) -> 
         f"staleness violations {result.staleness_violations}"
     )
     console.print(f"run folder: {out} (trace.json opens in ui.perfetto.dev)")
+    return result
+
+
+def record_run(
+    spec: RunSpec, out: Path, *, mode: str, resume: bool, live: bool, title: str = "marlaas"
+) -> RunResult:
+    """Run `spec` into the run folder `out` with a recorder (metrics, events, summary),
+    the live view when `live`, then the trace and the plots; return the `RunResult`."""
+    from marlaas.obs.live import LiveView
+    from marlaas.obs.memory import RunRecorder
+    from marlaas.obs.plots import write_plots
+    from marlaas.obs.trace import write_trace
+    from marlaas.pipeline.runner import run_jobs
+
+    out.mkdir(parents=True, exist_ok=True)
+    recorder = RunRecorder(out)
+    totals = {job.name: job.steps for job in spec.jobs}
+    try:
+        if live:
+            with LiveView(recorder, total_steps=totals, console=console, title=title):
+                result = asyncio.run(
+                    run_jobs(spec, out, mode=mode, recorder=recorder, resume=resume)  # type: ignore[arg-type]
+                )
+        else:
+            result = asyncio.run(
+                run_jobs(spec, out, mode=mode, recorder=recorder, resume=resume)  # type: ignore[arg-type]
+            )
+    finally:
+        recorder.close()
+    write_trace(recorder, out / "trace.json")
+    write_plots(recorder, out)
     return result
