@@ -130,3 +130,21 @@ async def test_a_failing_call_is_the_callers_error_only(tiny_dir: Path, tmp_path
     finally:
         await ctx.executor.stop()
         ctx.engine.shutdown()
+
+
+async def test_the_gil_switch_interval_is_lowered_while_running_and_restored(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    import sys
+
+    from marlaas.pipeline.executor import GIL_SWITCH_INTERVAL_S
+
+    before = sys.getswitchinterval()
+    ctx = make_ctx(tiny_dir, tmp_path, MemoryRecorder())
+    ctx.executor.start()
+    try:
+        assert sys.getswitchinterval() == pytest.approx(min(before, GIL_SWITCH_INTERVAL_S))
+    finally:
+        await ctx.executor.stop()
+        ctx.engine.shutdown()
+    assert sys.getswitchinterval() == pytest.approx(before)

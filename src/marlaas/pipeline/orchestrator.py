@@ -14,10 +14,19 @@ tasks and the device executor. A tenant's error of any kind (its env, grader, da
 rejected batch) fails that tenant only, with the reason recorded; the device executor's
 failure is the run's, and is raised after every tenant is cancelled.
 
+Jobs arrive at construction or later through `submit` (names are unique for the
+orchestrator's life). By default `run` returns once every job is terminal; with
+`serve=True` it keeps waiting (on its wake event, never a timer) for new jobs until
+`close` is called. `close(checkpoint=True)` is the graceful stop: nothing more is
+admitted, queued jobs end cancelled, and every admitted tenant stops launching work,
+lets its train step in flight land, writes a checkpoint if it trained since its last
+one, and ends cancelled with a "stopped" reason (a later resume continues from there).
+
 Shutdown order (end of `run`, normal or not): stop admitting -> cancel the tenant tasks
 still running (each cancels its children, whose engine requests are withdrawn or aborted,
 then releases its gate queue and trainer state) -> wait for them. The owner of the
-context then stops the device executor and shuts the engine down (`runner.run_jobs`).
+context then stops the device executor and shuts the engine down (`runner.run_jobs`,
+`runtime.PipelineRuntime.close`).
 """
 
 from __future__ import annotations
@@ -29,10 +38,17 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from marlaas.config.job import JobSpec
+from marlaas.errors import ConfigError
 from marlaas.pipeline.context import PipelineContext
 from marlaas.pipeline.lifecycle import TenantRuntime
 from marlaas.pipeline.scheduler import AdmissionQueue
-from marlaas.pipeline.tenant import TenantFailure, TenantState, TenantStatus, describe_failure
+from marlaas.pipeline.tenant import (
+    PipelineError,
+    TenantFailure,
+    TenantState,
+    TenantStatus,
+    describe_failure,
+)
 from marlaas.train.batch import TrainBatch, TrainBatchError
 
 
@@ -68,47 +84,129 @@ class _Tasks:
             await asyncio.gather(*self.children, return_exceptions=True)
 
 
+class _Stopped(Exception):
+    """A tenant stopped because the orchestrator is closing (not a failure)."""
+
+
 class Orchestrator:
     """Runs jobs on a `PipelineContext`'s shared components (see the module docstring)."""
 
-    def __init__(self, ctx: PipelineContext, jobs: Sequence[JobSpec]) -> None:
+    def __init__(
+        self, ctx: PipelineContext, jobs: Sequence[JobSpec] = (), *, serve: bool = False
+    ) -> None:
         self.ctx = ctx
-        self.states: dict[str, TenantState] = {
-            job.name: TenantState(job, order=i) for i, job in enumerate(jobs)
-        }
+        self.states: dict[str, TenantState] = {}
         self._queue = AdmissionQueue()
-        for job in jobs:
-            self._queue.push(job.name, job.priority)
-            ctx.recorder.event("tenant_queued", tenant=job.name, priority=job.priority)
+        #: Queued jobs paused before admission: out of the queue until unpaused.
+        self._held: set[str] = set()
+        self._serve = serve
+        self._closing = False
+        self._checkpoint_on_close = True
         self._drivers: dict[str, asyncio.Task[None]] = {}
         self._tasks: dict[str, _Tasks] = {}
         self._wake = asyncio.Event()
         self.admission_order: list[str] = []
+        for job in jobs:
+            self.submit(job)
 
     # -- control ---------------------------------------------------------------------
 
+    def submit(self, job: JobSpec) -> TenantState:
+        """Queue a new job (admitted when there is room, priority first)."""
+        if self._closing:
+            raise PipelineError(f"cannot submit job {job.name!r}: the pipeline is closing")
+        if job.name in self.states:
+            raise PipelineError(
+                f"a job named {job.name!r} was already submitted to this pipeline; "
+                "job names must be unique for the pipeline's life"
+            )
+        if job.lora.rank > self.ctx.model.max_rank:
+            raise ConfigError(
+                f"job {job.name!r}: lora.rank {job.lora.rank} is above the engine's "
+                f"max_rank {self.ctx.model.max_rank}; lower the rank"
+            )
+        if job.algorithm.max_staleness + 2 > self.ctx.bank.versions_kept:
+            raise ConfigError(
+                f"job {job.name!r}: algorithm.max_staleness {job.algorithm.max_staleness} is "
+                f"above this pipeline's limit of {self.ctx.bank.versions_kept - 2}; lower it"
+            )
+        state = self.states[job.name] = TenantState(job, order=len(self.states))
+        self._queue.push(job.name, job.priority)
+        self.ctx.recorder.event("tenant_queued", tenant=job.name, priority=job.priority)
+        self._wake.set()
+        return state
+
+    def _state(self, name: str) -> TenantState:
+        state = self.states.get(name)
+        if state is None:
+            raise PipelineError(f"no job named {name!r} was submitted to this pipeline")
+        return state
+
     def pause(self, name: str) -> None:
-        """Stop launching groups and training for `name` (in-flight work finishes)."""
-        self.states[name].transition(TenantStatus.PAUSED)
-        self._poke(name)
+        """Stop launching groups and training for `name` (in-flight work finishes). A
+        queued job leaves the admission queue until unpaused; pausing a paused or
+        finished job does nothing."""
+        state = self._state(name)
+        if state.status is TenantStatus.QUEUED:
+            if self._queue.remove(name):
+                self._held.add(name)
+                self.ctx.recorder.event("tenant_paused", tenant=name, admitted=False)
+            return
+        if state.status is TenantStatus.RUNNING:
+            state.transition(TenantStatus.PAUSED)
+            self.ctx.recorder.event("tenant_paused", tenant=name, admitted=True)
+            self._poke(name)
 
     def unpause(self, name: str) -> None:
-        self.states[name].transition(TenantStatus.RUNNING)
-        self._poke(name)
+        """Undo `pause` (a job paused before admission is queued again, at the back of
+        its priority); unpausing a running or finished job does nothing."""
+        state = self._state(name)
+        if name in self._held:
+            self._held.discard(name)
+            self._queue.push(name, state.job.priority)
+            self.ctx.recorder.event("tenant_unpaused", tenant=name, admitted=False)
+            self._wake.set()
+        elif state.status is TenantStatus.PAUSED:
+            state.transition(TenantStatus.RUNNING)
+            self.ctx.recorder.event("tenant_unpaused", tenant=name, admitted=True)
+            self._poke(name)
 
     def cancel(self, name: str) -> None:
-        """Cancel a queued or running job."""
-        state = self.states[name]
+        """Cancel a queued, paused or running job."""
+        state = self._state(name)
         if state.status.terminal:
             return
-        if self._queue.remove(name):
+        if self._queue.remove(name) or name in self._held:
+            self._held.discard(name)
             state.transition(TenantStatus.CANCELLED, "cancelled before admission")
+            self.ctx.recorder.event("tenant_cancelled", tenant=name, reason=state.reason)
             self._wake.set()
             return
         state.reason = "cancelled"
         driver = self._drivers.get(name)
         if driver is not None:
             driver.cancel()
+
+    def close(self, *, checkpoint: bool = True) -> None:
+        """Stop (see the module docstring); `run` returns once every tenant has ended.
+        With `checkpoint=False` admitted tenants are cancelled without a checkpoint."""
+        if self._closing:
+            return
+        self._closing = True
+        self._checkpoint_on_close = checkpoint
+        waiting = [name for name in self.states if name in self._queue or name in self._held]
+        for name in waiting:
+            self._queue.remove(name)
+            self._held.discard(name)
+            self.states[name].transition(TenantStatus.CANCELLED, "the pipeline closed first")
+            self.ctx.recorder.event("tenant_cancelled", tenant=name, reason="closed")
+        for name, driver in self._drivers.items():
+            if checkpoint:
+                self._poke(name)
+            else:
+                self.states[name].reason = "the pipeline closed"
+                driver.cancel()
+        self._wake.set()
 
     def _poke(self, name: str) -> None:
         tasks = self._tasks.get(name)
@@ -118,7 +216,8 @@ class Orchestrator:
     # -- supervision -----------------------------------------------------------------
 
     async def run(self) -> dict[str, TenantState]:
-        """Run every job to a terminal state; raises the device executor's failure."""
+        """Run every job to a terminal state (in serve mode: until `close`); raises the
+        device executor's failure."""
         failure = self.ctx.executor.failure
         failure.add_done_callback(lambda _: self._wake.set())
         limit = self.ctx.run.max_active_tenants
@@ -130,9 +229,10 @@ class Orchestrator:
                 for name, driver in list(self._drivers.items()):
                     if driver.done():
                         del self._drivers[name]
-                while self._queue and len(self._drivers) < limit:
+                while self._queue and len(self._drivers) < limit and not self._closing:
                     self._admit(self._queue.pop())
-                if not self._drivers and not self._queue:
+                idle = not self._queue and not self._held
+                if not self._drivers and (self._closing or (idle and not self._serve)):
                     return self.states
                 await self._wake.wait()
         finally:
@@ -145,6 +245,10 @@ class Orchestrator:
 
     def _admit(self, name: str) -> None:
         self.admission_order.append(name)
+        # Running from admission on, so a pause that comes before the driver's first
+        # turn applies to an admitted tenant.
+        self.states[name].transition(TenantStatus.RUNNING)
+        self.ctx.recorder.event("tenant_admitted", tenant=name)
         driver = asyncio.create_task(self._tenant_main(self.states[name]), name=f"tenant:{name}")
         driver.add_done_callback(lambda _: self._wake.set())
         self._drivers[name] = driver
@@ -153,13 +257,17 @@ class Orchestrator:
         recorder = self.ctx.recorder
         tasks = self._tasks[state.name] = _Tasks(state.name)
         runtime = TenantRuntime(self.ctx, state)
-        state.transition(TenantStatus.RUNNING)
-        recorder.event("tenant_admitted", tenant=state.name)
         try:
             await runtime.setup()
             await self._drive(state, runtime, tasks)
             state.transition(TenantStatus.DONE)
             recorder.event("tenant_done", tenant=state.name, version=state.version)
+        except _Stopped:
+            reason = f"stopped with the pipeline at version {state.version}"
+            if runtime.last_checkpoint is not None:
+                reason += f" (checkpoint at version {runtime.last_checkpoint})"
+            state.transition(TenantStatus.CANCELLED, reason)
+            recorder.event("tenant_stopped", tenant=state.name, reason=reason)
         except asyncio.CancelledError:
             if not state.status.terminal:
                 state.transition(TenantStatus.CANCELLED, state.reason or "cancelled")
@@ -171,6 +279,8 @@ class Orchestrator:
                 recorder.event("tenant_failed", tenant=state.name, reason=state.reason)
         finally:
             await tasks.cancel_all()
+            state.buffer.clear()  # never trained now; a long-lived pipeline keeps states
+            self._tasks.pop(state.name, None)
             with contextlib.suppress(Exception):
                 await runtime.teardown()
 
@@ -182,6 +292,11 @@ class Orchestrator:
             tasks.wake.clear()
             if tasks.errors:
                 raise tasks.errors[0]
+            if self._closing and self._checkpoint_on_close:
+                if not state.training and not state.holds:  # the step in flight landed
+                    await self._stop(state, rt, tasks)
+                await tasks.wake.wait()
+                continue
             if state.finished_training and not state.training and not state.holds:
                 break
             # Training step j publishes version j + 1, and the bank then drops version
@@ -198,10 +313,25 @@ class Orchestrator:
         final = state.version
         if rt.evals and final not in state.stats.eval_accuracy and final not in tasks.evals:
             tasks.evals[final] = tasks.spawn(rt.evaluate(final), "eval")
+        while tasks.pending_eval_versions():
+            tasks.wake.clear()
+            if self._closing and self._checkpoint_on_close:
+                await self._stop(state, rt, tasks)
+            if tasks.errors:
+                raise tasks.errors[0]
+            await tasks.wake.wait()
         for task in list(tasks.evals.values()):
             await task
         await rt.checkpoint()
         await rt.save_adapter()
+
+    async def _stop(self, state: TenantState, rt: TenantRuntime, tasks: _Tasks) -> None:
+        """Closing: drop the tenant's rollouts and evals, checkpoint what it trained
+        since its last checkpoint, and end its driver (raises `_Stopped`)."""
+        await tasks.cancel_all()
+        if state.version > 0 and state.version != rt.last_checkpoint:
+            await rt.checkpoint()
+        raise _Stopped()
 
     async def _group(self, state: TenantState, rt: TenantRuntime, index: int) -> None:
         try:

@@ -1,0 +1,423 @@
+"""A long-lived pipeline for a process that runs jobs as they come (the service).
+
+`PipelineRuntime.start` builds the shared components once, with the same builder as
+`marlaas run` (`runner.build_context`), starts the device executor and a serve-mode
+`Orchestrator`, and returns a ready runtime. Jobs are then submitted, paused, resumed
+and cancelled at any time; tenant names are the job names and are unique for the
+runtime's life.
+
+Progress reaches the owner as small records (`Progress`) through one callback, fed
+from the recorder's metrics and lifecycle events: a tenant started or resumed, a step
+trained (with its metrics), an eval, a checkpoint written (its path and metrics), a
+tenant ended (its status and reason). The callback runs on the event loop and must not
+block; it is called in the order things happened.
+
+Resume is per job: the context is built with `resume=True`, so a tenant restores from
+its latest checkpoint (adapter, optimizer, RNG, data cursor, eval history) when one
+exists. `submit(job, resume=False)` therefore refuses a job whose checkpoint directory
+already holds checkpoints: it would silently continue them.
+
+Shutdown order (`close`): the orchestrator closes (admits nothing more; with
+`checkpoint=True` every admitted tenant lets its train step in flight land and writes a
+checkpoint of what it trained since its last one) -> its `run` returns once every
+tenant has ended -> stop the device executor -> shut the engine down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from marlaas.config.job import EngineSpec, JobSpec, RunSpec, TrainerSpec
+from marlaas.config.ray import RaySpec
+from marlaas.config.specs import Spec
+from marlaas.fileio import atomic_write_json
+from marlaas.obs.recorder import NullRecorder, Recorder
+from marlaas.pipeline.context import PipelineContext, PipelineOptions
+from marlaas.pipeline.orchestrator import Orchestrator
+from marlaas.pipeline.runner import build_context
+from marlaas.pipeline.tenant import PipelineError, TenantState, TenantStatus, describe_failure
+from marlaas.train.checkpoint import ADAPTER_DIR, list_checkpoints
+
+log = logging.getLogger(__name__)
+
+#: Train metrics copied into a checkpoint's record (plus the eval accuracy, if known).
+CHECKPOINT_METRICS = ("reward_mean", "reward_std", "loss", "entropy")
+
+
+class RuntimeSpec(Spec):
+    """The shared parts of a long-lived pipeline (its jobs come later)."""
+
+    base_model: str | None = Field(
+        None, description="Hugging Face causal-LM directory; None: the embedded base."
+    )
+    max_active_tenants: int = Field(
+        32, ge=1, le=4096, description="Admission cap; further jobs wait in a queue."
+    )
+    max_staleness: int = Field(
+        4,
+        ge=0,
+        le=64,
+        description="Largest `algorithm.max_staleness` a job may ask (sizes the adapter "
+        "bank's window of versions).",
+    )
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    trainer: TrainerSpec = Field(default_factory=TrainerSpec)
+    backend: Literal["inprocess", "ray"] = Field("inprocess", description="Where stages run.")
+    ray: RaySpec = Field(
+        default_factory=RaySpec, description="Ray cluster and actor placement (backend: ray)."
+    )
+
+    def as_run_spec(self) -> RunSpec:
+        """The context's `RunSpec`: the shared sizes, no fixed jobs. Every field comes
+        from a validated spec, so validation (which wants >= 1 job) is skipped."""
+        return RunSpec.model_construct(
+            base_model=self.base_model,
+            backend=self.backend,
+            ray=self.ray,
+            max_active_tenants=self.max_active_tenants,
+            engine=self.engine,
+            trainer=self.trainer,
+            jobs=(),
+        )
+
+
+# -- progress records ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TenantStarted:
+    """The tenant was admitted and runs."""
+
+    tenant: str
+
+
+@dataclass(frozen=True)
+class TenantResumed:
+    """The tenant was restored from the checkpoint at `version`."""
+
+    tenant: str
+    version: int
+    path: Path
+
+
+@dataclass(frozen=True)
+class StepDone:
+    """Optimizer step `step` (1-based: the adapter version it made) finished."""
+
+    tenant: str
+    step: int
+    metrics: Mapping[str, float]
+
+
+@dataclass(frozen=True)
+class EvalDone:
+    """Greedy held-out accuracy of adapter `version`."""
+
+    tenant: str
+    version: int
+    accuracy: float
+
+
+@dataclass(frozen=True)
+class CheckpointWritten:
+    """A complete checkpoint of `version` lies at `path`; its PEFT adapter at
+    `adapter_path`. `metrics`: the step's train metrics and the eval, when known."""
+
+    tenant: str
+    version: int
+    path: Path
+    metrics: Mapping[str, float]
+
+    @property
+    def adapter_path(self) -> Path:
+        return self.path / ADAPTER_DIR
+
+
+@dataclass(frozen=True)
+class TenantEnded:
+    """The tenant reached a terminal status. `stopped`: it was cancelled by the
+    runtime's `close` (not by anyone's `cancel`), after its checkpoint."""
+
+    tenant: str
+    status: TenantStatus
+    reason: str | None
+    stopped: bool = False
+
+
+@dataclass(frozen=True)
+class RuntimeFailed:
+    """The shared pipeline itself failed (the device executor died); nothing runs."""
+
+    reason: str
+
+
+Progress = (
+    TenantStarted
+    | TenantResumed
+    | StepDone
+    | EvalDone
+    | CheckpointWritten
+    | TenantEnded
+    | RuntimeFailed
+)
+ProgressCallback = Callable[[Progress], None]
+
+
+def _drop(progress: Progress) -> None:
+    return None
+
+
+_ENDS = {
+    "tenant_done": TenantStatus.DONE,
+    "tenant_failed": TenantStatus.FAILED,
+    "tenant_cancelled": TenantStatus.CANCELLED,
+    "tenant_stopped": TenantStatus.CANCELLED,
+}
+
+
+@dataclass(eq=False)
+class _ProgressRecorder:
+    """Forwards every record to `inner` and turns the ones that matter into `Progress`."""
+
+    inner: Recorder
+    emit: ProgressCallback
+    loop: asyncio.AbstractEventLoop
+    _loop_thread: int = field(default_factory=threading.get_ident)
+    _last_step: dict[str, tuple[int, dict[str, float]]] = field(default_factory=dict)
+    _evals: dict[str, dict[int, float]] = field(default_factory=dict)
+
+    def span(
+        self,
+        stage: str,
+        name: str,
+        start: float,
+        end: float,
+        *,
+        tenant: str | None = None,
+        args: Mapping[str, object] | None = None,
+    ) -> None:
+        self.inner.span(stage, name, start, end, tenant=tenant, args=args)
+
+    def metrics(self, tenant: str, step: int, values: Mapping[str, float]) -> None:
+        self.inner.metrics(tenant, step, values)
+        if "loss" in values:
+            self._last_step[tenant] = (step, dict(values))
+            self._send(StepDone(tenant, step, dict(values)))
+        if "eval_accuracy" in values:
+            accuracy = float(values["eval_accuracy"])
+            self._evals.setdefault(tenant, {})[step] = accuracy
+            self._send(EvalDone(tenant, step, accuracy))
+
+    def event(self, name: str, *, tenant: str | None = None, **fields: object) -> None:
+        self.inner.event(name, tenant=tenant, **fields)
+        if tenant is None:
+            return
+        if name == "tenant_admitted":
+            self._send(TenantStarted(tenant))
+        elif name == "tenant_resumed":
+            self._send(TenantResumed(tenant, _int(fields["version"]), Path(str(fields["path"]))))
+        elif name == "checkpoint":
+            version = _int(fields["version"])
+            path = Path(str(fields["path"]))
+            self._send(
+                CheckpointWritten(tenant, version, path, self._checkpoint_metrics(tenant, version))
+            )
+        elif name in _ENDS:
+            self._last_step.pop(tenant, None)
+            self._evals.pop(tenant, None)
+            reason = fields.get("reason")
+            self._send(
+                TenantEnded(
+                    tenant,
+                    _ENDS[name],
+                    str(reason) if reason is not None else None,
+                    stopped=name == "tenant_stopped",
+                )
+            )
+
+    def _checkpoint_metrics(self, tenant: str, version: int) -> dict[str, float]:
+        out: dict[str, float] = {}
+        step, values = self._last_step.get(tenant, (-1, {}))
+        if step == version:
+            out.update({k: values[k] for k in CHECKPOINT_METRICS if k in values})
+        accuracy = self._evals.get(tenant, {}).get(version)
+        if accuracy is not None:
+            out["eval_accuracy"] = accuracy
+        return out
+
+    def _send(self, progress: Progress) -> None:
+        if threading.get_ident() == self._loop_thread:
+            self._deliver(progress)
+        else:  # records come from the loop today; stay safe if a thread reports
+            self.loop.call_soon_threadsafe(self._deliver, progress)
+
+    def _deliver(self, progress: Progress) -> None:
+        try:
+            self.emit(progress)
+        except Exception:  # the owner's bug must not stop the tenants' work
+            log.exception("the progress callback failed on %r", progress)
+
+
+def _int(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise PipelineError(f"expected an integer in a pipeline event, got {value!r}")
+    return int(value)
+
+
+class PipelineRuntime:
+    """A running long-lived pipeline (see the module docstring); build it with `start`."""
+
+    def __init__(
+        self,
+        ctx: PipelineContext,
+        orchestrator: Orchestrator,
+        on_progress: ProgressCallback | None,
+    ) -> None:
+        """Private: use `PipelineRuntime.start`."""
+        self.ctx = ctx
+        self._orch = orchestrator
+        self._on_progress = on_progress
+        self._ended: dict[str, asyncio.Event] = {}
+        self._closing = False
+        self._closed = asyncio.Event()
+        self.failure: BaseException | None = None
+        self._task: asyncio.Task[dict[str, TenantState]] = asyncio.create_task(
+            orchestrator.run(), name="pipeline-runtime"
+        )
+        self._task.add_done_callback(self._run_ended)
+
+    @classmethod
+    async def start(
+        cls,
+        spec: RuntimeSpec,
+        out_dir: Path,
+        *,
+        options: PipelineOptions | None = None,
+        recorder: Recorder | None = None,
+        on_progress: ProgressCallback | None = None,
+    ) -> PipelineRuntime:
+        """Load the base, build the shared components, start the device executor and the
+        orchestrator. Tenant outputs go under `out_dir/tenants/<job name>/`."""
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(out_dir / "runtime.json", spec.model_dump(mode="json"), sort_keys=True)
+        # Nothing is emitted before a job runs; the runtime takes the records once built.
+        progress = _ProgressRecorder(recorder or NullRecorder(), _drop, asyncio.get_running_loop())
+        ctx = await asyncio.to_thread(
+            build_context,
+            spec.as_run_spec(),
+            out_dir,
+            recorder=progress,
+            options=options,
+            resume=True,
+            max_staleness=spec.max_staleness,
+        )
+        ctx.executor.start()
+        runtime = cls(ctx, Orchestrator(ctx, serve=True), on_progress)
+        progress.emit = runtime._progress
+        return runtime
+
+    # -- jobs ------------------------------------------------------------------------
+
+    def submit(self, job: JobSpec, *, resume: bool) -> TenantState:
+        """Queue `job`. `resume=True` continues from its latest checkpoint, if any;
+        `resume=False` requires that it has none. Raises `PipelineError` (closed, name
+        taken, stale checkpoints) or `ConfigError` (a spec beyond the runtime's sizes)."""
+        self._check_open()
+        if not resume:
+            found = list_checkpoints(self.ctx.checkpoint_dir(job.name))
+            if found:
+                raise PipelineError(
+                    f"job {job.name!r} already has checkpoints under "
+                    f"{self.ctx.checkpoint_dir(job.name)}; submit it with resume=True to "
+                    "continue from them, or give the job a new name"
+                )
+        state = self._orch.submit(job)
+        self._ended[job.name] = asyncio.Event()
+        return state
+
+    def cancel(self, name: str) -> None:
+        """Stop the job for good (no checkpoint is written)."""
+        self._orch.cancel(name)
+
+    def pause(self, name: str) -> None:
+        """Stop scheduling the job's work; its in-flight work lands, its state stays."""
+        self._orch.pause(name)
+
+    def resume(self, name: str) -> None:
+        """Schedule a paused job again (a job paused before admission queues again)."""
+        self._orch.unpause(name)
+
+    def state(self, name: str) -> TenantState:
+        state = self._orch.states.get(name)
+        if state is None:
+            raise PipelineError(f"no job named {name!r} was submitted to this pipeline")
+        return state
+
+    async def wait(self, name: str) -> TenantState:
+        """Wait until the job `name` has ended; returns its final state."""
+        state = self.state(name)
+        await self._ended[name].wait()
+        return state
+
+    @property
+    def running(self) -> bool:
+        return not self._closing and not self._task.done()
+
+    def _check_open(self) -> None:
+        if self._closing:
+            raise PipelineError("the pipeline is closing; it takes no new jobs")
+        if self._task.done():
+            raise PipelineError(
+                "the pipeline has stopped"
+                + (f": {describe_failure(self.failure)}" if self.failure else "")
+            )
+
+    # -- shutdown --------------------------------------------------------------------
+
+    async def close(self, *, checkpoint: bool = True) -> None:
+        """Stop everything in the order of the module docstring; a second call waits for
+        the first. Does not raise the pipeline's own failure (see `failure`)."""
+        if self._closing:
+            await self._closed.wait()
+            return
+        self._closing = True
+        try:
+            self._orch.close(checkpoint=checkpoint)
+            await asyncio.wait([self._task])
+        finally:
+            await self.ctx.executor.stop()
+            await asyncio.to_thread(self.ctx.engine.shutdown)
+            self._closed.set()
+
+    # -- progress --------------------------------------------------------------------
+
+    def _progress(self, progress: Progress) -> None:
+        if isinstance(progress, TenantEnded) and progress.tenant in self._ended:
+            self._ended[progress.tenant].set()
+        if self._on_progress is not None:
+            self._on_progress(progress)
+
+    def _run_ended(self, task: asyncio.Task[dict[str, TenantState]]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is None:
+            return
+        self.failure = exc
+        log.error("the pipeline failed: %s", describe_failure(exc))
+        for event in self._ended.values():
+            event.set()
+        if self._on_progress is not None:
+            try:
+                self._on_progress(RuntimeFailed(describe_failure(exc)))
+            except Exception:
+                log.exception("the progress callback failed on the pipeline's failure")
