@@ -15,13 +15,26 @@ system-deps:
 	  if [ "$$(id -u)" = 0 ]; then (apt-get update -qq && apt-get install -y -qq bubblewrap) >/dev/null; \
 	  else sudo apt-get update -qq && sudo apt-get install -y -qq bubblewrap >/dev/null; fi; \
 	fi
+	@# PostgreSQL server binaries for the `postgres` tests, which start their own server.
+	@if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then \
+	  echo "installing postgresql (service tests)"; \
+	  if [ "$$(id -u)" = 0 ]; then (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql) >/dev/null; \
+	  else sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; fi; \
+	fi
+	@# Debian's Chromium (it pulls the libraries it needs) for the `browser` tests, which
+	@# drive it with Playwright; Playwright's own browser downloads are never used.
+	@if ! command -v chromium >/dev/null 2>&1; then \
+	  echo "installing chromium (dashboard browser tests)"; \
+	  if [ "$$(id -u)" = 0 ]; then (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null; \
+	  else sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; fi; \
+	fi
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	# torch first, the CPU wheel; everything after accepts it, so nothing pulls a CUDA build.
 	$(PIP) install -q $(TORCH)
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[dev,ray]'
 	@touch $(STAMP)
 
 demo: system-deps $(STAMP)

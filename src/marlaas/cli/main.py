@@ -8,7 +8,7 @@ import sys
 import typer
 
 from marlaas import __version__
-from marlaas.cli import base_cmd, bench_cmd, run_cmd
+from marlaas.cli import base_cmd, bench_cmd, client_cmd, demo_cmd, run_cmd, serve_cmd
 from marlaas.errors import MarlaasError
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -22,17 +22,9 @@ def main() -> None:
 app.add_typer(base_cmd.app, name="base")
 app.add_typer(bench_cmd.app, name="bench")
 app.command("run")(run_cmd.run)
-
-
-@app.command()
-def demo(
-    episodes: int = typer.Option(100, help="Held-out episodes per task family."),
-) -> None:
-    """Run the embedded base on every built-in task family and print its accuracy.
-
-    (The multi-tenant RL demo replaces this once the pipeline lands.)
-    """
-    base_cmd.show_base_accuracy(None, episodes, 0, None)
+app.command("demo")(demo_cmd.demo)
+app.command("serve")(serve_cmd.serve)
+client_cmd.register(app)  # submit, jobs, show, logs, ... against a server
 
 
 @app.command()

@@ -1,0 +1,344 @@
+"""Tenant job routes under /v1: create, list, get, cancel, pause, resume, metrics,
+checkpoints, the event stream, adapter downloads, and the caller's own quotas and usage.
+
+Routes that touch the backend are coroutines: the database work runs in a worker
+thread (one transaction), then the backend is told. The database is the source of
+truth, so the backend is only called after the transaction committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Header, Query, status
+from fastapi.responses import StreamingResponse
+from sqlalchemy import select
+
+from marlaas.config.job import JobSpec
+from marlaas.service import datasets, quotas
+from marlaas.service import jobs as ops
+from marlaas.service.api.deps import Context, TenantCaller, tenant_id
+from marlaas.service.archive import ArchiveFormat, open_adapter, stream_archive
+from marlaas.service.context import ServiceContext
+from marlaas.service.errors import InvalidField, NotFound
+from marlaas.service.events import stream_events
+from marlaas.service.lifecycle import Action, JobStatus
+from marlaas.service.models import Checkpoint, Job, Metric, Tenant
+from marlaas.service.schemas import (
+    CheckpointList,
+    JobList,
+    JobOut,
+    MeOut,
+    MetricsOut,
+    checkpoint_out,
+    job_out,
+    metric_out,
+    tenant_out,
+    usage_out,
+)
+
+log = logging.getLogger(__name__)
+router = APIRouter(prefix="/v1", tags=["jobs"])
+
+_ERRORS: dict[int | str, dict[str, str]] = {
+    401: {"description": "Missing or invalid API key."},
+    404: {"description": "No such job (or not yours)."},
+}
+
+
+@router.get("/me", response_model=MeOut, tags=["tenant"])
+def me(ctx: Context, caller: TenantCaller) -> MeOut:
+    """The calling tenant, its quotas and its current usage of them."""
+    with ctx.db.transaction() as session:
+        tenant = session.get(Tenant, tenant_id(caller))
+        assert tenant is not None
+        return MeOut(tenant=tenant_out(tenant), usage=usage_out(quotas.usage(session, tenant.id)))
+
+
+async def _fail(ctx: ServiceContext, job_id: str, error: Exception) -> None:
+    """The backend refused a call: the job fails with the backend's error as reason."""
+    log.exception("backend failed on job %s", job_id)
+    await ctx.reporter.status(job_id, JobStatus.FAILED, f"backend error: {error}")
+
+
+@router.post(
+    "/jobs",
+    status_code=status.HTTP_201_CREATED,
+    response_model=JobOut,
+    responses={
+        409: {"description": "A job of that name exists."},
+        422: {"description": "Invalid spec; `detail` lists each field and what is wrong."},
+        429: {"description": "A quota would be exceeded; the message names it and its limit."},
+    },
+)
+async def create_job(spec: JobSpec, ctx: Context, caller: TenantCaller) -> JobOut:
+    """Create a job from a validated spec. Nothing is stored unless every check passes."""
+
+    def create() -> tuple[JobOut, JobSpec]:
+        with ctx.db.transaction() as session:
+            job = ops.create_job(
+                session,
+                tenant_id(caller),
+                spec,
+                max_rank=ctx.settings.max_lora_rank,
+                max_staleness=ctx.settings.max_staleness,
+            )
+            runnable = datasets.resolve_spec(
+                session, tenant_id(caller), spec, ctx.settings.artifact_dir
+            )
+            return job_out(job), runnable
+
+    out, runnable = await asyncio.to_thread(create)
+    ctx.reporter.notifier.notify(out.id)
+    if ctx.backend is not None:
+        try:
+            await ctx.backend.submit(out.id, runnable)
+        except Exception as e:
+            await _fail(ctx, out.id, e)
+            return await asyncio.to_thread(_get, ctx, tenant_id(caller), out.id)
+    return out
+
+
+@router.get("/jobs", response_model=JobList)
+def list_jobs(
+    ctx: Context,
+    caller: TenantCaller,
+    only: Annotated[
+        JobStatus | None, Query(alias="status", description="Only this status.")
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    offset: Annotated[int, Query(ge=0)] = 0,
+) -> JobList:
+    """The caller's jobs, newest first, optionally only those in `status`."""
+    with ctx.db.transaction() as session:
+        rows = ops.list_jobs(session, tenant_id(caller), status=only, limit=limit, offset=offset)
+        return JobList(jobs=[job_out(j) for j in rows])
+
+
+def _get(ctx: ServiceContext, tenant: str, job_id: str) -> JobOut:
+    with ctx.db.transaction() as session:
+        return job_out(ops.get_job(session, tenant, job_id))
+
+
+@router.get("/jobs/{job_id}", response_model=JobOut, responses=_ERRORS)
+def get_job(job_id: str, ctx: Context, caller: TenantCaller) -> JobOut:
+    return _get(ctx, tenant_id(caller), job_id)
+
+
+async def _act(ctx: ServiceContext, caller: TenantCaller, job_id: str, action: Action) -> JobOut:
+    def apply() -> JobOut:
+        with ctx.db.transaction() as session:
+            return job_out(ops.apply_action(session, tenant_id(caller), job_id, action))
+
+    out = await asyncio.to_thread(apply)
+    ctx.reporter.notifier.notify(job_id)
+    if ctx.backend is not None:
+        call = {
+            Action.CANCEL: ctx.backend.cancel,
+            Action.PAUSE: ctx.backend.pause,
+            Action.RESUME: ctx.backend.resume,
+        }[action]
+        try:
+            await call(job_id)
+        except Exception as e:
+            await _fail(ctx, job_id, e)
+            return await asyncio.to_thread(_get, ctx, tenant_id(caller), job_id)
+    return out
+
+
+_ACTION_ERRORS = {**_ERRORS, 409: {"description": "The job's status does not allow this."}}
+
+
+@router.post("/jobs/{job_id}/cancel", response_model=JobOut, responses=_ACTION_ERRORS)
+async def cancel_job(job_id: str, ctx: Context, caller: TenantCaller) -> JobOut:
+    """Stop a queued, running or paused job for good."""
+    return await _act(ctx, caller, job_id, Action.CANCEL)
+
+
+@router.post("/jobs/{job_id}/pause", response_model=JobOut, responses=_ACTION_ERRORS)
+async def pause_job(job_id: str, ctx: Context, caller: TenantCaller) -> JobOut:
+    """Pause a queued or running job; it keeps its state and its quota slot."""
+    return await _act(ctx, caller, job_id, Action.PAUSE)
+
+
+@router.post("/jobs/{job_id}/resume", response_model=JobOut, responses=_ACTION_ERRORS)
+async def resume_job(job_id: str, ctx: Context, caller: TenantCaller) -> JobOut:
+    """Queue a paused job again; it becomes running when the backend picks it up."""
+    return await _act(ctx, caller, job_id, Action.RESUME)
+
+
+@router.get("/jobs/{job_id}/metrics", response_model=MetricsOut, responses=_ERRORS)
+def job_metrics(
+    job_id: str,
+    ctx: Context,
+    caller: TenantCaller,
+    name: Annotated[list[str] | None, Query(description="Only these metrics.")] = None,
+    since_step: Annotated[int, Query(ge=0, description="Only steps >= this.")] = 0,
+    until_step: Annotated[int | None, Query(ge=0, description="Only steps <= this.")] = None,
+    limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
+) -> MetricsOut:
+    """The job's scalars per step, ordered by step then name."""
+    with ctx.db.transaction() as session:
+        job = ops.get_job(session, tenant_id(caller), job_id)
+        query = select(Metric).where(Metric.job_id == job.id, Metric.step >= since_step)
+        if until_step is not None:
+            query = query.where(Metric.step <= until_step)
+        if name:
+            query = query.where(Metric.name.in_(name))
+        rows = session.scalars(query.order_by(Metric.step, Metric.name, Metric.id).limit(limit))
+        return MetricsOut(job_id=job.id, points=[metric_out(m) for m in rows])
+
+
+@router.get("/jobs/{job_id}/checkpoints", response_model=CheckpointList, responses=_ERRORS)
+def job_checkpoints(job_id: str, ctx: Context, caller: TenantCaller) -> CheckpointList:
+    """The job's checkpoints with their metrics, oldest first."""
+    with ctx.db.transaction() as session:
+        job: Job = ops.get_job(session, tenant_id(caller), job_id)
+        rows = session.scalars(
+            select(Checkpoint).where(Checkpoint.job_id == job.id).order_by(Checkpoint.step)
+        )
+        return CheckpointList(job_id=job.id, checkpoints=[checkpoint_out(c) for c in rows])
+
+
+def _after(last_event_id: str | None, after: int) -> int:
+    """Where a stream resumes: the `Last-Event-ID` header (sent by reconnecting SSE
+    clients) wins over `?after=`."""
+    if last_event_id is None or not last_event_id.strip():
+        return after
+    try:
+        value = int(last_event_id.strip())
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise InvalidField(
+            ("header", "Last-Event-ID"),
+            f"Last-Event-ID must be the id of an event (a non-negative integer), got "
+            f"{last_event_id[:40]!r}",
+        )
+    return value
+
+
+@router.get(
+    "/jobs/{job_id}/events",
+    response_class=StreamingResponse,
+    responses={
+        **_ERRORS,
+        200: {
+            "description": "Server-sent events, in id order: `status`, `step` (with "
+            "metrics) and `checkpoint`, each with `id:` and a JSON `data:` "
+            "(`id`, `job_id`, `kind`, `time`, `data`); then one `end` event (data: "
+            "`status`, `last_event_id`) once the job is terminal (with `follow=false`: "
+            "once the history was sent). A stream that stops "
+            "without `end` was cut: reconnect with `Last-Event-ID`.",
+            "content": {"text/event-stream": {}},
+        },
+    },
+)
+async def job_events(
+    job_id: str,
+    ctx: Context,
+    caller: TenantCaller,
+    after: Annotated[int, Query(ge=0, description="Only events with a larger id.")] = 0,
+    follow: Annotated[
+        bool,
+        Query(
+            description="Wait for new events until the job ends; false: send "
+            "what exists, then `end`."
+        ),
+    ] = True,
+    last_event_id: Annotated[
+        str | None,
+        Header(
+            description="Resume after this event id (sent by reconnecting SSE clients); "
+            "wins over `after`."
+        ),
+    ] = None,
+) -> StreamingResponse:
+    """Stream the job's progress as server-sent events, resumable after an event id."""
+    start = _after(last_event_id, after)
+    await asyncio.to_thread(_get, ctx, tenant_id(caller), job_id)  # 404 before streaming
+    return StreamingResponse(
+        stream_events(ctx.db, ctx.reporter.notifier, job_id, after=start, follow=follow),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
+
+
+_DOWNLOAD: dict[int | str, dict[str, Any]] = {
+    **_ERRORS,
+    200: {
+        "description": "The PEFT adapter directory (adapter_config.json, "
+        "adapter_model.safetensors) in one folder, as an archive. `X-Marlaas-Step` "
+        "names the checkpoint's step (= adapter version).",
+        "content": {"application/gzip": {}, "application/zip": {}},
+    },
+}
+FormatQuery = Annotated[ArchiveFormat, Query(alias="format", description="Archive format.")]
+
+
+def _checkpoint(
+    ctx: ServiceContext, tenant: str, job_id: str, step: int | None
+) -> tuple[str, int, str]:
+    """(job name, step, stored path) of the job's checkpoint at `step`, or its newest."""
+    with ctx.db.transaction() as session:
+        job = ops.get_job(session, tenant, job_id)
+        query = select(Checkpoint).where(Checkpoint.job_id == job.id)
+        if step is None:
+            ckpt = session.scalars(query.order_by(Checkpoint.step.desc()).limit(1)).first()
+            if ckpt is None:
+                raise NotFound(
+                    f"job {job_id!r} has no checkpoint yet; its adapter can be downloaded "
+                    "once it wrote one (see GET /v1/jobs/{id}/checkpoints)"
+                )
+        else:
+            ckpt = session.scalars(query.where(Checkpoint.step == step)).first()
+            if ckpt is None:
+                raise NotFound(
+                    f"job {job_id!r} has no checkpoint at step {step}; list them with "
+                    f"GET /v1/jobs/{job_id}/checkpoints"
+                )
+        return job.name, ckpt.step, ckpt.path
+
+
+async def _download(
+    ctx: ServiceContext, caller: TenantCaller, job_id: str, step: int | None, fmt: ArchiveFormat
+) -> StreamingResponse:
+    name, found, path = await asyncio.to_thread(_checkpoint, ctx, tenant_id(caller), job_id, step)
+    files = await asyncio.to_thread(open_adapter, ctx.settings.artifact_dir, path, found)
+    folder = f"{name}-step-{found}"
+    return StreamingResponse(
+        stream_archive(fmt, folder, files),
+        media_type=fmt.media_type,
+        headers={
+            "Content-Disposition": f'attachment; filename="{folder}.{fmt}"',
+            "X-Marlaas-Step": str(found),
+        },
+    )
+
+
+@router.get(
+    "/jobs/{job_id}/checkpoints/{step}/adapter",
+    response_class=StreamingResponse,
+    responses=_DOWNLOAD,
+)
+async def download_checkpoint_adapter(
+    job_id: str,
+    step: int,
+    ctx: Context,
+    caller: TenantCaller,
+    fmt: FormatQuery = ArchiveFormat.TAR_GZ,
+) -> StreamingResponse:
+    """Download the adapter of the checkpoint at `step` (its adapter version) as a PEFT
+    directory archive."""
+    return await _download(ctx, caller, job_id, step, fmt)
+
+
+@router.get("/jobs/{job_id}/adapter", response_class=StreamingResponse, responses=_DOWNLOAD)
+async def download_latest_adapter(
+    job_id: str, ctx: Context, caller: TenantCaller, fmt: FormatQuery = ArchiveFormat.TAR_GZ
+) -> StreamingResponse:
+    """Download the job's newest checkpoint's adapter (the final adapter once the job is
+    done: a job always checkpoints its last step) as a PEFT directory archive."""
+    return await _download(ctx, caller, job_id, None, fmt)

@@ -1,0 +1,104 @@
+"""API keys: issuing, hashing, verifying, revoking, and the admin key's bootstrap.
+
+A key reads `mk_<prefix>_<secret>`. The prefix (public, unique) finds the row; the
+secret is checked against `HMAC-SHA256(salt, secret)` with a random per-key salt, in
+constant time. Secrets are 256 random bits, so a fast keyed hash is enough (no password
+stretching is needed); the database never holds anything that would let one log in.
+
+Admin keys are rows with no tenant. A key given in the settings (`MARLAAS_ADMIN_KEY`)
+is compared directly and never stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from marlaas.service.errors import Unauthorized
+from marlaas.service.models import ApiKey, Tenant, new_id, utcnow
+
+_SCHEME = "mk"
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling: the admin, or one tenant (by id and name)."""
+
+    tenant_id: str | None
+    tenant_name: str | None
+
+    @property
+    def is_admin(self) -> bool:
+        return self.tenant_id is None
+
+
+ADMIN = Principal(tenant_id=None, tenant_name=None)
+
+
+@dataclass(frozen=True)
+class IssuedKey:
+    """A freshly issued key: `secret_key` is shown to its owner once and never again."""
+
+    row: ApiKey
+    secret_key: str
+
+
+def _digest(salt: str, secret: str) -> str:
+    return hmac.new(bytes.fromhex(salt), secret.encode(), hashlib.sha256).hexdigest()
+
+
+def issue_key(session: Session, tenant: Tenant | None, label: str = "") -> IssuedKey:
+    """Create a key for `tenant` (None: an admin key) and return it with its secret."""
+    prefix = secrets.token_hex(6)
+    secret = secrets.token_urlsafe(32)
+    salt = secrets.token_hex(16)
+    row = ApiKey(
+        id=new_id("key"),
+        tenant_id=tenant.id if tenant else None,
+        prefix=prefix,
+        salt=salt,
+        hash=_digest(salt, secret),
+        label=label,
+        created_at=utcnow(),
+    )
+    session.add(row)
+    session.flush()
+    return IssuedKey(row=row, secret_key=f"{_SCHEME}_{prefix}_{secret}")
+
+
+def authenticate(session: Session, token: str, configured_admin_key: str | None) -> Principal:
+    """The principal that `token` belongs to; `Unauthorized` for anything else."""
+    if configured_admin_key and hmac.compare_digest(token.encode(), configured_admin_key.encode()):
+        return ADMIN
+    scheme, _, rest = token.partition("_")
+    prefix, _, secret = rest.partition("_")
+    if scheme != _SCHEME or not prefix or not secret:
+        raise Unauthorized("invalid API key; send `Authorization: Bearer mk_...`")
+    row = session.scalars(select(ApiKey).where(ApiKey.prefix == prefix)).one_or_none()
+    if row is None or not hmac.compare_digest(row.hash, _digest(row.salt, secret)):
+        raise Unauthorized("invalid API key; send `Authorization: Bearer mk_...`")
+    if row.revoked_at is not None:
+        raise Unauthorized("this API key was revoked; ask the admin for a new one")
+    if row.tenant_id is None:
+        return ADMIN
+    tenant = session.get(Tenant, row.tenant_id)
+    assert tenant is not None  # the foreign key guarantees it
+    return Principal(tenant_id=tenant.id, tenant_name=tenant.name)
+
+
+def bootstrap_admin_key(session: Session, configured_admin_key: str | None) -> str | None:
+    """Make sure some admin key exists. Returns a newly generated one (to print once)
+    when none is configured and none is stored; otherwise None."""
+    if configured_admin_key:
+        return None
+    stored = session.scalars(
+        select(ApiKey.id).where(ApiKey.tenant_id.is_(None), ApiKey.revoked_at.is_(None))
+    ).first()
+    if stored is not None:
+        return None
+    return issue_key(session, None, label="admin (generated at first start)").secret_key

@@ -1,0 +1,33 @@
+"""What every request handler needs, built once per app: settings, database, the job
+reporter, the metrics registry, and the backend (attached while the app runs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry
+
+from marlaas.service.backend import JobBackend
+from marlaas.service.db import Database
+from marlaas.service.inference import InferenceProvider
+from marlaas.service.metrics import RequestMetrics
+from marlaas.service.reporter import JobReporter
+from marlaas.service.settings import ServiceSettings
+from marlaas.service.usage import DeviceUsageProvider
+
+
+@dataclass
+class ServiceContext:
+    settings: ServiceSettings
+    db: Database
+    reporter: JobReporter
+    registry: CollectorRegistry
+    request_metrics: RequestMetrics
+    backend: JobBackend | None = field(default=None)
+    """Set by the app's lifespan from its backend factory; None: jobs stay queued."""
+    device_usage: DeviceUsageProvider | None = field(default=None)
+    """Reports the device's busy time (`GET /v1/usage/device`); None: the backend does,
+    if it implements `DeviceUsageProvider`, else nothing does."""
+    inference: InferenceProvider | None = field(default=None)
+    """The shared engine the OpenAI-compatible routes serve from; None: the backend's,
+    if it implements `InferenceSource`, else an engine of their own (see `inference`)."""

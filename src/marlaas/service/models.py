@@ -1,0 +1,170 @@
+"""The service's tables (SQLAlchemy 2, typed). The schema itself is owned by the Alembic
+migrations in `migrations/versions`; a test checks that these models and the migrated
+schema agree.
+
+Ids of tenants, keys and jobs are random strings (not counters), so an id says nothing
+about how many others exist. Timestamps are stored in UTC.
+"""
+
+from __future__ import annotations
+
+import secrets
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.types import TypeDecorator
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def new_id(prefix: str) -> str:
+    """A random public id such as `job_3f9a...` (16 hex digits after the prefix)."""
+    return f"{prefix}_{secrets.token_hex(8)}"
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timezone-aware UTC datetime on every backend (SQLite stores naive values)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            raise ValueError("naive datetime given to a UTC column")
+        return value.astimezone(UTC) if value is not None else None
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    max_concurrent_jobs: Mapped[int] = mapped_column(Integer)
+    max_total_steps: Mapped[int] = mapped_column(BigInteger)
+    max_dataset_bytes: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class ApiKey(Base):
+    """A bearer key. `tenant_id` None marks an admin key. Only a keyed hash is stored:
+    `hash = HMAC-SHA256(salt, secret)`, with a random salt per key."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    tenant_id: Mapped[str | None] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), index=True
+    )
+    prefix: Mapped[str] = mapped_column(String(32), unique=True)
+    salt: Mapped[str] = mapped_column(String(64))
+    hash: Mapped[str] = mapped_column(String(128))
+    label: Mapped[str] = mapped_column(String(128), default="")
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    __table_args__ = (
+        UniqueConstraint("tenant_id", "name", name="uq_jobs_tenant_name"),
+        Index("ix_jobs_tenant_status", "tenant_id", "status"),
+    )
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(64))
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    status: Mapped[str] = mapped_column(String(16))
+    steps: Mapped[int] = mapped_column(Integer)
+    steps_done: Mapped[int] = mapped_column(Integer, default=0)
+    priority: Mapped[float] = mapped_column(Float)
+    failure_reason: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+    tenant: Mapped[Tenant] = relationship()
+
+
+class Checkpoint(Base):
+    """A checkpoint the runner wrote; `path` is relative to the artifact directory."""
+
+    __tablename__ = "checkpoints"
+    __table_args__ = (UniqueConstraint("job_id", "step", name="uq_checkpoints_job_step"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    step: Mapped[int] = mapped_column(Integer)
+    path: Mapped[str] = mapped_column(String(512))
+    metrics: Mapped[dict[str, Any]] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class Metric(Base):
+    """One scalar of a job at a step (reward, loss, eval accuracy, ...)."""
+
+    __tablename__ = "metrics"
+    __table_args__ = (Index("ix_metrics_job_name_step", "job_id", "name", "step"),)
+
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    )
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    step: Mapped[int] = mapped_column(Integer)
+    name: Mapped[str] = mapped_column(String(64))
+    value: Mapped[float | None] = mapped_column(Float)
+    time: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class JobEvent(Base):
+    """What happened to a job, in order (status changes, checkpoints); the id orders them,
+    so a stream can resume after the last id it saw."""
+
+    __tablename__ = "job_events"
+
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    )
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    kind: Mapped[str] = mapped_column(String(32))
+    data: Mapped[dict[str, Any]] = mapped_column(JSON)
+    time: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class Dataset(Base):
+    """An uploaded JSONL file; stored at `path`, relative to the artifact directory."""
+
+    __tablename__ = "datasets"
+    __table_args__ = (UniqueConstraint("tenant_id", "name", name="uq_datasets_tenant_name"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    name: Mapped[str] = mapped_column(String(64))
+    path: Mapped[str] = mapped_column(String(512))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    rows: Mapped[int] = mapped_column(Integer)
+    sha256: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

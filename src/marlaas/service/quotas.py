@@ -1,0 +1,78 @@
+"""Per-tenant quotas: what a tenant uses now, and the checks before it asks for more.
+
+Usage is computed from the rows, never kept as a counter that could drift:
+- active jobs: queued, running or paused;
+- steps: the steps asked by active and done jobs, plus the steps that failed and
+  cancelled jobs actually ran (the unused rest is given back);
+- dataset bytes: the sizes of the tenant's uploaded datasets.
+Callers check inside the transaction that then inserts, with the tenant's row locked
+(see `db`), so concurrent requests cannot overshoot a limit together.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import case, func, select
+from sqlalchemy.orm import Session
+
+from marlaas.service.errors import QuotaExceeded
+from marlaas.service.lifecycle import ACTIVE, JobStatus
+from marlaas.service.models import Dataset, Job, Tenant
+
+
+@dataclass(frozen=True)
+class Usage:
+    active_jobs: int
+    total_steps: int
+    dataset_bytes: int
+
+
+def usage(session: Session, tenant_id: str) -> Usage:
+    charged_steps = case(
+        (Job.status.in_([JobStatus.FAILED, JobStatus.CANCELLED]), Job.steps_done),
+        else_=Job.steps,
+    )
+    active, steps = session.execute(
+        select(
+            func.count(Job.id).filter(Job.status.in_(list(ACTIVE))),
+            func.coalesce(func.sum(charged_steps), 0),
+        ).where(Job.tenant_id == tenant_id)
+    ).one()
+    data = session.scalar(
+        select(func.coalesce(func.sum(Dataset.size_bytes), 0)).where(Dataset.tenant_id == tenant_id)
+    )
+    return Usage(active_jobs=int(active), total_steps=int(steps), dataset_bytes=int(data or 0))
+
+
+_ASK_ADMIN = "or ask the admin to raise it"
+
+
+def check_new_job(session: Session, tenant: Tenant, steps: int) -> None:
+    """Raise `QuotaExceeded` if `tenant` may not start one more job of `steps` steps."""
+    used = usage(session, tenant.id)
+    if used.active_jobs + 1 > tenant.max_concurrent_jobs:
+        raise QuotaExceeded(
+            f"quota max_concurrent_jobs exceeded: tenant {tenant.name!r} already has "
+            f"{used.active_jobs} active jobs (queued, running or paused) and the limit is "
+            f"{tenant.max_concurrent_jobs}; cancel one or wait for one to finish, {_ASK_ADMIN}"
+        )
+    if used.total_steps + steps > tenant.max_total_steps:
+        left = max(tenant.max_total_steps - used.total_steps, 0)
+        raise QuotaExceeded(
+            f"quota max_total_steps exceeded: this job asks for {steps} steps, tenant "
+            f"{tenant.name!r} has used {used.total_steps} of its limit of "
+            f"{tenant.max_total_steps} ({left} left); ask for fewer steps, {_ASK_ADMIN}"
+        )
+
+
+def check_dataset(session: Session, tenant: Tenant, size_bytes: int, replaces: int = 0) -> None:
+    """Raise `QuotaExceeded` if `tenant` may not store `size_bytes` more dataset bytes
+    (`replaces`: the size of the dataset this one overwrites, which is given back)."""
+    used = usage(session, tenant.id).dataset_bytes - replaces
+    if used + size_bytes > tenant.max_dataset_bytes:
+        raise QuotaExceeded(
+            f"quota max_dataset_bytes exceeded: this dataset is {size_bytes} bytes, tenant "
+            f"{tenant.name!r} already stores {used} bytes and the limit is "
+            f"{tenant.max_dataset_bytes}; delete a dataset, {_ASK_ADMIN}"
+        )

@@ -1,0 +1,124 @@
+"""How a job backend writes what happened back into the database.
+
+Each report is one short transaction run in a worker thread (`asyncio.to_thread`),
+so the event loop never waits on the database. Reports obey the lifecycle
+(`lifecycle.REPORTED`): a status report that does not apply (say, `running` for a job
+the tenant has just cancelled) is ignored and returns False, because the tenant's
+action wins; the backend learns about that action through its own `cancel`/`pause`
+call. Checkpoints and metrics are facts and are always recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Mapping
+from pathlib import Path
+
+from sqlalchemy.orm import Session
+
+from marlaas.service.db import Database
+from marlaas.service.errors import NotFound
+from marlaas.service.events import JobNotifier
+from marlaas.service.jobs import add_event
+from marlaas.service.lifecycle import REPORTED, JobStatus
+from marlaas.service.models import Checkpoint, Job, Metric, utcnow
+
+log = logging.getLogger(__name__)
+
+
+def _finite(metrics: Mapping[str, float | None]) -> dict[str, float | None]:
+    """Scalars as stored: NaN and infinities become None (JSON has no NaN)."""
+    return {
+        str(k): float(v) if v is not None and math.isfinite(v) else None for k, v in metrics.items()
+    }
+
+
+class JobReporter:
+    """The backend's handle on the database; one per app."""
+
+    def __init__(self, db: Database, artifact_dir: Path) -> None:
+        self._db = db
+        self.artifact_dir = artifact_dir
+        self.notifier = JobNotifier()
+        """Woken after every committed report, so event streams need not poll."""
+
+    @staticmethod
+    def _job(session: Session, job_id: str) -> Job:
+        job = session.get(Job, job_id, with_for_update=True)
+        if job is None:
+            raise NotFound(f"no job with id {job_id!r} in the service database")
+        return job
+
+    async def status(self, job_id: str, status: JobStatus, reason: str | None = None) -> bool:
+        """Report that the job is now `running`, `done` or `failed` (with `reason`).
+
+        Returns False (and changes nothing) when the job's current status does not
+        allow it, e.g. it was cancelled meanwhile.
+        """
+        if status not in REPORTED:
+            raise ValueError(f"a backend reports running, done or failed, not {status}")
+        changed = await asyncio.to_thread(self._status, job_id, status, reason)
+        self.notifier.notify(job_id)
+        return changed
+
+    def _status(self, job_id: str, status: JobStatus, reason: str | None) -> bool:
+        with self._db.transaction() as session:
+            job = self._job(session, job_id)
+            if JobStatus(job.status) not in REPORTED[status]:
+                log.info("job %s: ignored report %s (job is %s)", job_id, status, job.status)
+                return False
+            job.status = status
+            job.updated_at = utcnow()
+            if status is JobStatus.FAILED:
+                job.failure_reason = reason or "failed (no reason given)"
+            add_event(session, job, "status", {"status": str(status), "reason": reason})
+            return True
+
+    async def step(self, job_id: str, step: int, metrics: Mapping[str, float | None]) -> None:
+        """Report that optimizer step `step` (1-based) finished, with its scalars."""
+        await asyncio.to_thread(self._step, job_id, step, _finite(metrics))
+        self.notifier.notify(job_id)
+
+    def _step(self, job_id: str, step: int, metrics: dict[str, float | None]) -> None:
+        now = utcnow()
+        with self._db.transaction() as session:
+            job = self._job(session, job_id)
+            job.steps_done = max(job.steps_done, step)
+            job.updated_at = now
+            session.add_all(
+                Metric(job_id=job_id, step=step, name=name, value=value, time=now)
+                for name, value in metrics.items()
+            )
+            add_event(session, job, "step", {"step": step, "metrics": metrics})
+
+    async def checkpoint(
+        self, job_id: str, step: int, path: Path, metrics: Mapping[str, float | None]
+    ) -> None:
+        """Record a checkpoint written (atomically, already complete) at `path`, which
+        must lie inside the artifact directory."""
+        root = self.artifact_dir.resolve()
+        try:
+            relative = Path(path).resolve().relative_to(root)
+        except ValueError:
+            raise ValueError(
+                f"checkpoint {path} lies outside the artifact directory {root}; write "
+                "checkpoints under it, so the database can refer to them portably"
+            ) from None
+        await asyncio.to_thread(
+            self._checkpoint, job_id, step, relative.as_posix(), _finite(metrics)
+        )
+        self.notifier.notify(job_id)
+
+    def _checkpoint(
+        self, job_id: str, step: int, path: str, metrics: dict[str, float | None]
+    ) -> None:
+        with self._db.transaction() as session:
+            job = self._job(session, job_id)
+            session.add(
+                Checkpoint(
+                    job_id=job_id, step=step, path=path, metrics=metrics, created_at=utcnow()
+                )
+            )
+            add_event(session, job, "checkpoint", {"step": step, "metrics": metrics})
