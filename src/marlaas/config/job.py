@@ -22,6 +22,7 @@ from pydantic import (
 )
 
 from marlaas.config.graders import GraderSpec
+from marlaas.config.ray import RaySpec
 from marlaas.config.specs import GRPOSpec, LoRASpec, SamplingSpec, Spec, TaskSpec
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
@@ -117,6 +118,9 @@ class RunSpec(Spec):
         None, description="Hugging Face causal-LM directory; None: the embedded base."
     )
     backend: Literal["inprocess", "ray"] = Field("inprocess", description="Where stages run.")
+    ray: RaySpec = Field(
+        default_factory=RaySpec, description="Ray cluster and actor placement (backend: ray)."
+    )
     max_active_tenants: int = Field(
         32, ge=1, le=4096, description="Admission cap; further jobs wait in a queue."
     )

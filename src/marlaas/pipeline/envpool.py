@@ -68,6 +68,11 @@ class EnvPool:
         self._slots = asyncio.Semaphore(max_concurrency)
         self._active = 0
 
+    def place(self, family: TaskFamily) -> TaskFamily:
+        """`family` with its environments where this pool runs them: in this process
+        here; a distributed backend's pool moves them onto its workers."""
+        return family
+
     async def call(self, fn: Callable[[], Awaitable[T]], *, tenant: str, what: str) -> T:
         """Await `fn()` within the concurrency bound and the timeout.
 

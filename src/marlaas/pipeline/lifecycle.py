@@ -91,6 +91,7 @@ class TenantRuntime:
         family = ctx.tasks.get(self.name)
         if family is None:
             family = await asyncio.to_thread(build_task, job)
+        family = ctx.envs.place(family)  # where its environments run (a backend's choice)
         self._family = family
         self.stream = ExampleStream(family, job)
         self.evals = await asyncio.to_thread(eval_examples, family, job)

@@ -128,14 +128,33 @@ def build_context(
     options: PipelineOptions | None = None,
     resume: bool = False,
     tasks: Mapping[str, TaskFamily] | None = None,
+    max_staleness: int | None = None,
 ) -> PipelineContext:
-    """The run's shared components (blocking: loads the base)."""
+    """The run's shared components (blocking: loads the base). `max_staleness` bounds
+    the jobs' `algorithm.max_staleness` (it sizes the adapter bank's version window);
+    None: the largest among `run.jobs` (a long-lived pipeline, whose jobs come later,
+    gives it)."""
+    if run.backend == "ray":  # the optional extra: imported only when asked for
+        from marlaas.distributed import build_ray_context
+
+        return build_ray_context(
+            run,
+            out_dir,
+            options,
+            ray_spec=run.ray,
+            recorder=recorder,
+            resume=resume,
+            tasks=tasks,
+            max_staleness=max_staleness,
+        )
     options = options or PipelineOptions()
     recorder = recorder or NullRecorder()
     base_path = Path(run.base_model) if run.base_model else default_base_path()
     base, tokenizer = load_base(base_path, device=resolve_device(options.device))
     model = LoRAModel(base, max_rank=run.engine.max_rank)
-    versions_kept = max(job.algorithm.max_staleness for job in run.jobs) + 2
+    if max_staleness is None:
+        max_staleness = max(job.algorithm.max_staleness for job in run.jobs)
+    versions_kept = max_staleness + 2
     bank = AdapterBank(model, num_slots=run.engine.adapter_slots, versions_kept=versions_kept)
     engine = RolloutEngine(
         model,

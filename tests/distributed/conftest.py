@@ -1,0 +1,11 @@
+"""The Ray tests reuse the pipeline tests' helpers (tiny base, job factory, recorder)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "pipeline"))
+torch.set_num_threads(1)
