@@ -146,3 +146,18 @@ async def test_cancelled_requests_leave_the_gate(
     done = [f for f in futures if not f.cancelled()]
     assert len(done) == 6 and all(len(f.result().token_ids) == 3 for f in done)
     assert gate.rows["p1"] == 0
+
+
+def test_queue_depths_count_waiting_items_per_tenant() -> None:
+    share = FairShare()
+    for tenant, n in (("a", 3), ("b", 1)):
+        share.set_weight(tenant, 1.0)
+        for i in range(n):
+            share.push(tenant, (tenant, i), cost=1)
+    assert share.depths() == {"a": 3, "b": 1}
+    share.pop()
+    share.pop()
+    assert sum(share.depths().values()) == 2 and all(share.depths().values())
+    share.pop()
+    share.pop()
+    assert share.depths() == {}

@@ -6,6 +6,7 @@ from their checkpoints and keeps paused ones paused."""
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -149,6 +150,13 @@ def test_a_job_runs_to_done_through_the_api(servers: Servers, settings: ServiceS
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
     assert runtime.ctx.executor.tokens_sampled > decoded
+    # Prometheus: the pipeline's device, stage and per-job figures, labelled by tenant.
+    text = client.get("/metrics").text
+    assert f'marlaas_job_steps_trained{{job="{job_id}",tenant="acme"}} 3.0' in text, text
+    busy = re.search(r"^marlaas_device_busy_fraction ([0-9.e-]+)$", text, re.M)
+    assert busy and 0.0 < float(busy.group(1)) <= 1.0
+    assert 'marlaas_stage_busy_seconds_total{stage="train"}' in text
+    assert "marlaas_tokens_sampled_total" in text
     # Same job name for another tenant: a different job, no clash in the pipeline.
     other = Tenants(client).create("other")
     r = client.post("/v1/jobs", json=tiny_job("rev", steps=1), headers=other)

@@ -73,6 +73,11 @@ class EnvPool:
         here; a distributed backend's pool moves them onto its workers."""
         return family
 
+    @property
+    def active(self) -> int:
+        """Environment calls in flight now."""
+        return self._active
+
     async def call(self, fn: Callable[[], Awaitable[T]], *, tenant: str, what: str) -> T:
         """Await `fn()` within the concurrency bound and the timeout.
 

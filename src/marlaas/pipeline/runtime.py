@@ -356,6 +356,10 @@ class PipelineRuntime:
         """Schedule a paused job again (a job paused before admission queues again)."""
         self._orch.unpause(name)
 
+    def states(self) -> dict[str, TenantState]:
+        """Every job submitted to this pipeline, by name (a snapshot of the mapping)."""
+        return dict(self._orch.states)
+
     def state(self, name: str) -> TenantState:
         state = self._orch.states.get(name)
         if state is None:

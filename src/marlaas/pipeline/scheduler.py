@@ -80,6 +80,10 @@ class FairShare:
     def waiting(self, tenant: str) -> int:
         return len(self._queues.get(tenant, ()))
 
+    def depths(self) -> dict[str, int]:
+        """Waiting items per tenant, for tenants with any."""
+        return {t: len(q) for t, q in self._queues.items() if q}
+
     def pop(self) -> tuple[str, object, float] | None:
         """The next (tenant, item, cost) in fair order, or None when nothing waits."""
         best: tuple[float, int, str] | None = None
@@ -146,6 +150,11 @@ class RequestGate:
         for item in items:
             assert isinstance(item, _Waiting)
             _resolve(item, asyncio.CancelledError(f"tenant {tenant!r} was removed"))
+
+    def waiting(self) -> dict[str, int]:
+        """Requests waiting for the engine, per tenant (the queue depths)."""
+        with self._lock:
+            return self._share.depths()
 
     def has_waiting(self) -> bool:
         with self._lock:

@@ -23,7 +23,7 @@ from marlaas.service.backend import BackendFactory
 from marlaas.service.context import ServiceContext
 from marlaas.service.db import Database
 from marlaas.service.errors import InvalidField, ServiceError
-from marlaas.service.metrics import make_registry
+from marlaas.service.metrics import PipelineMetrics, make_registry
 from marlaas.service.middleware import BodyLimit, RequestTimer
 from marlaas.service.reporter import JobReporter
 from marlaas.service.settings import ServiceSettings
@@ -47,6 +47,7 @@ def open_context(settings: ServiceSettings) -> tuple[ServiceContext, str | None]
         registry=registry,
         request_metrics=request_metrics,
     )
+    registry.register(PipelineMetrics(lambda: ctx.backend, db))
     return ctx, new_admin_key
 
 

@@ -60,6 +60,7 @@ from marlaas.service.backend import BackendFactory
 from marlaas.service.db import Database
 from marlaas.service.inference import EngineProvider
 from marlaas.service.lifecycle import ACTIVE, JobStatus
+from marlaas.service.metrics import PipelineFigures
 from marlaas.service.models import Checkpoint, Job
 from marlaas.service.reporter import JobReporter
 from marlaas.service.usage import BusyBin
@@ -174,6 +175,38 @@ class PipelineBackend:
             BusyBin(start=datetime.fromtimestamp(b.start, UTC), seconds=b.seconds, busy=b.busy)
             for b in runtime.ctx.executor.history.timeline(window_s, bin_s)
         ]
+
+    def pipeline_figures(self) -> PipelineFigures | None:
+        """Device, stage, queue and per-job figures for `/metrics`."""
+        runtime = self._runtime_if_ready()
+        if runtime is None:
+            return None
+        ctx = runtime.ctx
+        ex, envs = ctx.executor, ctx.envs
+        recent = ex.history.timeline(60, 60)
+        busy_recent = (
+            sum(b.busy * b.seconds for b in recent) / sum(b.seconds for b in recent)
+            if recent
+            else 0.0
+        )
+        states = runtime.states()
+        return PipelineFigures(
+            device_busy_fraction=ex.busy_fraction,
+            device_busy_fraction_recent=busy_recent,
+            decode_busy_s=ex.busy_decode_s,
+            train_busy_s=ex.busy_train_s,
+            decode_iterations=ex.decode_steps,
+            tokens_sampled=ex.tokens_sampled,
+            train_steps=ex.train_steps,
+            engine_rows=ctx.engine.running,
+            env_active=envs.active,
+            env_calls=envs.stats.calls,
+            env_errors=envs.stats.errors,
+            env_timeouts=envs.stats.timeouts,
+            waiting_requests={t: n for t, n in ctx.gate.waiting().items() if t in states},
+            job_steps={name: s.version for name, s in states.items()},
+            job_staleness_max={name: s.stats.staleness_max for name, s in states.items()},
+        )
 
     # -- JobBackend ------------------------------------------------------------------
 
