@@ -18,9 +18,6 @@ the mean busy fraction of the accelerator actors (the trainer and every replica)
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
-from concurrent.futures import Future as ThreadFuture
 from typing import Any, cast
 
 from marlaas.distributed.engine_client import RayEngineClient
@@ -29,7 +26,7 @@ from marlaas.obs.recorder import Recorder
 from marlaas.pipeline.executor import DeviceExecutor
 from marlaas.pipeline.scheduler import RequestGate
 from marlaas.rollout.engine import RolloutEngine
-from marlaas.train.batch import TenantStepResult, TrainBatchError
+from marlaas.train.batch import TenantStepResult, TrainBatch
 from marlaas.train.trainer import MultiLaneTrainer
 
 
@@ -54,7 +51,7 @@ class RayExecutor(DeviceExecutor):
         self._pump_lock = threading.Lock()
         self._pumping = False
         self._pump_wanted = False
-        self._replicas_busy_s = 0.0
+        self._refs: dict[str, Any] = {}  # the last step's adapter refs, by tenant
 
     def pump(self) -> None:
         """Move fairly-ordered requests into free replica rows. Reentrant and cheap: a
@@ -88,55 +85,13 @@ class RayExecutor(DeviceExecutor):
         actors = 1 + len(self.ray_engine.handles)
         return self.busy_s / (elapsed * actors) if elapsed > 0 else 0.0
 
-    # -- the thread ------------------------------------------------------------------
+    # -- where the work runs -----------------------------------------------------------
 
-    def _run(self) -> None:
-        while True:
-            self._wake.clear()
-            with self._lock:
-                if self._stopping:
-                    return
-                calls, self._calls = self._calls, []
-            for fn, future in calls:
-                _run_call(fn, future)
-            with self._lock:
-                ready = bool(self._jobs)
-            if ready:
-                self._train()
-                continue
-            with self._lock:
-                if self._calls or self._jobs or self._stopping:
-                    continue
-            t0 = time.perf_counter()
-            self._wake.wait()
-            self.idle_s += time.perf_counter() - t0
+    decodes_here = False  # the replicas decode; this thread trains and runs calls
 
-    def _step_and_publish(self, jobs: list[Any]) -> dict[str, TenantStepResult]:
-        results: dict[str, TenantStepResult] = {}
-        refs: dict[str, Any] = {}
-        while jobs:
-            try:
-                results, refs = self.ray_trainer.step_refs([j.batch for j in jobs])
-                break
-            except TrainBatchError as exc:  # that tenant's batch only; retry the rest
-                bad = [j for j in jobs if j.batch.tenant == exc.tenant]
-                if not bad:
-                    raise
-                for j in bad:
-                    j.future.set_exception(exc)
-                jobs = [j for j in jobs if j.batch.tenant != exc.tenant]
-        for j in jobs:
-            tenant = j.batch.tenant
-            self.ray_engine.publish_ref(tenant, results[tenant].version, refs[tenant])
+    def _trainer_step(self, batches: list[TrainBatch]) -> dict[str, TenantStepResult]:
+        results, self._refs = self.ray_trainer.step_refs(batches)
         return results
 
-
-def _run_call(fn: Callable[[], Any], future: ThreadFuture[Any]) -> None:
-    if not future.set_running_or_notify_cancel():
-        return
-    try:
-        result = fn()
-    except Exception as exc:  # the caller's error, delivered to the caller
-        future.set_exception(exc)
-    else:
-        future.set_result(result)
+    def _publish(self, tenant: str, version: int) -> None:
+        self.ray_engine.publish_ref(tenant, version, self._refs[tenant])

@@ -224,15 +224,16 @@ class DeviceExecutor:
                 _run_call(fn, future)
             with self._lock:
                 ready = bool(self._jobs)
-            rows_waiting = self.engine.has_work() or self.gate.has_waiting()
+            rows_waiting = self.decodes_here and (self.engine.has_work() or self.gate.has_waiting())
             if ready and not (last_was_train and rows_waiting):
                 self._train()
                 last_was_train = True
                 continue
             last_was_train = False
-            self.gate.fill()
-            if self.engine.has_work() and self._decode() > 0:
-                continue
+            if self.decodes_here:
+                self.gate.fill()
+                if self.engine.has_work() and self._decode() > 0:
+                    continue
             with self._lock:
                 if self._calls or self._jobs or self._stopping:
                     continue
@@ -290,7 +291,7 @@ class DeviceExecutor:
         results: dict[str, TenantStepResult] = {}
         while jobs:
             try:
-                results = self.trainer.step([j.batch for j in jobs])
+                results = self._trainer_step([j.batch for j in jobs])
                 break
             except TrainBatchError as exc:  # that tenant's batch only; retry the rest
                 bad = [j for j in jobs if j.batch.tenant == exc.tenant]
@@ -300,9 +301,19 @@ class DeviceExecutor:
                     j.future.set_exception(exc)
                 jobs = [j for j in jobs if j.batch.tenant != exc.tenant]
         for j in jobs:
-            tenant = j.batch.tenant
-            self.engine.publish(tenant, results[tenant].version, self.trainer.adapter(tenant))
+            self._publish(j.batch.tenant, results[j.batch.tenant].version)
         return results
+
+    # -- where the work runs (a distributed executor overrides these) ------------------
+
+    #: Whether this thread decodes (in-process); False when replicas decode on their own.
+    decodes_here = True
+
+    def _trainer_step(self, batches: list[TrainBatch]) -> dict[str, TenantStepResult]:
+        return self.trainer.step(batches)
+
+    def _publish(self, tenant: str, version: int) -> None:
+        self.engine.publish(tenant, version, self.trainer.adapter(tenant))
 
     def _signal_failure(self, exc: BaseException) -> None:
         """Close the executor and resolve `failure` (callbacks run in order on the loop,
