@@ -7,6 +7,7 @@ of the whole code base: `_T` is a per-token sequence.
 
 from __future__ import annotations
 
+import enum
 import itertools
 from dataclasses import dataclass, field
 from typing import Literal
@@ -105,3 +106,19 @@ class Trajectory:
         n = len(self.token_ids)
         if len(self.loss_mask_T) != n or len(self.logprobs_T) != n:
             raise ValueError("token_ids, loss_mask_T and logprobs_T must have equal lengths")
+
+
+class JobStatus(enum.StrEnum):
+    """Where a tenant's job stands: the pipeline's tenant state and the service's job
+    row use the same states (done, failed and cancelled are terminal)."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    PAUSED = "paused"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobStatus.DONE, JobStatus.FAILED, JobStatus.CANCELLED)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from pipeline_support import job
 
-from marlaas.pipeline.tenant import PipelineError, TenantState, TenantStatus, describe_failure
+from marlaas.pipeline.tenant import PipelineError, TenantState, describe_failure
 from marlaas.train.batch import NUM_SUMS, TenantStepResult, TrainBatch
-from marlaas.types import Trajectory
+from marlaas.types import JobStatus, Trajectory
 
 
 def traj(tenant: str, version: int, reward: float = 0.0, n: int = 0) -> Trajectory:
@@ -38,21 +38,21 @@ def result_for(batch: TrainBatch) -> TenantStepResult:
 
 def running(**kw: object) -> TenantState:
     state = TenantState(job("t", P=2, G=2, **kw))  # type: ignore[arg-type]
-    state.transition(TenantStatus.RUNNING)
+    state.transition(JobStatus.RUNNING)
     return state
 
 
 def test_transitions_are_checked() -> None:
     state = TenantState(job("t"))
     with pytest.raises(PipelineError):
-        state.transition(TenantStatus.DONE)  # queued -> done skips running
-    state.transition(TenantStatus.RUNNING)
-    state.transition(TenantStatus.PAUSED)
-    state.transition(TenantStatus.RUNNING)
-    state.transition(TenantStatus.FAILED, "boom")
+        state.transition(JobStatus.DONE)  # queued -> done skips running
+    state.transition(JobStatus.RUNNING)
+    state.transition(JobStatus.PAUSED)
+    state.transition(JobStatus.RUNNING)
+    state.transition(JobStatus.FAILED, "boom")
     assert state.status.terminal and state.reason == "boom"
     with pytest.raises(PipelineError):
-        state.transition(TenantStatus.RUNNING)
+        state.transition(JobStatus.RUNNING)
 
 
 @pytest.mark.parametrize("staleness", [0, 1, 3])
@@ -63,7 +63,7 @@ def test_launch_bound_is_staleness_plus_one_steps(staleness: int) -> None:
         assert state.launch() == launched  # data indices in order
         launched += 1
     assert launched == (staleness + 1) * 2
-    state.transition(TenantStatus.PAUSED)
+    state.transition(JobStatus.PAUSED)
     assert not state.can_launch() and not state.can_train()
 
 
@@ -142,7 +142,7 @@ def test_a_foreign_trajectory_is_refused() -> None:
 def test_restore_continues_version_and_cursor() -> None:
     state = TenantState(job("t", P=2, G=2, steps=4))
     state.restore(version=2, cursor=5)
-    state.transition(TenantStatus.RUNNING)
+    state.transition(JobStatus.RUNNING)
     assert state.launch() == 5
     launched = 1
     while state.can_launch():

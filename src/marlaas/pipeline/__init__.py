@@ -10,10 +10,10 @@ from marlaas.pipeline.orchestrator import Orchestrator
 from marlaas.pipeline.runner import RunResult, TenantResult, build_context, run_jobs
 from marlaas.pipeline.scheduler import AdmissionQueue, FairShare, RequestGate
 from marlaas.pipeline.tenant import (
+    JobStatus,
     PipelineError,
     TenantFailure,
     TenantState,
-    TenantStatus,
 )
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "EnvPool",
     "ExecutorClosed",
     "FairShare",
+    "JobStatus",
     "Orchestrator",
     "PipelineContext",
     "PipelineError",
@@ -34,7 +35,6 @@ __all__ = [
     "TenantFailure",
     "TenantResult",
     "TenantState",
-    "TenantStatus",
     "build_context",
     "play_episode",
     "run_jobs",

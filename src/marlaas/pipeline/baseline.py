@@ -31,10 +31,10 @@ from marlaas.pipeline.context import PipelineContext
 from marlaas.pipeline.lifecycle import TenantRuntime, gather_all
 from marlaas.pipeline.scheduler import AdmissionQueue
 from marlaas.pipeline.tenant import (
+    JobStatus,
     PipelineError,
     TenantFailure,
     TenantState,
-    TenantStatus,
     describe_failure,
 )
 from marlaas.train.batch import TrainBatchError
@@ -70,19 +70,19 @@ class SyncBaseline:
     async def _tenant(self, state: TenantState) -> None:
         recorder = self.ctx.recorder
         rt = TenantRuntime(self.ctx, state)
-        state.transition(TenantStatus.RUNNING)
+        state.transition(JobStatus.RUNNING)
         recorder.event("tenant_admitted", tenant=state.name)
         try:
             await rt.setup()
             await self._steps(state, rt)
-            state.transition(TenantStatus.DONE)
+            state.transition(JobStatus.DONE)
             recorder.event("tenant_done", tenant=state.name, version=state.version)
         except asyncio.CancelledError:
             if not state.status.terminal:
-                state.transition(TenantStatus.CANCELLED, state.reason or "the run stopped")
+                state.transition(JobStatus.CANCELLED, state.reason or "the run stopped")
             raise
         except Exception as exc:
-            state.transition(TenantStatus.FAILED, describe_failure(exc))
+            state.transition(JobStatus.FAILED, describe_failure(exc))
             recorder.event("tenant_failed", tenant=state.name, reason=state.reason)
         finally:
             with contextlib.suppress(Exception):

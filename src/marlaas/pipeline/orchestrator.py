@@ -43,10 +43,10 @@ from marlaas.pipeline.context import PipelineContext
 from marlaas.pipeline.lifecycle import TenantRuntime
 from marlaas.pipeline.scheduler import AdmissionQueue
 from marlaas.pipeline.tenant import (
+    JobStatus,
     PipelineError,
     TenantFailure,
     TenantState,
-    TenantStatus,
     describe_failure,
 )
 from marlaas.train.batch import TrainBatch, TrainBatchError
@@ -147,13 +147,13 @@ class Orchestrator:
         queued job leaves the admission queue until unpaused; pausing a paused or
         finished job does nothing."""
         state = self._state(name)
-        if state.status is TenantStatus.QUEUED:
+        if state.status is JobStatus.QUEUED:
             if self._queue.remove(name):
                 self._held.add(name)
                 self.ctx.recorder.event("tenant_paused", tenant=name, admitted=False)
             return
-        if state.status is TenantStatus.RUNNING:
-            state.transition(TenantStatus.PAUSED)
+        if state.status is JobStatus.RUNNING:
+            state.transition(JobStatus.PAUSED)
             self.ctx.recorder.event("tenant_paused", tenant=name, admitted=True)
             self._poke(name)
 
@@ -166,8 +166,8 @@ class Orchestrator:
             self._queue.push(name, state.job.priority)
             self.ctx.recorder.event("tenant_unpaused", tenant=name, admitted=False)
             self._wake.set()
-        elif state.status is TenantStatus.PAUSED:
-            state.transition(TenantStatus.RUNNING)
+        elif state.status is JobStatus.PAUSED:
+            state.transition(JobStatus.RUNNING)
             self.ctx.recorder.event("tenant_unpaused", tenant=name, admitted=True)
             self._poke(name)
 
@@ -178,7 +178,7 @@ class Orchestrator:
             return
         if self._queue.remove(name) or name in self._held:
             self._held.discard(name)
-            state.transition(TenantStatus.CANCELLED, "cancelled before admission")
+            state.transition(JobStatus.CANCELLED, "cancelled before admission")
             self.ctx.recorder.event("tenant_cancelled", tenant=name, reason=state.reason)
             self._wake.set()
             return
@@ -198,7 +198,7 @@ class Orchestrator:
         for name in waiting:
             self._queue.remove(name)
             self._held.discard(name)
-            self.states[name].transition(TenantStatus.CANCELLED, "the pipeline closed first")
+            self.states[name].transition(JobStatus.CANCELLED, "the pipeline closed first")
             self.ctx.recorder.event("tenant_cancelled", tenant=name, reason="closed")
         for name, driver in self._drivers.items():
             if checkpoint:
@@ -247,7 +247,7 @@ class Orchestrator:
         self.admission_order.append(name)
         # Running from admission on, so a pause that comes before the driver's first
         # turn applies to an admitted tenant.
-        self.states[name].transition(TenantStatus.RUNNING)
+        self.states[name].transition(JobStatus.RUNNING)
         self.ctx.recorder.event("tenant_admitted", tenant=name)
         driver = asyncio.create_task(self._tenant_main(self.states[name]), name=f"tenant:{name}")
         driver.add_done_callback(lambda _: self._wake.set())
@@ -260,22 +260,22 @@ class Orchestrator:
         try:
             await runtime.setup()
             await self._drive(state, runtime, tasks)
-            state.transition(TenantStatus.DONE)
+            state.transition(JobStatus.DONE)
             recorder.event("tenant_done", tenant=state.name, version=state.version)
         except _Stopped:
             reason = f"stopped with the pipeline at version {state.version}"
             if runtime.last_checkpoint is not None:
                 reason += f" (checkpoint at version {runtime.last_checkpoint})"
-            state.transition(TenantStatus.CANCELLED, reason)
+            state.transition(JobStatus.CANCELLED, reason)
             recorder.event("tenant_stopped", tenant=state.name, reason=reason)
         except asyncio.CancelledError:
             if not state.status.terminal:
-                state.transition(TenantStatus.CANCELLED, state.reason or "cancelled")
+                state.transition(JobStatus.CANCELLED, state.reason or "cancelled")
                 recorder.event("tenant_cancelled", tenant=state.name, reason=state.reason)
             raise
         except Exception as exc:
             if not state.status.terminal:
-                state.transition(TenantStatus.FAILED, describe_failure(exc))
+                state.transition(JobStatus.FAILED, describe_failure(exc))
                 recorder.event("tenant_failed", tenant=state.name, reason=state.reason)
         finally:
             await tasks.cancel_all()

@@ -43,8 +43,9 @@ from marlaas.obs.recorder import NullRecorder, Recorder
 from marlaas.pipeline.context import PipelineContext, PipelineOptions
 from marlaas.pipeline.orchestrator import Orchestrator
 from marlaas.pipeline.runner import build_context
-from marlaas.pipeline.tenant import PipelineError, TenantState, TenantStatus, describe_failure
+from marlaas.pipeline.tenant import PipelineError, TenantState, describe_failure
 from marlaas.train.checkpoint import ADAPTER_DIR, list_checkpoints
+from marlaas.types import JobStatus
 
 log = logging.getLogger(__name__)
 
@@ -147,7 +148,7 @@ class TenantEnded:
     runtime's `close` (not by anyone's `cancel`), after its checkpoint."""
 
     tenant: str
-    status: TenantStatus
+    status: JobStatus
     reason: str | None
     stopped: bool = False
 
@@ -176,10 +177,10 @@ def _drop(progress: Progress) -> None:
 
 
 _ENDS = {
-    "tenant_done": TenantStatus.DONE,
-    "tenant_failed": TenantStatus.FAILED,
-    "tenant_cancelled": TenantStatus.CANCELLED,
-    "tenant_stopped": TenantStatus.CANCELLED,
+    "tenant_done": JobStatus.DONE,
+    "tenant_failed": JobStatus.FAILED,
+    "tenant_cancelled": JobStatus.CANCELLED,
+    "tenant_stopped": JobStatus.CANCELLED,
 }
 
 

@@ -30,14 +30,13 @@ Invariants:
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from marlaas.config.job import JobSpec
 from marlaas.errors import MarlaasError
 from marlaas.train.batch import TenantStepResult, TrainBatch
-from marlaas.types import Trajectory
+from marlaas.types import JobStatus, Trajectory
 
 
 class PipelineError(MarlaasError, RuntimeError):
@@ -48,32 +47,17 @@ class TenantFailure(MarlaasError, RuntimeError):
     """A tenant's own work failed for good; the tenant is failed, nobody else is."""
 
 
-class TenantStatus(enum.StrEnum):
-    QUEUED = "queued"
-    RUNNING = "running"
-    PAUSED = "paused"
-    DONE = "done"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-    @property
-    def terminal(self) -> bool:
-        return self in (TenantStatus.DONE, TenantStatus.FAILED, TenantStatus.CANCELLED)
-
-
-_TRANSITIONS: dict[TenantStatus, frozenset[TenantStatus]] = {
-    TenantStatus.QUEUED: frozenset(
-        {TenantStatus.RUNNING, TenantStatus.FAILED, TenantStatus.CANCELLED}
+_TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
+    JobStatus.QUEUED: frozenset({JobStatus.RUNNING, JobStatus.FAILED, JobStatus.CANCELLED}),
+    JobStatus.RUNNING: frozenset(
+        {JobStatus.PAUSED, JobStatus.DONE, JobStatus.FAILED, JobStatus.CANCELLED}
     ),
-    TenantStatus.RUNNING: frozenset(
-        {TenantStatus.PAUSED, TenantStatus.DONE, TenantStatus.FAILED, TenantStatus.CANCELLED}
+    JobStatus.PAUSED: frozenset(
+        {JobStatus.RUNNING, JobStatus.DONE, JobStatus.FAILED, JobStatus.CANCELLED}
     ),
-    TenantStatus.PAUSED: frozenset(
-        {TenantStatus.RUNNING, TenantStatus.DONE, TenantStatus.FAILED, TenantStatus.CANCELLED}
-    ),
-    TenantStatus.DONE: frozenset(),
-    TenantStatus.FAILED: frozenset(),
-    TenantStatus.CANCELLED: frozenset(),
+    JobStatus.DONE: frozenset(),
+    JobStatus.FAILED: frozenset(),
+    JobStatus.CANCELLED: frozenset(),
 }
 
 
@@ -107,7 +91,7 @@ class TenantState:
         self.name = job.name
         #: Position in submission order (admission is FIFO within a priority).
         self.order = order
-        self.status = TenantStatus.QUEUED
+        self.status = JobStatus.QUEUED
         self.reason: str | None = None
         self.version = 0
         self.cursor = 0
@@ -143,7 +127,7 @@ class TenantState:
 
     # -- status ----------------------------------------------------------------------
 
-    def transition(self, status: TenantStatus, reason: str | None = None) -> None:
+    def transition(self, status: JobStatus, reason: str | None = None) -> None:
         if status not in _TRANSITIONS[self.status]:
             raise PipelineError(f"tenant {self.name!r}: cannot go from {self.status} to {status}")
         self.status = status
@@ -168,7 +152,7 @@ class TenantState:
         return self.in_flight + len(self.buffer) + self.training
 
     def can_launch(self) -> bool:
-        if self.status is not TenantStatus.RUNNING:
+        if self.status is not JobStatus.RUNNING:
             return False
         P = self.prompts_per_step
         ahead = self.outstanding < (self.max_staleness + 1) * P
@@ -201,7 +185,7 @@ class TenantState:
 
     def can_train(self) -> bool:
         return (
-            self.status is TenantStatus.RUNNING
+            self.status is JobStatus.RUNNING
             and not self.training
             and not self.holds
             and not self.finished_training

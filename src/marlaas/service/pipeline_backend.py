@@ -54,7 +54,7 @@ from marlaas.pipeline.runtime import (
     TenantResumed,
     TenantStarted,
 )
-from marlaas.pipeline.tenant import PipelineError, TenantStatus, describe_failure
+from marlaas.pipeline.tenant import PipelineError, describe_failure
 from marlaas.service import datasets
 from marlaas.service.backend import BackendFactory
 from marlaas.service.db import Database
@@ -84,7 +84,7 @@ class _Job:
     checkpoints: set[int] = field(default_factory=set)
     #: The database already says running (a recovered running job): no report needed.
     running: bool = False
-    ended: TenantStatus | None = None
+    ended: JobStatus | None = None
     reason: str | None = None
 
 
@@ -241,12 +241,12 @@ class PipelineBackend:
         # The database says queued now; tell it what the pipeline does with the job (a
         # job paused before admission reports running when it is admitted).
         state = runtime.state(job_id)
-        if state.status in (TenantStatus.RUNNING, TenantStatus.DONE):
+        if state.status in (JobStatus.RUNNING, JobStatus.DONE):
             job.running = True
             self._report(lambda: self._reporter.status(job_id, JobStatus.RUNNING))
-        if state.status is TenantStatus.DONE:  # its last step landed while it was paused
+        if state.status is JobStatus.DONE:  # its last step landed while it was paused
             self._report(lambda: self._reporter.status(job_id, JobStatus.DONE))
-        elif state.status is TenantStatus.FAILED:
+        elif state.status is JobStatus.FAILED:
             reason = state.reason
             self._report(lambda: self._reporter.status(job_id, JobStatus.FAILED, reason))
 
@@ -381,9 +381,9 @@ class PipelineBackend:
                 )
         elif isinstance(progress, TenantEnded):
             job.ended, job.reason = progress.status, progress.reason
-            if progress.status is TenantStatus.DONE:
+            if progress.status is JobStatus.DONE:
                 self._report(lambda: self._reporter.status(job_id, JobStatus.DONE))
-            elif progress.status is TenantStatus.FAILED:
+            elif progress.status is JobStatus.FAILED:
                 reason = progress.reason
                 self._report(lambda: self._reporter.status(job_id, JobStatus.FAILED, reason))
         elif isinstance(progress, TenantResumed):
