@@ -175,3 +175,17 @@ def paper(
     typer.echo(markdown(result))
     typer.echo(f"bench wall time {result['bench_wall_s']:.0f} s")
     typer.echo(f"wrote {json_out}, {json_out.with_suffix('.md')}, {json_out.with_suffix('.png')}")
+
+
+@app.command("api")
+def api(
+    json_out: Path = typer.Option(Path("bench-api.json"), "--json", help="Result file."),
+    jobs: int = typer.Option(32, min=1, help="Jobs training at once."),
+    clients: int = typer.Option(8, min=1, help="Client threads polling the API."),
+    steps: int = typer.Option(6, min=1, help="RL steps per job."),
+) -> None:
+    """API latency of a real `marlaas serve` while many jobs train."""
+    from marlaas.bench.api import run_api_bench
+
+    run_api_bench(jobs=jobs, clients=clients, steps=steps, json_path=json_out)
+    typer.echo(f"wrote {json_out}")
