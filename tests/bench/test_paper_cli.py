@@ -36,6 +36,7 @@ def test_bench_paper_minimal(base_dir: Path, tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert data["schema"] == "marlaas.bench.paper/1"
     assert data["config"]["tenant_counts"] == [1] and data["config"]["trl"]
+    assert data["config"]["backend"] == "inprocess" and data["config"]["ray"] is None
     (regime,) = data["regimes"]
     assert regime["workload"]["file"] == "compute-v1.yaml"
     assert len(regime["workload"]["sha256"]) == 64
@@ -63,3 +64,17 @@ def test_bench_paper_rejects_a_bad_regime(tmp_path: Path) -> None:
     )
     assert result.exit_code != 0
     assert "paper, compute or both" in result.output
+
+
+def test_bench_paper_rejects_a_bad_backend_and_a_bad_ray_spec(tmp_path: Path) -> None:
+    out = str(tmp_path / "x.json")
+    result = CliRunner().invoke(app, ["bench", "paper", "--json", out, "--backend", "gpu"])
+    assert result.exit_code != 0
+    assert "backend must be 'inprocess' or 'ray'" in str(result.exception or result.output)
+    bad = tmp_path / "ray.yaml"
+    bad.write_text("engine_replicas: 0\n")
+    result = CliRunner().invoke(
+        app, ["bench", "paper", "--json", out, "--backend", "ray", "--ray-spec", str(bad)]
+    )
+    assert result.exit_code != 0
+    assert "engine_replicas" in str(result.exception or result.output)

@@ -34,6 +34,7 @@ from marlaas.bench.report import build_row, check_targets, markdown, plot
 from marlaas.bench.trl_baseline import NOTES as TRL_NOTES
 from marlaas.bench.trl_baseline import run_trl_tenant
 from marlaas.bench.workloads import Workload, is_single_turn
+from marlaas.config.ray import RaySpec
 from marlaas.errors import ConfigError
 from marlaas.fileio import atomic_write_json, atomic_write_text
 from marlaas.model.base import default_base_path
@@ -70,14 +71,20 @@ def run_paper_bench(
     json_path: Path | None = None,
     base_path: Path | None = None,
     threads: int | None = 1,
+    backend: str = "inprocess",
+    ray: RaySpec | None = None,
     log: Log = print,
 ) -> dict[str, Any]:
     """Run the benchmark and return the result (also written to `json_path`, with the
     Markdown table at `json_path.with_suffix('.md')` and the chart at `.png`).
 
     `steps` replaces each workload's `steps` (or `quick_steps` when `quick`);
-    `baseline_tenants` caps the tenants the baselines run (None: all of them).
+    `baseline_tenants` caps the tenants the baselines run (None: all of them);
+    `backend` runs marlaas and the synchronous baseline in-process or on Ray (TRL always
+    runs in-process).
     """
+    if backend not in ("inprocess", "ray"):
+        raise ConfigError(f"backend must be 'inprocess' or 'ray', got {backend!r}")
     if not workloads:
         raise ConfigError("choose at least one workload (regime)")
     if not tenant_counts or min(tenant_counts) < 1:
@@ -106,6 +113,7 @@ def run_paper_bench(
                     out_dir / workload.regime,
                     base,
                     log,
+                    {"backend": backend, "ray": ray or RaySpec()},
                 )
             )
     finally:
@@ -119,6 +127,8 @@ def run_paper_bench(
             "steps_override": steps,
             "baseline_tenants": baseline_tenants,
             "include_trl": include_trl,
+            "backend": backend,
+            "ray": (ray or RaySpec()).model_dump(mode="json") if backend == "ray" else None,
             "base_model": str(base),
             "device": resolve_device("auto"),
             "torch_threads": threads if threads is not None else previous_threads,
@@ -175,6 +185,7 @@ def _run_regime(
     out_dir: Path,
     base: Path,
     log: Log,
+    placement: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     n_steps = (
         steps
@@ -186,7 +197,7 @@ def _run_regime(
     rows: list[dict[str, Any]] = []
     for n in counts:
         k = n if baseline_tenants is None else min(n, baseline_tenants)
-        on_base = {"base_model": str(base)}
+        on_base = {"base_model": str(base), **(placement or {})}
         spec = workload.instantiate(n, steps=n_steps).model_copy(update=on_base)
         spec_k = workload.instantiate(k, steps=n_steps).model_copy(update=on_base)
         run_dir = out_dir / f"n{n:03d}"

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import typer
 
+from marlaas.config.ray import RaySpec
+
 app = typer.Typer(no_args_is_help=True, help="Benchmarks (a table on screen, JSON on disk).")
 
 
@@ -100,6 +102,25 @@ def sandbox(
     typer.echo(f"wrote {json_out}")
 
 
+def _ray_spec(path: Path | None) -> RaySpec | None:
+    if path is None:
+        return None
+    import yaml
+    from pydantic import ValidationError
+
+    from marlaas.errors import ConfigError
+
+    try:
+        return RaySpec.model_validate(yaml.safe_load(path.read_text(encoding="utf-8")) or {})
+    except (OSError, yaml.YAMLError) as e:
+        raise ConfigError(f"cannot read the Ray spec {path}: {e}") from e
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()
+        )
+        raise ConfigError(f"{path}: invalid Ray spec: {problems}") from e
+
+
 @app.command("paper")
 def paper(
     json_out: Path = typer.Option(Path("bench-paper.json"), "--json", help="Result file."),
@@ -131,6 +152,12 @@ def paper(
     ),
     threads: int = typer.Option(1, min=1, help="torch threads for every system."),
     model: Path = typer.Option(None, help="Base model directory (default: embedded)."),
+    backend: str = typer.Option(
+        "inprocess", help="inprocess or ray: where marlaas and the sync baseline run."
+    ),
+    ray_spec: Path = typer.Option(
+        None, help="YAML file of the Ray spec (RaySpec: address, replicas, resources)."
+    ),
 ) -> None:
     """The paper's headline table: marlaas async vs the sync baseline vs TRL GRPOTrainer."""
     import tempfile
@@ -170,6 +197,8 @@ def paper(
             json_path=json_out,
             base_path=model,
             threads=threads,
+            backend=backend,
+            ray=_ray_spec(ray_spec),
             log=typer.echo,
         )
     typer.echo(markdown(result))
