@@ -16,6 +16,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from marlaas.distributed.cluster import connect
     from marlaas.distributed.engine_client import RayEngineClient
     from marlaas.distributed.envs import RayEnvPool
     from marlaas.distributed.executor import RayExecutor
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 _EXPORTS = {
     "RayBank": "ray_backend",
     "build_ray_context": "ray_backend",
+    "connect": "cluster",
     "RayEngineClient": "engine_client",
     "RayEnvPool": "envs",
     "RayExecutor": "executor",
@@ -38,6 +40,7 @@ __all__ = [
     "RayExecutor",
     "RayTrainerClient",
     "build_ray_context",
+    "connect",
 ]
 
 

@@ -120,6 +120,18 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def prepare_backend(run: RunSpec) -> None:
+    """What must happen on the calling thread before `build_context` runs in a worker
+    thread: Ray ties the processes it starts (its GCS, raylet) to the *thread* that
+    called `ray.init`, so joining Ray from a short-lived worker thread would kill the
+    cluster when that thread ends. Call it from the thread that owns the run (the event
+    loop's); a no-op for the in-process backend."""
+    if run.backend == "ray":
+        from marlaas.distributed import connect
+
+        connect(run.ray)
+
+
 def build_context(
     run: RunSpec,
     out_dir: Path,
@@ -213,6 +225,7 @@ async def run_jobs(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out_dir / "run.json", run.model_dump(mode="json"), sort_keys=True)
+    prepare_backend(run)
     ctx = await asyncio.to_thread(
         build_context,
         run,

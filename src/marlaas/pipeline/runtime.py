@@ -42,7 +42,7 @@ from marlaas.fileio import atomic_write_json
 from marlaas.obs.recorder import NullRecorder, Recorder
 from marlaas.pipeline.context import PipelineContext, PipelineOptions
 from marlaas.pipeline.orchestrator import Orchestrator
-from marlaas.pipeline.runner import build_context
+from marlaas.pipeline.runner import build_context, prepare_backend
 from marlaas.pipeline.tenant import PipelineError, TenantState, describe_failure
 from marlaas.train.checkpoint import ADAPTER_DIR, list_checkpoints
 from marlaas.types import JobStatus
@@ -312,9 +312,11 @@ class PipelineRuntime:
         atomic_write_json(out_dir / "runtime.json", spec.model_dump(mode="json"), sort_keys=True)
         # Nothing is emitted before a job runs; the runtime takes the records once built.
         progress = _ProgressRecorder(recorder or NullRecorder(), _drop, asyncio.get_running_loop())
+        run = spec.as_run_spec()
+        prepare_backend(run)
         ctx = await asyncio.to_thread(
             build_context,
-            spec.as_run_spec(),
+            run,
             out_dir,
             recorder=progress,
             options=options,
