@@ -173,6 +173,10 @@ def test_sigkill_mid_training_then_every_job_resumes_and_completes(
         assert got[-1] == steps and on_disk(data, job_id)[-1] == steps
         api = second.get(f"/v1/jobs/{job_id}/checkpoints", acme)["checkpoints"]
         assert [c["step"] for c in api] == got
+        # Steps trained again after the restart replaced their metrics: one per step.
+        points = second.get(f"/v1/jobs/{job_id}/metrics", acme)["points"]
+        rewards = [p["step"] for p in points if p["name"] == "reward_mean"]
+        assert sorted(rewards) == list(range(1, steps + 1)), rewards
         final = data / "artifacts" / "pipeline" / "tenants" / job_id / "adapter"
         config = json.loads((final / "adapter_config.json").read_text())
         assert config["peft_type"] == "LORA" and config["r"] == 4

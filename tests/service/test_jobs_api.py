@@ -201,3 +201,21 @@ def test_backend_is_closed_at_shutdown(
     assert client.get("/readyz").json()["backend"] == "ScriptedBackend"
     client.__exit__(None, None, None)
     assert backend.closed
+
+
+def test_a_step_reported_again_replaces_its_metrics(
+    client: TestClient, tenants: Tenants, backend: ScriptedBackend
+) -> None:
+    """After a crash, the steps since the last checkpoint are trained and reported
+    again: the metrics keep one value per step and name, the newest."""
+    import asyncio
+
+    acme = tenants.create("acme")
+    backend.hold_at = 1
+    jid = _create(client, acme, steps=3)["id"]
+    assert backend.reporter is not None
+    asyncio.run(backend.reporter.step(jid, 2, {"reward_mean": 0.25, "loss": 1.0}))
+    asyncio.run(backend.reporter.step(jid, 2, {"reward_mean": 0.75}))
+    points = client.get(f"/v1/jobs/{jid}/metrics", headers=acme).json()["points"]
+    at_2 = sorted((p["name"], p["value"]) for p in points if p["step"] == 2)
+    assert at_2 == [("loss", 1.0), ("reward_mean", 0.75)]

@@ -16,6 +16,7 @@ import math
 from collections.abc import Mapping
 from pathlib import Path
 
+from sqlalchemy import delete
 from sqlalchemy.orm import Session
 
 from marlaas.service.db import Database
@@ -77,7 +78,9 @@ class JobReporter:
             return True
 
     async def step(self, job_id: str, step: int, metrics: Mapping[str, float | None]) -> None:
-        """Report that optimizer step `step` (1-based) finished, with its scalars."""
+        """Report that optimizer step `step` (1-based) finished, with its scalars. A step
+        reported again (trained again after a crash resumed the job from an earlier
+        checkpoint) replaces its earlier values: a metric has one value per step."""
         await asyncio.to_thread(self._step, job_id, step, _finite(metrics))
         self.notifier.notify(job_id)
 
@@ -87,6 +90,11 @@ class JobReporter:
             job = self._job(session, job_id)
             job.steps_done = max(job.steps_done, step)
             job.updated_at = now
+            session.execute(
+                delete(Metric).where(
+                    Metric.job_id == job_id, Metric.step == step, Metric.name.in_(list(metrics))
+                )
+            )
             session.add_all(
                 Metric(job_id=job_id, step=step, name=name, value=value, time=now)
                 for name, value in metrics.items()
