@@ -54,6 +54,7 @@ from marlaas.distributed.records import (
 from marlaas.errors import EngineClosed, ModelError, TenantNotFound
 from marlaas.model.lora import AdapterTensors, LoRAModel
 from marlaas.rollout.batch import Deliver
+from marlaas.rollout.engine import settle
 from marlaas.types import Completion, RolloutRequest
 
 log = logging.getLogger(__name__)
@@ -180,7 +181,7 @@ class RayEngineClient:
 
         def deliver(result: Completion | BaseException) -> None:
             with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_settle, future, result)
+                loop.call_soon_threadsafe(settle, future, result)
 
         self.enqueue(request, deliver)
         rid = request.request_id
@@ -492,12 +493,3 @@ class RayEngineClient:
         ref = ray.put(tensors)
         self._put_cache = (tensors, ref)
         return ref
-
-
-def _settle(future: asyncio.Future[Completion], result: Completion | BaseException) -> None:
-    if future.done():
-        return
-    if isinstance(result, BaseException):
-        future.set_exception(result)
-    else:
-        future.set_result(result)

@@ -31,7 +31,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from marlaas.rollout.engine import RolloutEngine
+from marlaas.rollout.engine import RolloutEngine, settle
 from marlaas.types import Completion, RolloutRequest
 
 
@@ -225,16 +225,8 @@ class _Deliver:
 
 
 def _resolve(item: _Waiting, result: Completion | BaseException) -> None:
-    def settle() -> None:
-        if item.future.done():
-            return
-        if isinstance(result, BaseException):
-            item.future.set_exception(result)
-        else:
-            item.future.set_result(result)
-
     with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
-        item.loop.call_soon_threadsafe(settle)
+        item.loop.call_soon_threadsafe(settle, item.future, result)
 
 
 class AdmissionQueue:

@@ -133,7 +133,7 @@ class RolloutEngine:
 
         def deliver(result: Completion | BaseException) -> None:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-                loop.call_soon_threadsafe(_settle, future, result)
+                loop.call_soon_threadsafe(settle, future, result)
 
         self.enqueue(request, deliver)
         rid = request.request_id
@@ -288,7 +288,9 @@ class RolloutEngine:
             self._core.fail_all(exc)
 
 
-def _settle(future: asyncio.Future[Completion], result: Completion | BaseException) -> None:
+def settle(future: asyncio.Future[Completion], result: Completion | BaseException) -> None:
+    """Resolve `future` with a completion or an error, unless its owner cancelled it
+    (call on the future's loop). Shared by every engine front end."""
     if future.done():  # cancelled by its owner
         return
     if isinstance(result, BaseException):
