@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -13,6 +14,7 @@ from marlaas.model.bank import AdapterBank
 from marlaas.model.base import load_base
 from marlaas.model.lora import LoRAModel
 from marlaas.pipeline.scheduler import AdmissionQueue, FairShare, RequestGate
+from marlaas.rollout.batch import Deliver
 from marlaas.rollout.engine import RolloutEngine
 from marlaas.types import Completion, RolloutRequest, SamplingParams
 
@@ -146,6 +148,46 @@ async def test_cancelled_requests_leave_the_gate(
     done = [f for f in futures if not f.cancelled()]
     assert len(done) == 6 and all(len(f.result().token_ids) == 3 for f in done)
     assert gate.rows["p1"] == 0
+
+
+class _Unstreaming:
+    """An engine front end that cannot stream (like the Ray client): no `streams_tokens`
+    and no listener argument."""
+
+    def __init__(self, engine: RolloutEngine) -> None:
+        self.engine = engine
+
+    @property
+    def running(self) -> int:
+        return self.engine.running
+
+    @property
+    def queued(self) -> int:
+        return self.engine.queued
+
+    def enqueue(self, request: RolloutRequest, deliver: Deliver) -> None:
+        self.engine.enqueue(request, deliver)
+
+    def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+
+async def test_the_gate_streams_tokens_when_its_engine_can(
+    saturated: tuple[RolloutEngine, AdapterBank],
+) -> None:
+    engine, _ = saturated
+    sampling = SamplingParams(max_new_tokens=4, seed=0)
+    for front, streams in ((engine, True), (cast(RolloutEngine, _Unstreaming(engine)), False)):
+        gate = RequestGate(front, capacity=6)
+        seen: list[int] = []
+        request = RolloutRequest(tenant="p1", prompt_ids=(10, 11), sampling=sampling)
+        future = gate.submit(request, on_token=seen.append)
+        while not future.done():
+            gate.fill()
+            engine.step()
+            await asyncio.sleep(0)
+        tokens = list(future.result().token_ids)
+        assert len(tokens) == 4 and seen == (tokens if streams else [])
 
 
 def test_queue_depths_count_waiting_items_per_tenant() -> None:

@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerBase
 from marlaas.model.bank import AdapterBank
 from marlaas.model.lora import LoRAModel
 from marlaas.rollout import EngineClosed, RolloutEngine
-from marlaas.types import RolloutRequest, SamplingParams
+from marlaas.types import Completion, RolloutRequest, SamplingParams
 
 
 def _req(tok: PreTrainedTokenizerBase, tenant: str, text: str, n: int) -> RolloutRequest:
@@ -119,3 +119,52 @@ async def test_publish_from_another_thread_while_the_driver_runs(
     assert (old_out.version, new_out.version) == (0, 1)
     assert old_out.token_ids != new_out.token_ids
     await engine.close()
+
+
+async def test_on_token_streams_every_token_before_the_completion(
+    make_engine: Callable[..., RolloutEngine], tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """Tokens reach the submitting loop one iteration at a time, in order, all before
+    the future resolves, and they are exactly the completion's tokens."""
+    engine = make_engine(background=False)
+    seen: list[tuple[int, bool]] = []  # (token, was the future done already?)
+    future = engine.submit(
+        _req(tokenizer, "t1", "stream me", 8),
+        on_token=lambda token: seen.append((token, future.done())),
+    )
+    counts = []
+    while not future.done():
+        engine.step()
+        await asyncio.sleep(0)  # run the hops the engine scheduled on this loop
+        counts.append(len(seen))
+    completion = future.result()
+    assert [t for t, _ in seen] == list(completion.token_ids)
+    assert not any(done for _, done in seen)
+    # The first iteration prefills (one token) and decodes (one more); then one a step.
+    assert counts == [2, 3, 4, 5, 6, 7, 8]
+
+
+def test_a_failing_listener_loses_its_stream_not_its_row(
+    make_engine: Callable[..., RolloutEngine], tokenizer: PreTrainedTokenizerBase
+) -> None:
+    engine = make_engine(background=False)
+    requests = [_req(tokenizer, "t0", "first", 6), _req(tokenizer, "t2", "second", 6)]
+    reference = make_engine(background=False).generate(requests)
+    calls: list[int] = []
+    good: list[int] = []
+    results: dict[int, Completion | BaseException] = {}
+
+    def bad(token: int) -> None:
+        calls.append(token)
+        raise RuntimeError("a consumer that broke")
+
+    engine.enqueue(requests[0], lambda r: results.__setitem__(0, r), bad)
+    engine.enqueue(requests[1], lambda r: results.__setitem__(1, r), good.append)
+    while len(results) < 2:
+        engine.step()
+    outs = [results[i] for i in (0, 1)]
+    assert [o.token_ids if isinstance(o, Completion) else o for o in outs] == [
+        r.token_ids for r in reference
+    ]
+    assert len(calls) == 1  # dropped after it raised
+    assert good == list(reference[1].token_ids)

@@ -11,14 +11,17 @@ base load once); the tests only read, so their order does not matter.
 from __future__ import annotations
 
 import asyncio
+import json
+import queue
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from typing import cast
 
 import httpx
 import openai
@@ -31,8 +34,10 @@ from fastapi.testclient import TestClient
 from openai.types.chat import ChatCompletionMessageParam
 from pg_server import PgServer
 from service_support import ADMIN, ADMIN_KEY, ScriptedBackend, Tenants, job_body
+from transformers import PreTrainedTokenizerBase
 
 from marlaas.config.specs import LoRASpec
+from marlaas.errors import EngineClosed
 from marlaas.model import peft_io
 from marlaas.model.bank import AdapterBank
 from marlaas.model.base import default_base_path, load_base
@@ -48,9 +53,10 @@ from marlaas.service.inference import (
     InferenceHub,
     ServedModel,
 )
-from marlaas.service.openai_api import chat_prompt, encode, text_pieces
+from marlaas.service.openai_api import chat_prompt, encode
 from marlaas.service.settings import ServiceSettings
-from marlaas.types import Completion
+from marlaas.service.streaming import IncrementalText, text_pieces
+from marlaas.types import Completion, RolloutRequest, SamplingParams
 
 PROMPT = "Q: 12+7\nA: "
 SPEC = LoRASpec(rank=4, alpha=32.0, target_modules=("q_proj", "v_proj", "down_proj"))
@@ -387,18 +393,43 @@ def test_chat_prompt_formats() -> None:
     assert tok.decode(ids) == "<user>hi\n<assistant>" and stops == ()
 
 
-def test_stream_pieces_keep_characters_whole() -> None:
+def _decoder() -> tuple[PreTrainedTokenizerBase, Callable[[list[int]], str]]:
     tok = build_tokenizer()
-    ids = (*encode(tok, "aé€!"), int(tok.eos_token_id))
 
     def decode(t: list[int]) -> str:
         return str(tok.decode(t, skip_special_tokens=True))
 
-    for text in ("aé€!", "aé"):  # whole, and cut before a stop string
+    return tok, decode
+
+
+def test_stream_pieces_keep_characters_whole() -> None:
+    tok, decode = _decoder()
+    ids = (*encode(tok, "aé€!"), int(tok.eos_token_id))
+
+    for text, stops in (("aé€!", ()), ("aé", ("€!",))):  # whole, and cut before a stop
         done = Completion("r", "t", 0, 1, ids, (0.0,) * len(ids), text, "stop")
-        pieces = text_pieces(decode, done)
+        pieces = text_pieces(decode, done, stops)
         assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
         assert len(pieces) == len(text)  # one piece per character here
+
+
+def test_streamed_text_holds_back_what_may_start_a_stop_string() -> None:
+    """Token by token, nothing at or after a stop string is ever released, and a
+    held-back prefix of a stop string goes out once it turns out not to be one."""
+    tok, decode = _decoder()
+    stops = ("STOP", "\n\n")
+    text = "ab STO cd é STOP tail"
+    ids = encode(tok, text)
+    stream = IncrementalText(decode, stops)
+    released = []
+    for token in ids:
+        released.append(stream.push(token))
+        assert "STOP" not in "".join(released)
+    final = text[: text.index("STOP")]
+    assert "".join(released) == final[: len("".join(released))]
+    assert "ab STO cd" in "".join(released)  # "STO" was held, then let go
+    done = Completion("r", "t", 0, 1, tuple(ids), (0.0,) * len(ids), final, "stop")
+    assert "".join(released + stream.finish(done)) == final
 
 
 def test_a_job_training_in_the_engine_serves_its_live_adapter(served: Served) -> None:
@@ -513,3 +544,175 @@ def test_a_malformed_union_field_gets_one_clear_message(served: Served) -> None:
     error = r.json()["error"]
     assert error["param"] == "prompt" and error["type"] == "invalid_request_error"
     assert "must be a string, a list of strings" in error["message"]
+
+
+# -- true streaming, against an engine the test steps itself ---------------------------
+
+
+@dataclass
+class Stepped:
+    url: str
+    key: str
+    engine: RolloutEngine
+
+
+def _serve(app: FastAPI) -> tuple[str, uvicorn.Server, threading.Thread]:
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, name="uvicorn-stepped", daemon=True)
+    thread.start()
+    for _ in range(300):  # bounded: at most ~30 s
+        if server.started or not thread.is_alive():
+            break
+        time.sleep(0.1)
+    assert server.started, "uvicorn did not start"
+    return f"http://127.0.0.1:{port}", server, thread
+
+
+@pytest.fixture(scope="module")
+def stepped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stepped]:
+    """A server whose engine nobody drives but the test (`background=False`): a token
+    exists only after the test's `engine.step()`. EOS never ends a row here."""
+    tmp = tmp_path_factory.mktemp("stepped")
+    settings = ServiceSettings(
+        data_dir=tmp / "data", db_url=f"sqlite:///{tmp / 'service.db'}", admin_key=ADMIN_KEY
+    )
+    base, tokenizer = load_base(default_base_path())
+    model = LoRAModel(base, max_rank=8)
+    engine = RolloutEngine(
+        model, AdapterBank(model, num_slots=2), tokenizer, background=False, eos_token_ids=[]
+    )
+    backend = _SharingBackend(provider=EngineProvider.of_engine(engine))
+    ctx, _ = open_context(settings)
+    url, server, thread = _serve(create_app(ctx, backend.attach))
+    try:
+        with httpx.Client(base_url=url, timeout=30) as http:
+            key = _tenant(http, "dora")
+        yield Stepped(url, key, engine)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        engine.shutdown()
+
+
+def _read_stream(
+    stepped: Stepped, body: dict[str, object], out: queue.Queue[str | None], first_only: bool
+) -> None:
+    """POST a streaming completion and put each event's data on `out` (None at the
+    end); with `first_only`, hang up after the first text chunk."""
+    headers = {"Authorization": f"Bearer {stepped.key}"}
+    try:
+        with (
+            httpx.Client(base_url=stepped.url, timeout=60) as http,
+            http.stream("POST", "/v1/completions", json=body, headers=headers) as r,
+        ):
+            assert r.status_code == 200, r.read()
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    out.put(line.removeprefix("data: "))
+                    if first_only:
+                        return
+    finally:
+        out.put(None)
+
+
+def _step_until_a_chunk(engine: RolloutEngine, out: queue.Queue[str | None]) -> str | None:
+    """Step once the request waits in the engine, then once more per quiet spell, until
+    the stream yields something. Returns it."""
+    for _ in range(3000):  # bounded: the request reaches the engine within ~30 s
+        if engine.has_work():
+            break
+        time.sleep(0.01)
+    for _ in range(8):  # ASCII answers: a chunk follows the first token or two
+        engine.step()
+        try:
+            return out.get(timeout=10)
+        except queue.Empty:
+            continue
+    raise AssertionError("no chunk came while the engine stepped")
+
+
+def test_chunks_leave_as_tokens_are_sampled(stepped: Stepped) -> None:
+    """The first chunk arrives while the request still runs in the engine (nothing
+    steps it but this test); the chunks then join to the greedy non-streamed answer."""
+    engine = stepped.engine
+    body = {"model": "base", "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "stream": True}
+    out: queue.Queue[str | None] = queue.Queue()
+    with ThreadPoolExecutor(1) as pool:
+        reader = pool.submit(_read_stream, stepped, body, out, False)
+        first = _step_until_a_chunk(engine, out)
+        assert first is not None and first != "[DONE]"
+        assert engine.running == 1  # streamed before the completion exists
+        assert engine.stats.completed == 0
+        while engine.has_work():
+            engine.step()
+        reader.result(timeout=60)
+    events = [first]
+    while (item := out.get(timeout=10)) is not None:
+        events.append(item)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    texts = [c["choices"][0]["text"] for c in chunks]
+    assert sum(1 for t in texts if t) > 1  # token by token, not one piece at the end
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+    tok = engine.tokenizer
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=16)
+    request = RolloutRequest("serve:base", tuple(encode(tok, PROMPT)), greedy)
+    assert "".join(texts) == engine.generate([request])[0].text
+
+
+def test_a_client_that_hangs_up_aborts_its_request(
+    stepped: Stepped, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = stepped.engine
+    aborted = threading.Event()
+    abort = engine.abort
+
+    def noting_abort(request_id: str) -> None:
+        abort(request_id)
+        aborted.set()
+
+    monkeypatch.setattr(engine, "abort", noting_abort)
+    before = engine.stats.aborted
+    body = {"model": "base", "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "stream": True}
+    out: queue.Queue[str | None] = queue.Queue()
+    with ThreadPoolExecutor(1) as pool:
+        reader = pool.submit(_read_stream, stepped, body, out, True)
+        assert _step_until_a_chunk(engine, out) is not None
+        reader.result(timeout=60)  # the client hung up after its first chunk
+        assert aborted.wait(timeout=30), "the server did not abort the request"
+    engine.step()
+    assert engine.stats.aborted == before + 1
+    assert engine.running == 0 and not engine.has_work()
+
+
+def test_an_error_after_the_stream_started_ends_it_with_an_error_event(
+    settings: ServiceSettings,
+) -> None:
+    """Admitted, two tokens streamed, then the engine fails: the chunks already sent
+    stay, an OpenAI-shaped error event ends the stream, and no `[DONE]` follows."""
+    tok = build_tokenizer()
+
+    async def submit(
+        request: RolloutRequest, on_token: Callable[[int], None] | None = None
+    ) -> Completion:
+        assert on_token is not None
+        for token in encode(tok, "hi"):
+            on_token(token)
+        for _ in range(20):  # let the route see the stream started (loop turns, no clock)
+            await asyncio.sleep(0)
+        raise EngineClosed("the engine stopped")
+
+    model = cast(LoRAModel, SimpleNamespace(target_modules=("q_proj",)))
+    provider = EngineProvider(model, cast(AdapterBank, _FakeBank()), tok, submit)
+    ctx, _ = open_context(settings)
+    with TestClient(create_app(ctx, _SharingBackend(provider=provider).attach)) as client:
+        headers = Tenants(client).create("erin")
+        body = {"model": "base", "prompt": PROMPT, "max_tokens": 8, "stream": True}
+        with client.stream("POST", "/v1/completions", json=body, headers=headers) as r:
+            assert r.status_code == 200
+            data = [x.removeprefix("data: ") for x in r.iter_lines() if x.startswith("data: ")]
+    events = [json.loads(d) for d in data]
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == "hi"
+    error = events[-1]["error"]
+    assert error["type"] == "server_error" and "cannot serve now" in error["message"]

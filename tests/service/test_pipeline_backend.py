@@ -5,6 +5,7 @@ from their checkpoints and keeps paused ones paused."""
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import time
@@ -150,6 +151,14 @@ def test_a_job_runs_to_done_through_the_api(servers: Servers, settings: ServiceS
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
     assert runtime.ctx.executor.tokens_sampled > decoded
+    # Streamed through the pipeline's request gate: the same text, token by token.
+    body = {"model": job_id, "prompt": "Reverse: abc\n", "max_tokens": 4, "temperature": 0}
+    with client.stream("POST", "/v1/completions", json={**body, "stream": True}, headers=acme) as s:
+        assert s.status_code == 200
+        data = [x.removeprefix("data: ") for x in s.iter_lines() if x.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    streamed = "".join(json.loads(d)["choices"][0]["text"] for d in data[:-1])
+    assert streamed == r.json()["choices"][0]["text"]
     # Prometheus: the pipeline's device, stage and per-job figures, labelled by tenant.
     text = client.get("/metrics").text
     assert f'marlaas_job_steps_trained{{job="{job_id}",tenant="acme"}} 3.0' in text, text

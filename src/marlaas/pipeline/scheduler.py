@@ -14,7 +14,9 @@ backlogged tenant is served within a bounded lag of the others (no starvation).
 request in its tenant's queue and returns a future; `fill` (the device thread, before
 each engine iteration) moves requests into the engine, in fair order, only while the
 engine has free rows, so the engine's own FIFO queue stays (nearly) empty and the order
-of admission is the gate's. The gate is the `Submit` callable episodes use.
+of admission is the gate's. The gate is the `Submit` callable episodes use. A request
+submitted with `on_token` streams its tokens when the engine can (`streams_tokens`);
+else its caller gets them all with the completion.
 
 `AdmissionQueue`: jobs beyond `max_active_tenants` wait; higher priority first, FIFO
 within a priority.
@@ -31,7 +33,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from marlaas.rollout.engine import RolloutEngine, settle
+from marlaas.rollout.batch import TokenListener
+from marlaas.rollout.engine import RolloutEngine, on_loop, settle
 from marlaas.types import Completion, RolloutRequest
 
 
@@ -116,6 +119,7 @@ class _Waiting:
     future: asyncio.Future[Completion]
     loop: asyncio.AbstractEventLoop
     cost: float
+    listener: TokenListener | None = None
     dispatched: bool = False
 
 
@@ -135,6 +139,7 @@ class RequestGate:
         self.on_submit = on_submit
         self._share = FairShare()
         self._lock = threading.Lock()
+        self._streams = bool(getattr(engine, "streams_tokens", False))
         self.tokens: dict[str, int] = {}
         self.rows: dict[str, int] = {}
         self.max_rows: dict[str, int] = {}
@@ -160,14 +165,19 @@ class RequestGate:
         with self._lock:
             return len(self._share) > 0
 
-    def submit(self, request: RolloutRequest) -> asyncio.Future[Completion]:
+    def submit(
+        self, request: RolloutRequest, on_token: Callable[[int], None] | None = None
+    ) -> asyncio.Future[Completion]:
         """Queue `request` under its tenant; the future resolves with its `Completion`.
 
         Cancelling the future withdraws a waiting request or aborts a running one.
+        `on_token` is called on this loop with each token as the engine samples it (as
+        `RolloutEngine.submit`), when the engine streams.
         """
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Completion] = loop.create_future()
-        item = _Waiting(request, future, loop, float(request.sampling.max_new_tokens))
+        listener = on_loop(loop, on_token) if on_token is not None and self._streams else None
+        item = _Waiting(request, future, loop, float(request.sampling.max_new_tokens), listener)
         with self._lock:
             self._share.push(request.tenant, item, item.cost)
         future.add_done_callback(lambda f: self._withdraw(item) if f.cancelled() else None)
@@ -192,7 +202,10 @@ class RequestGate:
                 item.dispatched = True
                 self.rows[tenant] = self.rows.get(tenant, 0) + 1
                 self.max_rows[tenant] = max(self.max_rows.get(tenant, 0), self.rows[tenant])
-            self.engine.enqueue(item.request, _Deliver(self, item))
+            if item.listener is None:
+                self.engine.enqueue(item.request, _Deliver(self, item))
+            else:  # only an engine with `streams_tokens` takes a listener
+                self.engine.enqueue(item.request, _Deliver(self, item), item.listener)
             room -= 1
             moved += 1
         return moved

@@ -1,7 +1,8 @@
 """The rollout stage: a continuous-batching, multi-LoRA generation engine.
 
-`RolloutEngine.submit(request)` returns a future of the `Completion`; rows of every
-tenant share each decode iteration, each with its own adapter slot.
+`RolloutEngine.submit(request)` returns a future of the `Completion` (and, given
+`on_token`, streams its tokens as they are sampled); rows of every tenant share each
+decode iteration, each with its own adapter slot.
 """
 
 from marlaas.errors import EngineClosed, InvalidRequest

@@ -11,8 +11,9 @@ Invariants:
   `kv.lengths_B[b] == prompt_len + n_gen_B[b] - 1` and its position is `kv.lengths_B[b]`.
 - `tokens_BN[b, :n_gen_B[b]]` / `logprobs_BN[b, :n_gen_B[b]]` are row b's output so far.
 - `n_sampling`, `n_filter` and `n_stop` count the rows that sample (temperature > 0),
-  use top-k/top-p, and have stop strings (`stop_rows`): batch-level shortcuts for the
-  hot path, recomputed only when rows join or leave.
+  use top-k/top-p, and have stop strings (`stop_rows`); `listen_rows` are the rows with
+  a token listener: batch-level shortcuts for the hot path, recomputed only when rows
+  join or leave.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from marlaas.rollout.kv import KVBatch, RowKV
 from marlaas.types import Completion, RolloutRequest
 
 Deliver = Callable[[Completion | BaseException], None]
+#: Called with each newly sampled token id of one request, in order, from the thread that
+#: steps the engine, before the request's `Deliver` (see `RolloutEngine.enqueue`).
+TokenListener = Callable[[int], None]
 
 
 @dataclass(eq=False)
@@ -46,6 +50,8 @@ class Row:
     stop_text: str | None = None
     #: Prompt tokens whose KV came from the session cache.
     reused: int = 0
+    #: Gets each sampled token as it is recorded (None: nobody streams this row).
+    listener: TokenListener | None = None
 
 
 _ROW_TENSORS = (
@@ -80,6 +86,7 @@ class RowBatch:
     n_filter: int = 0
     n_stop: int = 0
     stop_rows: list[int] = field(default_factory=list)
+    listen_rows: list[int] = field(default_factory=list)
 
     @staticmethod
     def build(
@@ -120,6 +127,7 @@ class RowBatch:
         self.n_filter = sum(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1) for p in params)
         self.stop_rows = [i for i, r in enumerate(self.rows) if r.stop_window > 0]
         self.n_stop = len(self.stop_rows)
+        self.listen_rows = [i for i, r in enumerate(self.rows) if r.listener is not None]
 
     def record(self, tokens_B: Tensor, logprobs_B: Tensor) -> None:
         """Append one sampled token (and its log-prob) to every row."""

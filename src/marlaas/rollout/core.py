@@ -10,7 +10,8 @@ One iteration:
    prefill the rest of every admitted prompt in one forward and sample the first tokens;
 3. one decode forward over every running row, each with its own adapter slot, and one
    batched sampling call;
-4. finished rows leave: the adapter pin is released, the KV may be kept for the
+4. rows with a token listener get their new token (prefill and decode alike);
+5. finished rows leave: the adapter pin is released, the KV may be kept for the
    session, the callback gets the `Completion`.
 
 Invariants:
@@ -18,6 +19,8 @@ Invariants:
   `Completion` or an exception) and its adapter pin is released exactly once.
 - An error in one request (bad prompt, unknown tenant) fails that request only; an
   error in a forward fails the rows of that forward only.
+- A row's listener sees its tokens in order, each once, all before its `deliver`; a
+  listener that raises is dropped (its row runs on, unstreamed), never failing others.
 - A row's output depends on its own request only (prompt, adapter version, sampling
   params, seed), never on its batch mates or its admission time.
 """
@@ -35,7 +38,14 @@ from transformers import PreTrainedTokenizerBase
 from marlaas.errors import CapacityError, InvalidRequest, MarlaasError
 from marlaas.model.bank import AdapterBank
 from marlaas.model.lora import LoRAModel
-from marlaas.rollout.batch import Deliver, Row, RowBatch, decode_logits, prefill_logits
+from marlaas.rollout.batch import (
+    Deliver,
+    Row,
+    RowBatch,
+    TokenListener,
+    decode_logits,
+    prefill_logits,
+)
 from marlaas.rollout.finish import FinishPolicy
 from marlaas.rollout.kv import KVBatch, RowKV, kv_geometry
 from marlaas.rollout.sampling import sample_B, uniform_B
@@ -65,10 +75,11 @@ class EngineStats:
 
 @dataclass
 class Pending:
-    """A queued request and the callback that answers it."""
+    """A queued request, the callback that answers it and its token listener."""
 
     request: RolloutRequest
     deliver: Deliver
+    listener: TokenListener | None = None
 
 
 @dataclass
@@ -174,7 +185,7 @@ class Scheduler:
                     request.session, request.tenant, handle.version, request.prompt_ids
                 )
             budget -= len(request.prompt_ids)
-            row = Row(request, handle, pending.deliver, reused=reused)
+            row = Row(request, handle, pending.deliver, reused=reused, listener=pending.listener)
             row.stop_window = self._finisher.window(request.sampling.stop)
             seed = request.sampling.seed
             taken.append(
@@ -262,6 +273,8 @@ class Scheduler:
         )
         batch.record(tokens_B, logprobs_B)
         self.stats.sampled_tokens += batch.size
+        if batch.listen_rows:
+            _stream_tokens(batch, tokens_B)
         done_B, eos_B = self._finisher.done_B(batch, tokens_B)
         if not bool(done_B.any()):
             return batch
@@ -305,6 +318,19 @@ class Scheduler:
     def _release(self, row: Row) -> None:
         with contextlib.suppress(MarlaasError):  # already released: nothing left to undo
             self.bank.release(row.handle)
+
+
+def _stream_tokens(batch: RowBatch, tokens_B: torch.Tensor) -> None:
+    """Hand each listening row its new token; a listener that raises is dropped."""
+    rows = batch.listen_rows
+    for i, token in zip(rows, tokens_B[rows].tolist(), strict=True):
+        row = batch.rows[i]
+        if row.listener is None:
+            continue
+        try:
+            row.listener(token)
+        except Exception:  # the consumer's fault: its row runs on without a stream
+            row.listener = None
 
 
 def _call(deliver: Deliver, result: Completion | BaseException) -> None:

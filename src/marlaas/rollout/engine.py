@@ -18,6 +18,14 @@ What a request gets back (`Completion`):
 - Seeded requests (`SamplingParams.seed`) sample the same tokens whatever their batch
   mates; unseeded ones get a seed from the engine's generator (`seed=`).
 
+Streaming: `submit(request, on_token=f)` also calls `f(token_id)` on the submitting loop
+for each token as it is sampled, in order, all before the future resolves (the tokens
+are exactly `Completion.token_ids`); `enqueue(request, deliver, listener)` is the same in
+the stepping thread. The engine only hands the token over (`call_soon_threadsafe` for
+`submit`): a slow consumer never slows an iteration, and a listener that raises loses
+its stream, never its row nor anyone else's. Front ends that cannot stream (the Ray
+client) have no `streams_tokens`; their callers get every token with the completion.
+
 Threading: `step()` may run in any thread (the driver runs it in a worker thread with
 `asyncio.to_thread`, and waits on an `asyncio.Event` when idle: no polling). `submit`,
 `enqueue` and `abort` never wait for an iteration; `publish` waits for the iteration in
@@ -35,15 +43,16 @@ import contextlib
 import functools
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
+from typing import Protocol
 
 from transformers import PreTrainedTokenizerBase
 
 from marlaas.errors import EngineClosed
 from marlaas.model.bank import AdapterBank
 from marlaas.model.lora import AdapterTensors, LoRAModel
-from marlaas.rollout.batch import Deliver
+from marlaas.rollout.batch import Deliver, TokenListener
 from marlaas.rollout.core import EngineStats, Pending, Scheduler
 from marlaas.rollout.sessions import SessionCache
 from marlaas.types import Completion, RolloutRequest
@@ -57,6 +66,9 @@ class RolloutEngine:
     `max_session_tokens` the KV kept for multi-turn sessions. `eos_token_ids` overrides
     the tokenizer's and the model's EOS ids (`[]`: never stop on EOS).
     """
+
+    #: Token listeners are called as tokens are sampled ("Streaming" in the module doc).
+    streams_tokens = True
 
     def __init__(
         self,
@@ -121,12 +133,15 @@ class RolloutEngine:
         with self._queue_lock:
             return bool(self._pending or self._aborts) or self._core.batch.size > 0
 
-    def submit(self, request: RolloutRequest) -> asyncio.Future[Completion]:
+    def submit(
+        self, request: RolloutRequest, on_token: Callable[[int], None] | None = None
+    ) -> asyncio.Future[Completion]:
         """Queue a request; the returned future resolves with its `Completion`.
 
         Call it from a running event loop. With `background=True` it starts the driver
         task on that loop if none runs. Cancelling the future aborts the request.
-        Raises `EngineClosed` after `close()`.
+        `on_token`, if given, is called on this loop with each token as it is sampled,
+        before the future resolves. Raises `EngineClosed` after `close()`.
         """
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Completion] = loop.create_future()
@@ -135,7 +150,8 @@ class RolloutEngine:
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
                 loop.call_soon_threadsafe(settle, future, result)
 
-        self.enqueue(request, deliver)
+        listener = None if on_token is None else on_loop(loop, on_token)
+        self.enqueue(request, deliver, listener)
         rid = request.request_id
         future.add_done_callback(lambda f: self.abort(rid) if f.cancelled() else None)
         # `_driving` is only set once the task runs: several submits in one loop tick
@@ -144,13 +160,17 @@ class RolloutEngine:
             self._task = loop.create_task(self.run_forever(), name="rollout-engine")
         return future
 
-    def enqueue(self, request: RolloutRequest, deliver: Deliver) -> None:
+    def enqueue(
+        self, request: RolloutRequest, deliver: Deliver, listener: TokenListener | None = None
+    ) -> None:
         """Queue a request; `deliver` is called once, from the thread that steps, with
-        the `Completion` or the exception that failed the request."""
+        the `Completion` or the exception that failed the request. `listener`, if given,
+        is called from that thread with each token as it is sampled, before `deliver`;
+        it must return at once (hand the token over, never wait)."""
         with self._queue_lock:
             if self._closing:
                 raise EngineClosed("the rollout engine is closed; create a new one to submit")
-            self._pending.append(Pending(request, deliver))
+            self._pending.append(Pending(request, deliver, listener))
         self._notify()
 
     def abort(self, request_id: str) -> None:
@@ -297,3 +317,24 @@ def settle(future: asyncio.Future[Completion], result: Completion | BaseExceptio
         future.set_exception(result)
     else:
         future.set_result(result)
+
+
+def on_loop(loop: asyncio.AbstractEventLoop, on_token: Callable[[int], None]) -> TokenListener:
+    """A listener for the stepping thread that calls `on_token(token)` on `loop` (in
+    order; never waits). Shared by every engine front end."""
+
+    def listener(token: int) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody listens
+            loop.call_soon_threadsafe(on_token, token)
+
+    return listener
+
+
+class StreamingSubmit(Protocol):
+    """A `submit` that can stream: `RolloutEngine.submit`, the request gate's `submit`,
+    or anything shaped like them (see "Streaming" in the module docstring). Episodes
+    need less: `rollout.episode.Submit`."""
+
+    def __call__(
+        self, request: RolloutRequest, on_token: Callable[[int], None] | None = None
+    ) -> Awaitable[Completion]: ...

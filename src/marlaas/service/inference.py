@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import re
 from collections import OrderedDict
@@ -55,8 +56,9 @@ if TYPE_CHECKING:
 
     from marlaas.model.bank import AdapterBank
     from marlaas.model.lora import LoRAModel
-    from marlaas.rollout.engine import RolloutEngine
+    from marlaas.rollout.engine import RolloutEngine, StreamingSubmit
     from marlaas.service.context import ServiceContext
+    from marlaas.service.streaming import ChoiceEvents
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +102,9 @@ class InferenceProvider(Protocol):
     `model`, `bank` and `tokenizer` are the engine's; `submit` queues a request on the
     engine (the runtime passes its fair-share gate's `submit`, the service's own engine
     its `RolloutEngine.submit`) and resolves with the `Completion`; cancelling the
-    awaitable aborts the request. Serving only ever registers and removes `serve:*`
-    tenants in the bank.
+    awaitable aborts the request; `on_token` (streaming) is called on the loop with each
+    token as it is sampled, when the engine streams. Serving only ever registers and
+    removes `serve:*` tenants in the bank.
     """
 
     @property
@@ -113,7 +116,9 @@ class InferenceProvider(Protocol):
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase: ...
 
-    def submit(self, request: RolloutRequest) -> Awaitable[Completion]: ...
+    def submit(
+        self, request: RolloutRequest, on_token: Callable[[int], None] | None = None
+    ) -> Awaitable[Completion]: ...
 
 
 @runtime_checkable
@@ -142,7 +147,7 @@ class EngineProvider:
     model: LoRAModel
     bank: AdapterBank
     tokenizer: PreTrainedTokenizerBase
-    submit: Callable[[RolloutRequest], Awaitable[Completion]]
+    submit: StreamingSubmit
 
     @classmethod
     def of_engine(cls, engine: RolloutEngine) -> EngineProvider:
@@ -399,9 +404,15 @@ class InferenceServer:
         prompts: Sequence[Sequence[int]],
         sampling: SamplingParams,
         n: int,
+        events: ChoiceEvents | None = None,
     ) -> list[Completion]:
         """`n` completions of each prompt, prompt-major; choice `j` of a seeded request
-        samples with seed `seed + j`, so choices differ and each is reproducible."""
+        samples with seed `seed + j`, so choices differ and each is reproducible.
+
+        With `events` (streaming), choice `k` (prompt-major) reports each token as it is
+        sampled (`events.token`) and its completion as soon as it has it
+        (`events.done`). Cancelling this call aborts every request it has in flight.
+        """
         async with self.adapters.use(model) as key:
             requests = [
                 RolloutRequest(
@@ -414,7 +425,17 @@ class InferenceServer:
                 for prompt in prompts
                 for j in range(n)
             ]
-            futures = [asyncio.ensure_future(self.provider.submit(r)) for r in requests]
+            if events is None:
+                futures = [asyncio.ensure_future(self.provider.submit(r)) for r in requests]
+            else:
+                futures = [
+                    asyncio.ensure_future(
+                        self.provider.submit(r, functools.partial(events.token, k))
+                    )
+                    for k, r in enumerate(requests)
+                ]
+                for k, future in enumerate(futures):
+                    future.add_done_callback(functools.partial(_report, events, k))
             try:
                 return list(await asyncio.gather(*futures))
             except InvalidRequest as e:
@@ -428,6 +449,11 @@ class InferenceServer:
             finally:
                 for future in futures:  # after a failure: abort the other rows
                     future.cancel()
+
+
+def _report(events: ChoiceEvents, index: int, future: asyncio.Future[Completion]) -> None:
+    if not future.cancelled() and future.exception() is None:
+        events.done(index, future.result())
 
 
 def _live_in(provider: InferenceProvider | None) -> Callable[[str], bool]:

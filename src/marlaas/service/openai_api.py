@@ -15,18 +15,27 @@ Chat prompts go through the tokenizer's chat template when it has one, else thro
 the plain format of `chat_prompt` (the embedded base has no template).
 
 Streaming (`stream: true`) answers `text/event-stream` with `data: {chunk}` events and
-a final `data: [DONE]`. The engine answers a request whole, so each choice's chunks
-(one per decoded token piece) are sent once that choice is generated; errors are
-found before the stream starts, so they keep their status codes.
+a final `data: [DONE]`. Chunks leave as the engine samples tokens: one per piece of
+text that `service.streaming.IncrementalText` releases (whole characters only; text
+that could start a stop string is held back until it is known not to), then one with
+the choice's `finish_reason`; the choices of `n > 1` interleave, each chunk naming its
+`index`. The response starts once every choice's request is admitted (has its first
+token), so errors of admission (a prompt too long, no free adapter slot) keep their
+status codes; an error after that ends the stream with a `data: {"error": ...}` event
+and no `[DONE]`. When the client disconnects, the choices' engine requests are aborted.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
+import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import APIRouter, FastAPI, Request, Response
@@ -41,6 +50,7 @@ from pydantic import (
     ValidatorFunctionWrapHandler,
     field_validator,
 )
+from starlette.types import Receive, Scope, Send
 
 from marlaas.service.api.deps import TenantCaller, tenant_id
 from marlaas.service.errors import ServiceError
@@ -50,10 +60,13 @@ from marlaas.service.inference import (
     InferenceServer,
     ServedModel,
 )
+from marlaas.service.streaming import ChoiceEvents, IncrementalText
 from marlaas.types import Completion, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
 
 MAX_N = 16
 MAX_STOP = 4
@@ -70,15 +83,24 @@ _TYPES = {
 }
 
 
-def openai_error(
+def error_body(
     status: int, message: str, param: str | None = None, code: str | None = None
-) -> JSONResponse:
+) -> dict[str, Any]:
+    """OpenAI's error object: `{"error": {"message", "type", "param", "code"}}`."""
     kind, default_code = _TYPES.get(
         status, ("invalid_request_error" if status < 500 else "server_error", None)
     )
     body = {"message": message, "type": kind, "param": param, "code": code or default_code}
+    return {"error": body}
+
+
+def openai_error(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return JSONResponse({"error": body}, status_code=status, headers=headers)
+    return JSONResponse(
+        error_body(status, message, param, code), status_code=status, headers=headers
+    )
 
 
 def _validation_error(exc: RequestValidationError) -> JSONResponse:
@@ -278,25 +300,6 @@ def _usage(prompts: Sequence[Sequence[int]], outs: Sequence[Completion]) -> dict
     }
 
 
-def text_pieces(decode: Callable[[list[int]], str], completion: Completion) -> list[str]:
-    """The completion's text cut at token boundaries (one piece per token that ends a
-    whole character), for streaming; the pieces join to exactly `completion.text`."""
-    final, pieces, sent = completion.text, [], 0
-    for k in range(1, len(completion.token_ids) + 1):
-        if sent >= len(final):
-            break
-        text = decode(list(completion.token_ids[:k]))
-        if text.endswith("\ufffd"):  # a character split across tokens: wait for the rest
-            continue
-        end = min(len(text), len(final))
-        if end > sent:
-            pieces.append(final[sent:end])
-            sent = end
-    if sent < len(final):
-        pieces.append(final[sent:])
-    return pieces
-
-
 def _model_card(m: ServedModel, owner: str) -> dict[str, Any]:
     created = int(m.created.timestamp()) if m.created is not None else 0
     return {"id": m.name, "object": "model", "created": created, "owned_by": owner}
@@ -369,31 +372,29 @@ async def create_completion(
     served = await server.resolve(tenant_id(caller), body.model)
     prompts = _completion_prompts(body.prompt, server)
     sampling = body.sampling(body.max_tokens or 16)
-    outs = await server.generate(served, prompts, sampling, n)
-
     rid, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": body.model}
-    usage = _usage(prompts, outs)
-    if not body.stream:
-        choices = [
-            {"index": i, "text": c.text, "logprobs": None, "finish_reason": _finish(c)}
-            for i, c in enumerate(outs)
-        ]
-        return {**head, "choices": choices, "usage": usage, "system_fingerprint": None}
 
-    decode = _decoder(server)
+    if body.stream:
 
-    def events() -> list[str]:
-        out = []
-        for i, c in enumerate(outs):
-            for piece in text_pieces(decode, c):
-                choice = {"index": i, "text": piece, "logprobs": None, "finish_reason": None}
-                out.append(_sse({**head, "choices": [choice]}))
+        def piece(i: int, text: str) -> str:
+            choice = {"index": i, "text": text, "logprobs": None, "finish_reason": None}
+            return _sse({**head, "choices": [choice]})
+
+        def finish(i: int, c: Completion) -> str:
             last = {"index": i, "text": "", "logprobs": None, "finish_reason": _finish(c)}
-            out.append(_sse({**head, "choices": [last]}))
-        return out
+            return _sse({**head, "choices": [last]})
 
-    return _stream(events(), head, usage, body)
+        chunks = _Chunks(head, piece, finish)
+        return await _stream(server, served, prompts, sampling, n, body, chunks)
+
+    outs = await server.generate(served, prompts, sampling, n)
+    choices = [
+        {"index": i, "text": c.text, "logprobs": None, "finish_reason": _finish(c)}
+        for i, c in enumerate(outs)
+    ]
+    usage = _usage(prompts, outs)
+    return {**head, "choices": choices, "usage": usage, "system_fingerprint": None}
 
 
 @router.post("/chat/completions", response_model=None)
@@ -415,36 +416,42 @@ async def create_chat_completion(
     served = await server.resolve(tenant_id(caller), body.model)
     prompt, default_stops = chat_prompt(server.provider.tokenizer, messages)
     max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_CHAT_MAX_TOKENS
-    outs = await server.generate(served, [prompt], body.sampling(max_tokens, default_stops), n)
-
+    sampling = body.sampling(max_tokens, default_stops)
     rid, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
+
+    if body.stream:
+        head = {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": body.model,
+        }
+
+        def chunk(i: int, delta: dict[str, str], finish: str | None = None) -> str:
+            choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return _sse({**head, "choices": [choice]})
+
+        chunks = _Chunks(
+            head,
+            piece=lambda i, text: chunk(i, {"content": text}),
+            finish=lambda i, c: chunk(i, {}, _finish(c)),
+            opening=lambda i: chunk(i, {"role": "assistant", "content": ""}),
+        )
+        return await _stream(server, served, [prompt], sampling, n, body, chunks)
+
+    outs = await server.generate(served, [prompt], sampling, n)
+    head = {"id": rid, "object": "chat.completion", "created": created, "model": body.model}
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": None,
+            "finish_reason": _finish(c),
+        }
+        for i, c in enumerate(outs)
+    ]
     usage = _usage([prompt], outs)
-    if not body.stream:
-        head = {"id": rid, "object": "chat.completion", "created": created, "model": body.model}
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": c.text},
-                "logprobs": None,
-                "finish_reason": _finish(c),
-            }
-            for i, c in enumerate(outs)
-        ]
-        return {**head, "choices": choices, "usage": usage, "system_fingerprint": None}
-
-    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body.model}
-    decode = _decoder(server)
-
-    def chunk(i: int, delta: dict[str, str], finish: str | None = None) -> str:
-        choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
-        return _sse({**head, "choices": [choice]})
-
-    events = []
-    for i, c in enumerate(outs):
-        events.append(chunk(i, {"role": "assistant", "content": ""}))
-        events.extend(chunk(i, {"content": piece}) for piece in text_pieces(decode, c))
-        events.append(chunk(i, {}, _finish(c)))
-    return _stream(events, head, usage, body)
+    return {**head, "choices": choices, "usage": usage, "system_fingerprint": None}
 
 
 def _completion_prompts(
@@ -474,17 +481,91 @@ def _decoder(server: InferenceServer) -> Callable[[list[int]], str]:
     return decode
 
 
-def _stream(
-    events: list[str], head: dict[str, Any], usage: dict[str, int], body: _Sampling
+@dataclass(frozen=True)
+class _Chunks:
+    """How one route words its stream: a text piece of choice `i`, its finish, and an
+    optional first chunk per choice (chat's role)."""
+
+    head: dict[str, Any]
+    piece: Callable[[int, str], str]
+    finish: Callable[[int, Completion], str]
+    opening: Callable[[int], str] | None = None
+
+
+async def _stream(
+    server: InferenceServer,
+    served: ServedModel,
+    prompts: Sequence[Sequence[int]],
+    sampling: SamplingParams,
+    n: int,
+    body: _Sampling,
+    chunks: _Chunks,
 ) -> StreamingResponse:
-    if body.stream_options is not None and body.stream_options.include_usage:
-        events.append(_sse({**head, "choices": [], "usage": usage}))
-    events.append(_sse("[DONE]"))
+    """Start generating; once every choice is admitted, the response that streams it
+    (see the module docstring). Errors before that raise, as for a plain answer."""
+    count = len(prompts) * n
+    events = ChoiceEvents(count)
+    task = asyncio.ensure_future(server.generate(served, prompts, sampling, n, events))
+    task.add_done_callback(functools.partial(_report_failure, events))
+    try:
+        await events.started()
+    except BaseException:
+        task.cancel()
+        raise
+    if task.done() and not task.cancelled() and (exc := task.exception()) is not None:
+        raise exc
+    decode = _decoder(server)
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
 
     async def send() -> AsyncIterator[str]:
-        for event in events:
-            yield event
+        texts = [IncrementalText(decode, sampling.stop) for _ in range(count)]
+        outs: list[Completion] = []
+        try:
+            if chunks.opening is not None:
+                for i in range(count):
+                    yield chunks.opening(i)
+            async for event in events:
+                i = event.index
+                if event.completion is None:
+                    text = texts[i].push(event.token)
+                    if text:
+                        yield chunks.piece(i, text)
+                    continue
+                for text in texts[i].finish(event.completion):
+                    yield chunks.piece(i, text)
+                outs.append(event.completion)
+                yield chunks.finish(i, event.completion)
+        except ServiceError as e:
+            yield _sse(error_body(e.status_code, str(e), getattr(e, "param", None)))
+            return
+        except Exception:
+            log.exception("a streamed answer failed")
+            yield _sse(error_body(500, "the answer failed while it was streamed"))
+            return
+        if include_usage:
+            yield _sse({**chunks.head, "choices": [], "usage": _usage(prompts, outs)})
+        yield _sse("[DONE]")
 
-    return StreamingResponse(
-        send(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-    )
+    return _EventStream(send(), task)
+
+
+def _report_failure(events: ChoiceEvents, task: asyncio.Future[list[Completion]]) -> None:
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        events.fail(exc)
+
+
+class _EventStream(StreamingResponse):
+    """A server-sent-event stream that ends its generation when the response ends, for
+    whatever reason (done, client gone, never started): in-flight requests are aborted."""
+
+    def __init__(self, content: AsyncIterator[str], generation: asyncio.Future[Any]) -> None:
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+        self._generation = generation
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._generation.cancel()  # a no-op once it is done
