@@ -3,10 +3,12 @@ reach only their own endpoints, keys are stored hashed and can be revoked."""
 
 from __future__ import annotations
 
+import pytest
 from fastapi.testclient import TestClient
 from service_support import ADMIN, Tenants
-from sqlalchemy import text
+from sqlalchemy import event, text
 
+from marlaas.service import auth
 from marlaas.service.app import open_context
 from marlaas.service.context import ServiceContext
 from marlaas.service.settings import ServiceSettings
@@ -75,3 +77,51 @@ def test_admin_key_is_generated_once_and_works(settings: ServiceSettings) -> Non
         r = client.post("/v1/admin/tenants", json={"name": "t1"}, headers=headers)
         assert r.status_code == 201
         assert client.get("/v1/admin/tenants", headers=ADMIN).status_code == 401
+
+
+def test_a_known_key_is_answered_without_a_database_query(
+    client: TestClient, tenants: Tenants, context: ServiceContext
+) -> None:
+    acme = tenants.create("acme")
+    statements: list[str] = []
+
+    def record(conn: object, cursor: object, statement: str, *args: object) -> None:
+        statements.append(statement)
+
+    event.listen(context.db.engine, "before_cursor_execute", record)
+    try:
+        assert client.get("/v1/jobs", headers=acme).status_code == 200
+        assert any("api_keys" in s for s in statements)  # first use: looked up
+        statements.clear()
+        assert client.get("/v1/jobs", headers=acme).status_code == 200
+        assert statements and not any("api_keys" in s for s in statements)
+    finally:
+        event.remove(context.db.engine, "before_cursor_execute", record)
+
+
+def test_principal_cache_expires_and_never_recaches_a_key_revoked_during_its_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    now = [100.0]
+    monkeypatch.setattr(auth.time, "monotonic", lambda: now[0])
+    cache = auth.PrincipalCache(ttl_s=10, capacity=2)
+    acme = auth.Principal(tenant_id="t_1", tenant_name="acme")
+    cache.put("mk_a_1", acme, cache.generation)
+    assert cache.get("mk_a_1") == acme
+    now[0] += 10.0  # a revocation by another process shows within the time-to-live
+    assert cache.get("mk_a_1") is None
+
+    started = cache.generation  # a lookup reads the database ...
+    cache.clear()  # ... while the key is revoked here
+    cache.put("mk_a_1", acme, started)
+    assert cache.get("mk_a_1") is None
+
+    for token in ("mk_a_1", "mk_b_2", "mk_c_3"):  # least recently used goes first
+        cache.put(token, acme, cache.generation)
+    assert cache.get("mk_a_1") is None and cache.get("mk_c_3") == acme
+
+    off = auth.PrincipalCache(ttl_s=0)
+    off.put("mk_a_1", acme, off.generation)
+    assert off.get("mk_a_1") is None
+    with pytest.raises(ValueError, match="ttl_s"):
+        auth.PrincipalCache(ttl_s=-1)

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from marlaas import __version__
 from marlaas.service import openai_api, web
 from marlaas.service.api import admin, datasets, jobs, ops, usage
-from marlaas.service.auth import bootstrap_admin_key
+from marlaas.service.auth import PrincipalCache, bootstrap_admin_key
 from marlaas.service.backend import BackendFactory
 from marlaas.service.context import ServiceContext
 from marlaas.service.db import Database
@@ -46,6 +46,7 @@ def open_context(settings: ServiceSettings) -> tuple[ServiceContext, str | None]
         reporter=JobReporter(db, settings.artifact_dir),
         registry=registry,
         request_metrics=request_metrics,
+        principals=PrincipalCache(settings.auth_cache_s),
     )
     registry.register(PipelineMetrics(lambda: ctx.backend, db))
     return ctx, new_admin_key

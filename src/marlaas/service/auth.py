@@ -7,6 +7,11 @@ stretching is needed); the database never holds anything that would let one log 
 
 Admin keys are rows with no tenant. A key given in the settings (`MARLAAS_ADMIN_KEY`)
 is compared directly and never stored.
+
+`PrincipalCache` remembers recently authenticated keys for a few seconds, so a request
+with a known key needs no database query (nor a worker thread). A revocation through
+this server clears it at once; one made by another process sharing the database takes
+effect within the cache's time-to-live.
 """
 
 from __future__ import annotations
@@ -14,6 +19,9 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+import threading
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from sqlalchemy import select
@@ -69,6 +77,65 @@ def issue_key(session: Session, tenant: Tenant | None, label: str = "") -> Issue
     session.add(row)
     session.flush()
     return IssuedKey(row=row, secret_key=f"{_SCHEME}_{prefix}_{secret}")
+
+
+class PrincipalCache:
+    """Keys authenticated in the last `ttl_s` seconds, by the SHA-256 of the key (the
+    key itself is not kept), least recently used evicted beyond `capacity`. Only
+    successes are cached. Thread-safe.
+
+    A lookup that misses takes the cache's `generation` before it reads the database
+    and passes it to `put`; a `clear` in between (a revocation) makes that `put` a
+    no-op, so a key revoked while it was being checked is never cached as valid.
+    """
+
+    def __init__(self, ttl_s: float, capacity: int = 4096) -> None:
+        if ttl_s < 0 or capacity < 1:
+            raise ValueError("ttl_s must be >= 0 and capacity >= 1")
+        self.ttl_s = ttl_s
+        self.capacity = capacity
+        self._entries: OrderedDict[bytes, tuple[float, Principal]] = OrderedDict()
+        self._generation = 0
+        self._lock = threading.Lock()
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    def get(self, token: str) -> Principal | None:
+        if self.ttl_s == 0:
+            return None
+        key = _token_digest(token)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            if entry[0] <= time.monotonic():
+                del self._entries[key]
+                return None
+            self._entries.move_to_end(key)
+            return entry[1]
+
+    def put(self, token: str, principal: Principal, generation: int) -> None:
+        if self.ttl_s == 0:
+            return
+        key = _token_digest(token)
+        with self._lock:
+            if generation != self._generation:
+                return
+            self._entries[key] = (time.monotonic() + self.ttl_s, principal)
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._generation += 1
+
+
+def _token_digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
 
 
 def authenticate(session: Session, token: str, configured_admin_key: str | None) -> Principal:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 
+from marlaas.service.auth import PrincipalCache
 from marlaas.service.backend import JobBackend
 from marlaas.service.db import Database
 from marlaas.service.inference import InferenceProvider
@@ -23,6 +24,8 @@ class ServiceContext:
     reporter: JobReporter
     registry: CollectorRegistry
     request_metrics: RequestMetrics
+    principals: PrincipalCache = field(default_factory=lambda: PrincipalCache(ttl_s=0))
+    """Recently authenticated keys (see `auth.PrincipalCache`); cleared on revocation."""
     backend: JobBackend | None = field(default=None)
     """Set by the app's lifespan from its backend factory; None: jobs stay queued."""
     device_usage: DeviceUsageProvider | None = field(default=None)

@@ -73,6 +73,14 @@ class ServiceSettings(Spec):
         description="Checkpoint adapters kept loaded for inference; beyond this the least "
         "recently used idle one is unloaded.",
     )
+    auth_cache_s: float = Field(
+        10.0,
+        ge=0,
+        le=3600,
+        description="Seconds an authenticated API key is remembered (no database query "
+        "per request). Revocations through this server apply at once; ones made by "
+        "another process on the same database within this time. 0: no cache.",
+    )
     default_quotas: QuotaSpec = Field(default_factory=QuotaSpec)
 
     @field_validator("admin_key")

@@ -128,4 +128,6 @@ def revoke_key(key_id: str, ctx: Context, _: AdminCaller) -> KeyOut:
         if key.revoked_at is None:
             key.revoked_at = utcnow()
         tenant = session.get(Tenant, key.tenant_id) if key.tenant_id else None
-        return key_out(key, tenant.name if tenant else None)
+        out = key_out(key, tenant.name if tenant else None)
+    ctx.principals.clear()  # after the commit: no request re-caches the key
+    return out
