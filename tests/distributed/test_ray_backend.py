@@ -2,7 +2,11 @@
 namespace that has only `lo` (started by `test_ray_netns.py`; skipped elsewhere).
 
 One cluster and one Ray context serve the whole module, as a long-lived pipeline would:
-each test runs its own jobs (distinct names) through an `Orchestrator` on it.
+each test runs its own jobs (distinct names) through an `Orchestrator` on it. The last
+tests build contexts of their own on the same cluster: the service (`PipelineBackend`
+with `backend: ray`, as `marlaas serve --backend ray` builds it) and `marlaas bench
+paper --backend ray`; their actors ask for no resources, so they fit beside the
+module's context, whose actors hold the nodes' custom resources.
 
 Layout: the head node hosts the trainer (`{"trainer": 1}`), a second node the two
 rollout replicas (`{"engine": 2}`), a third the two environment workers (`{"env": 2}`).
@@ -11,7 +15,9 @@ rollout replicas (`{"engine": 2}`), a third the two environment workers (`{"env"
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,19 +42,28 @@ if not (isolated() and os.environ.get(NETNS_ENV) == "1"):
     )
 
 import ray
+import yaml
+from fastapi.testclient import TestClient
 from pipeline_support import MemoryRecorder, job, save_tiny_llama
 from ray.cluster_utils import Cluster
+from service_support import ADMIN_KEY, Tenants
+from typer.testing import CliRunner
 
+from marlaas.cli.main import app as cli
 from marlaas.config.job import EngineSpec, JobSpec, RunSpec
 from marlaas.config.ray import ActorResources, RaySpec
-from marlaas.distributed import build_ray_context
+from marlaas.distributed import RayBank, build_ray_context
 from marlaas.distributed.engine_client import RayEngineClient
 from marlaas.distributed.envs import RayEnvPool
 from marlaas.distributed.trainer_client import RayTrainerClient
 from marlaas.errors import ConfigError
 from marlaas.pipeline import Orchestrator, PipelineContext, PipelineOptions
 from marlaas.pipeline.data import build_task
+from marlaas.pipeline.runtime import PipelineRuntime, RuntimeSpec
 from marlaas.pipeline.tenant import TenantState
+from marlaas.service.app import create_app, open_context
+from marlaas.service.pipeline_backend import PipelineBackend
+from marlaas.service.settings import ServiceSettings
 
 pytestmark = pytest.mark.ray
 ON_MODULE_LOOP = pytest.mark.asyncio(loop_scope="module")
@@ -90,13 +105,17 @@ def cluster() -> Iterator[Cluster]:
         c.shutdown()
 
 
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_llama(tmp_path_factory.mktemp("ray-tiny-llama"))
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def ctx(
-    cluster: Cluster, tmp_path_factory: pytest.TempPathFactory
+    cluster: Cluster, tiny_base: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[PipelineContext]:
-    base = save_tiny_llama(tmp_path_factory.mktemp("ray-tiny-llama"))
     run = RunSpec(
-        base_model=str(base),
+        base_model=str(tiny_base),
         backend="ray",
         jobs=(job("warmup", steps=1),),
         engine=EngineSpec(max_batch_size=16, max_rank=4),
@@ -317,3 +336,176 @@ async def _until(predicate: Any, timeout_s: float = 120.0) -> None:
     async with asyncio.timeout(timeout_s):
         while not predicate():
             await asyncio.sleep(0.2)
+
+
+# -- the service and the bench on Ray ------------------------------------------------
+
+#: One replica, one environment worker, actors that ask for no resources.
+SMALL = RaySpec(
+    engine_replicas=1,
+    env_workers=1,
+    torch_threads=1,
+    engine=ActorResources(num_cpus=0),
+    trainer=ActorResources(num_cpus=0),
+    env=ActorResources(num_cpus=0),
+)
+
+
+def _wait_done(client: TestClient, headers: dict[str, str], job_id: str) -> dict[str, Any]:
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        found: dict[str, Any] = client.get(f"/v1/jobs/{job_id}", headers=headers).json()
+        assert found["status"] != "failed", found
+        if found["status"] == "done":
+            return found
+        time.sleep(0.2)
+    pytest.fail(f"job {job_id} did not finish: {found}")
+
+
+def test_the_service_runs_a_job_on_ray_and_serves_its_models(
+    cluster: Cluster, tiny_base: Path, tmp_path: Path
+) -> None:
+    """`marlaas serve --backend ray` in-process: a job submitted over HTTP trains on the
+    Ray actors to done; the OpenAI endpoint serves its live adapter, its checkpoints
+    (PEFT files registered on the replicas as serving adapters, the least recently used
+    one removed from them again) and the base."""
+    settings = ServiceSettings(
+        data_dir=tmp_path / "data", admin_key=ADMIN_KEY, max_serving_adapters=1
+    )
+    spec = RuntimeSpec(
+        base_model=str(tiny_base),
+        backend="ray",
+        ray=SMALL,
+        max_staleness=1,
+        engine=EngineSpec(max_batch_size=16, max_rank=4),
+    )
+    service, _ = open_context(settings)
+    factory = PipelineBackend.factory(service.db, spec=spec, options=PipelineOptions(device="cpu"))
+    with TestClient(create_app(service, factory)) as client:
+        acme = Tenants(client).create("acme")
+        body = {
+            "name": "rev",
+            "task": {"family": "reverse"},
+            "steps": 2,
+            "checkpoint_every": 1,
+            "eval_episodes": 2,
+            "lora": {"rank": 4},
+            "algorithm": {"group_size": 2, "prompts_per_step": 2, "max_staleness": 1},
+            "sampling": {"max_new_tokens": 8},
+        }
+        r = client.post("/v1/jobs", json=body, headers=acme)
+        assert r.status_code == 201, r.text
+        job_id = r.json()["id"]
+        assert _wait_done(client, acme, job_id)["steps_done"] == 2
+        backend = client.app.state.context.backend  # type: ignore[attr-defined]
+        assert isinstance(backend, PipelineBackend)
+        runtime: PipelineRuntime = client.portal.call(backend.ready)  # type: ignore[union-attr]
+        engine, bank = runtime.ctx.engine, runtime.ctx.bank
+        assert isinstance(engine, RayEngineClient) and isinstance(bank, RayBank)
+        assert job_id in bank and engine.latest_version(job_id) == 2
+
+        def complete(model: str) -> str:
+            r = client.post(
+                "/v1/completions",
+                json={
+                    "model": model,
+                    "prompt": "Reverse: abc\n",
+                    "max_tokens": 6,
+                    "temperature": 0,
+                },
+                headers=acme,
+            )
+            assert r.status_code == 200, r.text
+            return str(r.json()["choices"][0]["text"])
+
+        live = complete(job_id)  # the job's adapter in the replicas' banks
+        assert complete(f"{job_id}:ckpt-2") == live  # its last checkpoint, from disk
+        complete(f"{job_id}:ckpt-1")  # capacity 1: ckpt-2's serving adapter is removed
+        complete("base")
+        (replica,) = engine.handles
+        assert ray.get(replica.held.remote(f"serve:{job_id}:1")) == [0]
+        assert ray.get(replica.held.remote(f"serve:{job_id}:2")) == []
+        assert f"serve:{job_id}:2" not in bank and "serve:base" in bank
+        models = client.get("/v1/models", headers=acme).json()["data"]
+        assert {job_id, f"{job_id}:ckpt-1", f"{job_id}:ckpt-2"} <= {m["id"] for m in models}
+        assert client.get("/metrics").status_code == 200
+
+
+TINY_WORKLOAD = {
+    "workload": "tiny",
+    "version": 1,
+    "regime": "compute",
+    "samples_per_step": 4,
+    "steps": 2,
+    "quick_steps": 1,
+    "seed": 7,
+    "run": {"engine": {"max_batch_size": 32, "adapter_slots": 8, "max_rank": 4}},
+    "defaults": {
+        "lora": {"rank": 4, "alpha": 8},
+        # Strictly on-policy: what each step trains on does not depend on timing.
+        "algorithm": {
+            "group_size": 2,
+            "prompts_per_step": 2,
+            "learning_rate": 5.0e-3,
+            "max_staleness": 0,
+        },
+        "sampling": {"temperature": 1.0, "max_new_tokens": 8},
+        "eval_episodes": 8,
+    },
+    "tenants": [
+        {"name": "arith", "task": {"family": "arithmetic"}},
+        {"name": "reverse", "task": {"family": "reverse"}},
+    ],
+}
+
+
+def test_bench_paper_on_ray_matches_the_in_process_backend(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """`marlaas bench paper --backend ray` on a tiny workload (2 tenants x 2 steps, the
+    embedded base): the same per-tenant eval accuracies as in-process, for marlaas and
+    the sync baseline alike, and the JSON names the backend and its Ray spec."""
+    workload = tmp_path / "tiny-v1.yaml"
+    workload.write_text(yaml.safe_dump(TINY_WORKLOAD), encoding="utf-8")
+    ray_file = tmp_path / "ray.yaml"
+    ray_file.write_text(yaml.safe_dump(SMALL.model_dump(mode="json")), encoding="utf-8")
+    results: dict[str, dict[str, Any]] = {}
+    for backend in ("inprocess", "ray"):
+        out = tmp_path / f"{backend}.json"
+        args = [
+            "bench", "paper", "--json", str(out), "--no-trl", "--regime", "compute",
+            "--compute-workload", str(workload), "--tenants", "2",
+            "--out", str(tmp_path / backend), "--backend", backend,
+        ]  # fmt: skip
+        if backend == "ray":
+            args += ["--ray-spec", str(ray_file)]
+        t0 = time.perf_counter()
+        result = CliRunner().invoke(cli, args)
+        assert result.exit_code == 0, f"{result.output}\n{result.exception!r}"
+        results[backend] = json.loads(out.read_text())
+        results[backend]["command_s"] = time.perf_counter() - t0
+    local, remote = results["inprocess"], results["ray"]
+    assert local["config"]["backend"] == "inprocess" and local["config"]["ray"] is None
+    assert remote["config"]["backend"] == "ray"
+    assert remote["config"]["ray"]["engine_replicas"] == 1
+    for system in ("async", "sync"):
+        runs = {}
+        for backend in ("inprocess", "ray"):
+            run_dir = tmp_path / backend / "compute" / "n002" / system
+            assert json.loads((run_dir / "run.json").read_text())["backend"] == backend
+            tenants = json.loads((run_dir / "result.json").read_text())["tenants"]
+            runs[backend] = {name: t["eval_accuracy"] for name, t in tenants.items()}
+            assert all(t["status"] == "done" for t in tenants.values()), tenants
+        assert runs["ray"] == runs["inprocess"], system
+        assert len(runs["ray"]) == 2
+    (local_row,) = local["regimes"][0]["rows"]
+    (remote_row,) = remote["regimes"][0]["rows"]
+    assert remote_row["eval"]["tenants"] == local_row["eval"]["tenants"]
+    print(  # the Ray backend's overhead on this workload (shown with -s)
+        "bench paper tiny, wall s (inprocess -> ray): "
+        + ", ".join(
+            f"{k} {local_row[k]['wall_s']:.2f} -> {remote_row[k]['wall_s']:.2f}"
+            for k in ("marlaas_async", "sync")
+        )
+        + f"; whole command {local['command_s']:.1f} -> {remote['command_s']:.1f}"
+    )

@@ -1,10 +1,18 @@
 """`marlaas serve`: the HTTP service under uvicorn, bound to 127.0.0.1 by default.
 
-By default the jobs run in this process, in the pipeline backend
-(`service.pipeline_backend`) on the embedded base (or `--base-model`); at startup it
-resumes every job the database says is active, and SIGTERM checkpoints running jobs
-before the server exits. `--no-backend` serves the API only: jobs are accepted,
-validated, stored and managed, but stay queued; the startup log says so.
+`--backend` says where the jobs run:
+- `inprocess` (default): the pipeline backend (`service.pipeline_backend`) in this
+  process, on the embedded base (or `--base-model`);
+- `ray`: the same pipeline with its engine replicas, trainer and environment workers as
+  Ray actors (`marlaas.distributed`), placed by `--ray-spec` (a `RaySpec` YAML file;
+  default: a private single-node Ray on loopback). The server joins Ray on its main
+  thread before uvicorn starts, so Ray's processes live as long as the server and
+  uvicorn's SIGTERM handling (checkpoint, then exit) stays in place;
+- `none` (alias `--no-backend`): the API only: jobs are accepted, validated, stored and
+  managed, but stay queued; the startup log says so.
+
+With a backend, at startup it resumes every job the database says is active, and
+SIGTERM checkpoints running jobs before the server exits.
 """
 
 from __future__ import annotations
@@ -12,11 +20,24 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+from enum import StrEnum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
+if TYPE_CHECKING:
+    from marlaas.config.ray import RaySpec
+
 DB_URL_ENV = "MARLAAS_DB_URL"
+
+
+class Backend(StrEnum):
+    """Where `marlaas serve` runs the jobs."""
+
+    inprocess = "inprocess"
+    ray = "ray"
+    none = "none"
 
 
 def _is_loopback(host: str) -> bool:
@@ -40,10 +61,21 @@ def serve(
         f"(default: ${DB_URL_ENV}, else SQLite in --data-dir).",
     ),
     log_level: str = typer.Option("info", help="uvicorn log level."),
-    backend: bool = typer.Option(
-        True,
-        "--backend/--no-backend",
-        help="Run jobs in this process (default), or serve the API only (jobs stay queued).",
+    backend: Backend | None = typer.Option(
+        None,
+        "--backend",
+        help="Where jobs run: inprocess (this process; the default), ray (Ray actors "
+        "placed by --ray-spec), or none (the API only; jobs stay queued).",
+        show_default=False,
+    ),
+    no_backend: bool = typer.Option(
+        False, "--no-backend", help="Serve the API only: the same as --backend none."
+    ),
+    ray_spec: Path | None = typer.Option(
+        None,
+        "--ray-spec",
+        help="YAML file of the Ray spec (address, engine_replicas, env_workers, resources; "
+        "--backend ray only). Default: a private single-node Ray on 127.0.0.1.",
     ),
     base_model: Path | None = typer.Option(
         None, help="Hugging Face causal-LM directory of the shared base (default: embedded)."
@@ -60,6 +92,7 @@ def serve(
     from marlaas.service.app import create_app, open_context
     from marlaas.service.settings import ADMIN_KEY_ENV, ServiceSettings, admin_key_from_env
 
+    chosen, ray = resolve_backend(backend, no_backend, ray_spec)
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
     settings = ServiceSettings(
         data_dir=data_dir.resolve(),
@@ -76,8 +109,11 @@ def serve(
     if not _is_loopback(host):
         typer.echo(f"warning: binding {host}, reachable beyond this machine", err=True)
     factory = None
-    if backend:
+    if chosen is Backend.none:
+        what = "none -- jobs are accepted and stored but stay queued (--backend none)"
+    else:
         from marlaas.config.job import EngineSpec
+        from marlaas.config.ray import RaySpec
         from marlaas.pipeline.context import PipelineOptions
         from marlaas.pipeline.runtime import RuntimeSpec
         from marlaas.service.pipeline_backend import PipelineBackend
@@ -87,14 +123,52 @@ def serve(
             max_active_tenants=max_active_jobs,
             max_staleness=settings.max_staleness,
             engine=EngineSpec(max_rank=settings.max_lora_rank),
+            backend=chosen.value,
+            ray=ray or RaySpec(),
         )
         factory = PipelineBackend.factory(ctx.db, spec=spec, options=PipelineOptions(device=device))
         what = f"pipeline on {base_model or 'the embedded base'} ({device})"
-    else:
-        what = "none -- jobs are accepted and stored but stay queued (--no-backend)"
+        if ray is not None:
+            # On this (the main) thread, before uvicorn installs its signal handlers:
+            # Ray's processes are tied to the thread that joined, and `ray.init` on the
+            # main thread replaces the SIGTERM handler.
+            from marlaas.distributed import connect
+
+            connect(ray)
+            where = ray.address or "a private local Ray on 127.0.0.1"
+            what += (
+                f" on Ray ({where}; {ray.engine_replicas} engine replica(s), "
+                f"{ray.env_workers} environment worker(s))"
+            )
     typer.echo(
         f"marlaas serve: http://{host}:{port} (docs at /docs); database: {ctx.db.dialect}; "
         f"job backend: {what}",
         err=True,
     )
     uvicorn.run(create_app(ctx, factory), host=host, port=port, log_level=log_level)
+
+
+def resolve_backend(
+    backend: Backend | None, no_backend: bool, ray_spec: Path | None
+) -> tuple[Backend, RaySpec | None]:
+    """The chosen backend and, for `ray`, its spec (read from `ray_spec`, else defaults).
+    `ConfigError` names the option to fix: contradictory options, a Ray spec without the
+    Ray backend, an unreadable or invalid spec file, Ray not installed."""
+    from marlaas.config.ray import RaySpec, check_ray_installed, load_ray_spec
+    from marlaas.errors import ConfigError
+
+    if no_backend and backend not in (None, Backend.none):
+        raise ConfigError(
+            f"--no-backend contradicts --backend {backend.value}; pass only one of them"
+        )
+    chosen = Backend.none if no_backend else (backend or Backend.inprocess)
+    if chosen is not Backend.ray:
+        if ray_spec is not None:
+            raise ConfigError(
+                f"--ray-spec applies to --backend ray only (the backend is {chosen.value}); "
+                "add --backend ray or drop --ray-spec"
+            )
+        return chosen, None
+    spec = load_ray_spec(ray_spec) if ray_spec is not None else RaySpec()
+    check_ray_installed()
+    return chosen, spec

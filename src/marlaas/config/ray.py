@@ -8,9 +8,16 @@ Placement is by resources only: a role's actors go to nodes that offer its `num_
 
 from __future__ import annotations
 
-from pydantic import Field
+import importlib
+from pathlib import Path
+
+from pydantic import Field, ValidationError
 
 from marlaas.config.specs import Spec
+from marlaas.errors import ConfigError
+
+#: What to tell someone who asked for the Ray backend without Ray installed.
+RAY_INSTALL_HINT = "the Ray backend needs Ray: install it with `pip install 'marlaas[ray]'`"
 
 
 class ActorResources(Spec):
@@ -62,3 +69,40 @@ class RaySpec(Spec):
     object_store_mb: int | None = Field(
         None, ge=64, description="Object store of a private local Ray; None: Ray's default."
     )
+
+
+def load_ray_spec(path: str | Path) -> RaySpec:
+    """Read and validate a Ray spec file (YAML or JSON mapping of `RaySpec` fields; an
+    empty file is all defaults). `ConfigError` names the file and the field at fault."""
+    import yaml
+
+    source = Path(path)
+    try:
+        raw = yaml.safe_load(source.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError(f"cannot read the Ray spec {source}: {e.strerror or e}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"the Ray spec {source} is not valid YAML: {e}") from e
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"{source}: expected a mapping of Ray spec fields (engine_replicas, env_workers, "
+            "address, ...) at the top level"
+        )
+    try:
+        return RaySpec.model_validate(raw)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}"
+            for err in e.errors()
+        )
+        raise ConfigError(f"{source}: invalid Ray spec: {problems}") from e
+
+
+def check_ray_installed() -> None:
+    """Raise `ConfigError` (with the install command) unless Ray can be imported."""
+    try:
+        importlib.import_module("ray")
+    except ImportError as e:
+        raise ConfigError(f"{RAY_INSTALL_HINT} ({e})") from e

@@ -124,13 +124,20 @@ class EngineReplica:
             raise ReplicaStale(f"tenant {tenant!r}: replica is at {latest}, got {version}")
         self.engine.publish(tenant, version, tensors)
 
-    async def sync(self, tenants: Sequence[TenantAdapters]) -> ActorInfo:
+    async def sync(self, tenants: Sequence[TenantAdapters], *, prune: bool = False) -> ActorInfo:
         """Bring the bank up to the client's view: register missing tenants and publish
         missing versions (older versions than the client keeps are filled with the
-        oldest kept tensors, which the bank's window drops at once)."""
+        oldest kept tensors, which the bank's window drops at once). `prune`: `tenants`
+        is the client's whole view, so tenants not in it (removed while this replica
+        was out) are removed here too."""
         refs = [ref for t in tenants for _, ref in t.versions]
         values = await asyncio.gather(*refs) if refs else []
         tensors_of = dict(zip([id(r) for r in refs], values, strict=True))
+        if prune:
+            wanted = {t.tenant for t in tenants}
+            for name in self.bank.tenants():
+                if name not in wanted:
+                    self.bank.remove(name)
         for t in tenants:
             if not t.versions:
                 continue
@@ -146,6 +153,11 @@ class EngineReplica:
                 if v > self.bank.latest_version(t.tenant):
                     self.engine.publish(t.tenant, v, tensors)
         return actor_info(self.incarnation)
+
+    async def remove(self, tenant: str) -> None:
+        """Forget `tenant` (idempotent); requests in flight keep the version they pinned."""
+        if tenant in self.bank:
+            self.bank.remove(tenant)
 
     async def held(self, tenant: str) -> list[int]:
         """The versions of `tenant` this replica can serve (empty: none)."""

@@ -11,7 +11,13 @@ ref to every healthy replica, and returns only when every one holds it, so, exac
 in-process, a request admitted after `publish` returns samples the new version. Every
 healthy replica holds every tenant's current version, so any replica may serve any
 request. The client keeps the refs of each tenant's newest `versions_kept` versions, to
-bring a restarted replica up to date.
+bring a restarted replica up to date. `remove` forgets a tenant on every replica (the
+service's serving adapters come and go this way); a replica that was out meanwhile
+drops it when it is synced back. A request for a tenant the client does not hold fails
+with `TenantNotFound`, as in-process.
+
+The client does not stream tokens (it has no `streams_tokens`): a caller that asked for
+them gets them all with the completion.
 
 Faults: a replica that dies (`RayActorError`) or answers `ReplicaStale` (it restarted
 and lost its adapters) leaves the healthy set; its requests go to another replica
@@ -249,9 +255,30 @@ class RayEngineClient:
             for r, call in calls:
                 self._settle_control(r, call)
 
+    def remove(self, tenant: str) -> None:
+        """Forget `tenant` on every replica, as `AdapterBank.remove` does (requests in
+        flight keep the version they pinned; later ones fail with `TenantNotFound`).
+        A replica that is out meanwhile drops it when it is synced back."""
+        with self._publish_lock:
+            if self._tenants.pop(tenant, None) is None:
+                raise TenantNotFound(f"tenant {tenant!r} is not registered in the Ray engine")
+            calls = [(r, r.handle.remove.remote(tenant)) for r in self._healthy()]
+            for r, call in calls:
+                self._settle_control(r, call)
+
+    def __contains__(self, tenant: object) -> bool:
+        return tenant in self._tenants  # one dict lookup: atomic, no lock needed
+
+    def tenants(self) -> list[str]:
+        with self._publish_lock:
+            return list(self._tenants)
+
     def latest_version(self, tenant: str) -> int:
         with self._publish_lock:
-            return self._tenants[tenant].versions[-1][0]
+            record = self._tenants.get(tenant)
+            if record is None:
+                raise TenantNotFound(f"tenant {tenant!r} is not registered in the Ray engine")
+            return record.versions[-1][0]
 
     def held_versions(self) -> dict[int, dict[str, list[int]]]:
         """Per healthy replica index, the versions it holds of every tenant."""
@@ -312,6 +339,10 @@ class RayEngineClient:
             replica = None if item.aborted else self._choose(item.request)
             if item.aborted:
                 error = asyncio.CancelledError(f"request {rid}")
+            elif item.request.tenant not in self._tenants:  # as the in-process bank says
+                error = TenantNotFound(
+                    f"request {rid}: tenant {item.request.tenant!r} is not registered"
+                )
             elif replica is None and all(r.dead for r in self._replicas):
                 error = EngineClosed("every rollout replica died for good")
             elif replica is None:
@@ -443,7 +474,9 @@ class RayEngineClient:
             try:
                 ray.get(replica.handle.info.remote())  # outside the lock: may take a while
                 with self._publish_lock:  # no version can be published meanwhile
-                    info: ActorInfo = ray.get(replica.handle.sync.remote(self._adapters()))
+                    info: ActorInfo = ray.get(
+                        replica.handle.sync.remote(self._adapters(), prune=True)
+                    )
                     with self._lock:
                         if info.incarnation != replica.incarnation:
                             replica.restarts += 1

@@ -5,7 +5,7 @@ baseline and `run_jobs` drive them unchanged.
 | context field | in-process            | Ray                                              |
 | ------------- | --------------------- | ------------------------------------------------ |
 | `engine`      | `RolloutEngine`       | `RayEngineClient` over `EngineReplica` actors     |
-| `bank`        | `AdapterBank`         | `RayBank`: registers/publishes on every replica  |
+| `bank`        | `AdapterBank`         | `RayBank`: registers/publishes/removes on every replica |
 | `trainer`     | `MultiLaneTrainer`    | `RayTrainerClient` over a `TrainerWorker` actor   |
 | `executor`    | `DeviceExecutor`      | `RayExecutor`                                     |
 | `envs`        | `EnvPool`             | `RayEnvPool` over `EnvWorker` actors              |
@@ -63,22 +63,42 @@ from marlaas.train.trainer import MultiLaneTrainer
 
 
 class RayBank:
-    """The adapter-bank surface the pipeline uses, kept on every replica."""
+    """The adapter-bank surface the pipeline and the service's inference use, kept on
+    every replica: training tenants register and publish; serving adapters (`serve:*`,
+    from PEFT tensors on disk) are registered and removed the same way."""
 
     def __init__(self, engine: RayEngineClient, versions_kept: int) -> None:
         self.engine = engine
         self.versions_kept = versions_kept
 
-    def register(self, tenant: str, spec: LoRASpec, tensors: AdapterTensors | None = None) -> None:
+    def register(
+        self,
+        tenant: str,
+        spec: LoRASpec,
+        tensors: AdapterTensors | None = None,
+        seed: int = 0,
+    ) -> None:
+        """Add `tenant` at version 0 on every replica: `tensors`, or a fresh PEFT-style
+        init from `seed` (made here, on the CPU, from the base's shapes)."""
         if tensors is None:
-            raise ModelError(f"tenant {tenant!r}: the Ray bank registers given tensors only")
+            tensors = self.engine.model.init_adapter(spec, seed)
         self.engine.register(tenant, spec, tensors)
+
+    def remove(self, tenant: str) -> None:
+        """Forget `tenant` on every replica (`TenantNotFound` when it is not registered)."""
+        self.engine.remove(tenant)
 
     def publish(self, tenant: str, version: int, tensors: AdapterTensors) -> None:
         self.engine.publish(tenant, version, tensors)
 
     def latest_version(self, tenant: str) -> int:
         return self.engine.latest_version(tenant)
+
+    def tenants(self) -> list[str]:
+        return self.engine.tenants()
+
+    def __contains__(self, tenant: object) -> bool:
+        return tenant in self.engine
 
 
 def load_skeleton(path: Path, max_rank: int) -> tuple[LoRAModel, PreTrainedTokenizerBase]:
