@@ -34,9 +34,15 @@ def test_jobs_cycle_the_families_with_distinct_names_and_seeds() -> None:
 @pytest.mark.slow
 def test_bench_api_runs_a_real_server_to_the_end(tmp_path: Path) -> None:
     out = tmp_path / "api.json"
-    result = run_api_bench(jobs=2, clients=2, steps=2, json_path=out)
+    result = run_api_bench(jobs=2, clients=2, steps=2, json_path=out, rate=20.0, idle_s=1.0)
     assert result["statuses"] == {"done": 2}
     assert result["error_count"] == 0
     saved = json.loads(out.read_text())
-    assert set(saved["latency"]) == {"create", "list", "get", "metrics", "checkpoints"}
-    assert saved["latency"]["get"]["n"] > 0 and saved["latency"]["create"]["n"] == 2
+    assert saved["create"]["n"] == 2 and saved["config"]["rate_per_client"] == 20.0
+    assert set(saved["phases"]) == {"training", "idle"}
+    for phase in saved["phases"].values():
+        assert set(phase["latency"]) == {"list", "get", "metrics", "checkpoints"}
+        assert phase["latency"]["get"]["n"] > 0 and phase["requests_per_s"] > 0
+    # On its schedule, a client sends at most `rate` requests per second.
+    idle = saved["phases"]["idle"]
+    assert idle["requests_per_s"] <= 2 * 20.0 * 1.05

@@ -4,8 +4,12 @@ Starts a real `marlaas serve` (the pipeline backend on the embedded base, SQLite
 temporary data directory, a free loopback port), creates one tenant, submits N small
 jobs over the five built-in families, and while they train, C client threads read the
 job list, one job, its metrics and its checkpoints in a loop. It stops when every job
-is done (or failed, or the time limit passes) and reports latency percentiles per
-endpoint: a table on screen and JSON on disk. Nothing is asserted about the figures.
+is done (or failed, or the time limit passes), then polls as long again for `idle_s`
+seconds with every job done, and reports latency percentiles and throughput per phase
+and endpoint, side by side: a table on screen and JSON on disk. Clients either send
+back to back (a saturation test: latency is mostly queueing) or at a fixed rate each
+(`rate`), timed from each request's scheduled start. Nothing is asserted about the
+figures.
 """
 
 from __future__ import annotations
@@ -92,11 +96,21 @@ def run_api_bench(
     steps: int = 6,
     json_path: str | Path | None = None,
     timeout_s: float = 1800.0,
+    rate: float = 0.0,
+    idle_s: float = 10.0,
     console: Console | None = None,
 ) -> dict[str, Any]:
-    """Measure the API under `jobs` training jobs and `clients` polling threads."""
+    """Measure the API under `jobs` training jobs and `clients` polling threads, then
+    for `idle_s` seconds with the same jobs done (the pipeline idle), side by side.
+
+    `rate` > 0: each client sends `rate` requests per second on a fixed schedule and a
+    latency counts from the request's scheduled time (a late start is the server's
+    delay too); 0: each client sends its next request as soon as the last answers.
+    """
     if jobs < 1 or clients < 1 or steps < 1:
         raise MarlaasError("jobs, clients and steps must be >= 1")
+    if rate < 0 or idle_s < 0:
+        raise MarlaasError("rate and idle_s must be >= 0")
     console = console or Console()
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
@@ -110,7 +124,7 @@ def run_api_bench(
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
             _wait_ready(base, proc, log, 120)
-            result = _measure(base, jobs, clients, steps, timeout_s)
+            result = _measure(base, jobs, clients, steps, timeout_s, rate, idle_s)
         finally:
             proc.terminate()
             try:
@@ -118,14 +132,95 @@ def run_api_bench(
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-    result["config"] = {"jobs": jobs, "clients": clients, "steps": steps, "cpus": os.cpu_count()}
+    result["config"] = {
+        "jobs": jobs,
+        "clients": clients,
+        "steps": steps,
+        "rate_per_client": rate,
+        "idle_s": idle_s,
+        "cpus": os.cpu_count(),
+    }
     _print(console, result)
     if json_path is not None:
         Path(json_path).write_text(json.dumps(result, indent=2, sort_keys=True))
     return result
 
 
-def _measure(base: str, jobs: int, clients: int, steps: int, timeout_s: float) -> dict[str, Any]:
+class _Pollers:
+    """`clients` threads that read the job list, one job, its metrics and its
+    checkpoints in turn until stopped, each at `rate` requests per second (0: closed
+    loop), recording per-endpoint latencies."""
+
+    def __init__(
+        self, base: str, headers: dict[str, str], ids: list[str], clients: int, rate: float
+    ) -> None:
+        self.samples: dict[str, list[float]] = {name: [] for name in ENDPOINTS}
+        self.errors: list[str] = []
+        self._base, self._headers, self._ids, self._rate = base, headers, ids, rate
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads = [
+            threading.Thread(target=self._poll, args=(k,), daemon=True) for k in range(clients)
+        ]
+        self.started = time.perf_counter()
+        for th in self._threads:
+            th.start()
+
+    def stop(self) -> float:
+        """Stop and join; the seconds they ran."""
+        self._stop.set()
+        for th in self._threads:
+            th.join()
+        return time.perf_counter() - self.started
+
+    def _urls(self, job: str) -> tuple[str, ...]:
+        return (
+            "/v1/jobs",
+            f"/v1/jobs/{job}",
+            f"/v1/jobs/{job}/metrics",
+            f"/v1/jobs/{job}/checkpoints",
+        )
+
+    def _poll(self, k: int) -> None:
+        # Clients start spread over one period so that they do not send in lockstep.
+        period = 1.0 / self._rate if self._rate > 0 else 0.0
+        due = time.perf_counter() + period * k / max(len(self._threads), 1)
+        with httpx.Client(base_url=self._base, headers=self._headers, timeout=60) as c:
+            i = k
+            while not self._stop.is_set():
+                job = self._ids[i % len(self._ids)]
+                i += 1
+                for name, url in zip(ENDPOINTS, self._urls(job), strict=True):
+                    if period:
+                        wait = due - time.perf_counter()
+                        if wait > 0 and self._stop.wait(wait):
+                            return
+                        start, due = due, due + period
+                    else:
+                        start = time.perf_counter()
+                    r = c.get(url)
+                    dt = time.perf_counter() - start
+                    with self._lock:
+                        if r.status_code == 200:
+                            self.samples[name].append(dt)
+                        else:
+                            self.errors.append(f"{url}: {r.status_code}")
+
+
+def _phase(pollers: _Pollers, seconds: float) -> dict[str, Any]:
+    n = sum(len(xs) for xs in pollers.samples.values())
+    return {
+        "seconds": seconds,
+        "requests_per_s": n / seconds if seconds > 0 else 0.0,
+        "errors": pollers.errors[:20],
+        "error_count": len(pollers.errors),
+        "latency": {name: percentiles(xs) for name, xs in pollers.samples.items()},
+    }
+
+
+def _measure(
+    base: str, jobs: int, clients: int, steps: int, timeout_s: float, rate: float, idle_s: float
+) -> dict[str, Any]:
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
     quotas = {"max_concurrent_jobs": jobs, "max_total_steps": jobs * steps}
     httpx.post(
@@ -143,43 +238,10 @@ def _measure(base: str, jobs: int, clients: int, steps: int, timeout_s: float) -
             create.append(time.perf_counter() - t)
             r.raise_for_status()
             ids.append(r.json()["id"])
-    samples: dict[str, list[float]] = {name: [] for name in ENDPOINTS}
-    errors: list[str] = []
-    stop = threading.Event()
-    lock = threading.Lock()
-
-    def poll(k: int) -> None:
-        with httpx.Client(base_url=base, headers=headers, timeout=60) as c:
-            i = k
-            while not stop.is_set():
-                job = ids[i % len(ids)]
-                i += 1
-                for name, url in zip(
-                    ENDPOINTS,
-                    (
-                        "/v1/jobs",
-                        f"/v1/jobs/{job}",
-                        f"/v1/jobs/{job}/metrics",
-                        f"/v1/jobs/{job}/checkpoints",
-                    ),
-                    strict=True,
-                ):
-                    t = time.perf_counter()
-                    r = c.get(url)
-                    dt = time.perf_counter() - t
-                    with lock:
-                        if r.status_code == 200:
-                            samples[name].append(dt)
-                        else:
-                            errors.append(f"{url}: {r.status_code}")
-
-    threads = [threading.Thread(target=poll, args=(k,), daemon=True) for k in range(clients)]
-    t0 = time.perf_counter()
-    for th in threads:
-        th.start()
+    training = _Pollers(base, headers, ids, clients, rate)
     statuses: dict[str, int] = {}
     with httpx.Client(base_url=base, headers=headers, timeout=60) as c:
-        while time.perf_counter() - t0 < timeout_s:
+        while time.perf_counter() - training.started < timeout_s:
             listed = c.get("/v1/jobs", params={"limit": jobs}).json()["jobs"]
             statuses = {}
             for j in listed:
@@ -187,36 +249,51 @@ def _measure(base: str, jobs: int, clients: int, steps: int, timeout_s: float) -
             if sum(statuses.get(s, 0) for s in ("done", "failed", "cancelled")) == jobs:
                 break
             time.sleep(1.0)
-    stop.set()
-    for th in threads:
-        th.join()
-    wall = time.perf_counter() - t0
+    wall = training.stop()
+    phases = {"training": _phase(training, wall)}
+    if idle_s > 0:
+        idle = _Pollers(base, headers, ids, clients, rate)
+        time.sleep(idle_s)
+        phases["idle"] = _phase(idle, idle.stop())
     return {
         "wall_s": wall,
         "statuses": statuses,
-        "errors": errors[:20],
-        "error_count": len(errors),
-        "latency": {"create": percentiles(create)}
-        | {name: percentiles(xs) for name, xs in samples.items()},
+        "create": percentiles(create),
+        "phases": phases,
+        "error_count": sum(p["error_count"] for p in phases.values()),
     }
 
 
 def _print(console: Console, result: dict[str, Any]) -> None:
     cfg = result["config"]
-    table = Table(
-        title=f"API latency: {cfg['jobs']} jobs training, {cfg['clients']} polling clients, "
-        f"{result['wall_s']:.0f} s"
+    mode = (
+        f"{cfg['rate_per_client']:g} requests/s each"
+        if cfg["rate_per_client"] > 0
+        else "back to back"
     )
-    for col in ("endpoint", "requests", "p50 ms", "p95 ms", "p99 ms", "max ms"):
-        table.add_column(col, justify="left" if col == "endpoint" else "right")
-    for name, p in result["latency"].items():
+    table = Table(
+        title=f"API latency: {cfg['jobs']} jobs, {cfg['clients']} clients ({mode}); "
+        f"training took {result['wall_s']:.0f} s"
+    )
+    for col in ("phase", "endpoint", "requests", "req/s", "p50 ms", "p95 ms", "p99 ms", "max ms"):
+        table.add_column(col, justify="left" if col in ("phase", "endpoint") else "right")
+    rows = [("training", "create", result["create"], None)]
+    for phase, figures in result["phases"].items():
+        rows += [(phase, name, p, figures) for name, p in figures["latency"].items()]
+    for phase, name, p, figures in rows:
         table.add_row(
+            phase,
             name,
             str(p["n"]),
+            "" if figures is None or name != ENDPOINTS[0] else f"{figures['requests_per_s']:.0f}",
             f"{p['p50_ms']:.1f}",
             f"{p['p95_ms']:.1f}",
             f"{p['p99_ms']:.1f}",
             f"{p['max_ms']:.1f}",
         )
     console.print(table)
+    training, idle = result["phases"]["training"], result["phases"].get("idle")
+    if idle and idle["latency"]["get"]["n"] and training["latency"]["get"]["n"]:
+        ratio = training["latency"]["get"]["p99_ms"] / max(idle["latency"]["get"]["p99_ms"], 1e-9)
+        console.print(f"GET job p99, training / idle: {ratio:.2f}x")
     console.print(f"job statuses at the end: {result['statuses']}; errors: {result['error_count']}")

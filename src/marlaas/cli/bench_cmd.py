@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from marlaas.config.ray import RaySpec
+from marlaas.config.ray import RaySpec, load_ray_spec
 
 app = typer.Typer(no_args_is_help=True, help="Benchmarks (a table on screen, JSON on disk).")
 
@@ -103,22 +103,7 @@ def sandbox(
 
 
 def _ray_spec(path: Path | None) -> RaySpec | None:
-    if path is None:
-        return None
-    import yaml
-    from pydantic import ValidationError
-
-    from marlaas.errors import ConfigError
-
-    try:
-        return RaySpec.model_validate(yaml.safe_load(path.read_text(encoding="utf-8")) or {})
-    except (OSError, yaml.YAMLError) as e:
-        raise ConfigError(f"cannot read the Ray spec {path}: {e}") from e
-    except ValidationError as e:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()
-        )
-        raise ConfigError(f"{path}: invalid Ray spec: {problems}") from e
+    return None if path is None else load_ray_spec(path)
 
 
 @app.command("paper")
@@ -212,9 +197,17 @@ def api(
     jobs: int = typer.Option(32, min=1, help="Jobs training at once."),
     clients: int = typer.Option(8, min=1, help="Client threads polling the API."),
     steps: int = typer.Option(6, min=1, help="RL steps per job."),
+    rate: float = typer.Option(
+        0.0, min=0.0, help="Requests per second per client, on a fixed schedule; 0: back to back."
+    ),
+    idle_s: float = typer.Option(
+        10.0, min=0.0, help="Seconds to poll again once every job is done (0: skip)."
+    ),
 ) -> None:
-    """API latency of a real `marlaas serve` while many jobs train."""
+    """API latency of a real `marlaas serve` while many jobs train, and idle after."""
     from marlaas.bench.api import run_api_bench
 
-    run_api_bench(jobs=jobs, clients=clients, steps=steps, json_path=json_out)
+    run_api_bench(
+        jobs=jobs, clients=clients, steps=steps, json_path=json_out, rate=rate, idle_s=idle_s
+    )
     typer.echo(f"wrote {json_out}")
