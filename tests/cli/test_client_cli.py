@@ -1,6 +1,7 @@
 """The tenant's CLI commands against a real uvicorn server (loopback, free port) with the
 scripted test backend: submit (and --wait), jobs, show, logs (-f), pause / resume /
-cancel, checkpoints, download; one subprocess run shows a bad key as one error line."""
+cancel, delete, checkpoints, download; one subprocess run shows a bad key as one error
+line."""
 
 from __future__ import annotations
 
@@ -34,8 +35,8 @@ def cli(service: Service) -> CliRunner:
     )
 
 
-def _ok(cli: CliRunner, *args: str) -> str:
-    result = cli.invoke(app, list(args))
+def _ok(cli: CliRunner, *args: str, input: str | None = None) -> str:
+    result = cli.invoke(app, list(args), input=input)
     assert result.exit_code == 0, f"{args}: {result.output}\n{result.exception!r}"
     return result.output
 
@@ -102,6 +103,33 @@ def test_pause_resume_cancel_and_follow_a_running_job(
     result = cli.invoke(app, ["cancel", oid])
     assert result.exit_code != 0 and "it is cancelled" in str(result.exception)
     assert "no checkpoints yet" in _ok(cli, "checkpoints", oid)
+
+
+def test_delete_asks_first_and_only_takes_finished_jobs(
+    cli: CliRunner, service: Service, tmp_path: Path
+) -> None:
+    job_file = tmp_path / "job.yaml"
+    job_file.write_text("name: old\ntask: {family: arithmetic}\nsteps: 2\n")
+    _ok(cli, "submit", str(job_file), "--wait")
+    jid = json.loads(_ok(cli, "jobs", "--json"))[0]["id"]
+    files = service.app.state.context.settings.artifact_dir / "checkpoints" / jid
+    assert files.is_dir()
+
+    result = cli.invoke(app, ["delete", jid], input="n\n")
+    assert result.exit_code != 0 and "removes its checkpoints" in result.output
+    assert "Delete it?" in result.output and files.is_dir()
+    assert "deleted" in _ok(cli, "delete", jid, input="y\n") and not files.exists()
+    result = cli.invoke(app, ["show", jid])
+    assert result.exit_code != 0 and "no such job" in str(result.exception)
+    assert "no jobs" in _ok(cli, "jobs")
+
+    service.backend.hold_at = 1
+    _ok(cli, "submit", str(job_file))  # the name is free again
+    again = json.loads(_ok(cli, "jobs", "--json"))[0]["id"]
+    result = cli.invoke(app, ["delete", again, "--yes"])
+    assert result.exit_code != 0 and "cancel it first" in str(result.exception)
+    _ok(cli, "cancel", again)
+    assert f"job {again} (old) deleted" in _ok(cli, "delete", again, "--yes")
 
 
 def test_a_bad_key_is_one_clear_error_line(service: Service) -> None:

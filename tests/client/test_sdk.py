@@ -168,6 +168,32 @@ def test_errors_carry_the_servers_message(service: Service, acme: Client) -> Non
         acme.job("../admin/tenants")
 
 
+def test_delete_a_finished_job(service: Service, acme: Client) -> None:
+    service.backend.hold_at = 1
+    job = acme.submit(
+        {"name": "old", "task": {"family": "arithmetic"}, "steps": 2, "checkpoint_every": 1}
+    )
+    with pytest.raises(ConflictError, match="it is running; cancel it first"):
+        acme.delete_job(job.id)
+    with (
+        Client(service.url, service.globex) as globex,
+        pytest.raises(NotFoundError, match="no such job"),
+    ):
+        globex.delete_job(job.id)
+    acme.cancel(job.id)
+    files = service_dir(service) / "artifacts" / "checkpoints" / job.id
+    assert files.is_dir()
+    assert acme.delete_job(job.id) is None
+    assert not files.exists()
+    with pytest.raises(NotFoundError, match="no such job"):
+        acme.job(job.id)
+    with pytest.raises(NotFoundError, match="no such job"):
+        acme.delete_job(job.id)
+    assert acme.jobs() == []
+    with pytest.raises(ClientError, match="not a job id"):
+        acme.delete_job("../admin/tenants")
+
+
 def service_dir(service: Service) -> Path:
     return Path(service.app.state.context.settings.data_dir)
 

@@ -87,9 +87,14 @@ async def test_jobs_submitted_while_running_finish_with_progress(
         assert first.status == "done" and first.version == 2
         # Idle, the runtime keeps serving: a job submitted later runs too.
         assert rt.running
-        rt.submit(job("b", "reverse", steps=1), resume=False)
+        rt.submit(
+            job("b", "reverse", steps=2, checkpoint_every=1, keep_checkpoints=1), resume=False
+        )
         second = await asyncio.wait_for(rt.wait("b"), 120)
-        assert second.status == "done" and second.version == 1
+        assert second.status == "done" and second.version == 2
+        # The job's own keep_checkpoints wins over the runtime's (3).
+        kept = list_checkpoints(tmp_path / "tenants" / "b" / "checkpoints")
+        assert [p.name for p in kept] == ["ckpt-00000002"]
     finally:
         await rt.close()
     assert not rt.running and rt.failure is None

@@ -1,13 +1,24 @@
 """The shipped migrations build exactly the schema the models describe, on SQLite and
-PostgreSQL, and applying them again changes nothing."""
+PostgreSQL, and applying them again changes nothing; each step downgrades and upgrades
+again without losing rows it should keep."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
+from sqlalchemy import Engine, func, insert, select, update
 
-from marlaas.service.db import Database, current_revision, head_revision, migrate
-from marlaas.service.models import Base
+from marlaas.service.db import (
+    Database,
+    _alembic_config,
+    current_revision,
+    head_revision,
+    migrate,
+)
+from marlaas.service.models import Base, Job, Metric, Tenant
 
 
 def test_migrated_schema_matches_models(db_url: str) -> None:
@@ -30,4 +41,63 @@ def test_migrations_ship_with_the_package() -> None:
 
     assert (db.MIGRATIONS_DIR / "env.py").is_file()
     assert list((db.MIGRATIONS_DIR / "versions").glob("0001_*.py"))
-    assert head_revision() == "0001"
+    assert head_revision() == "0002"
+
+
+def _downgrade(engine: Engine, revision: str) -> None:
+    config = _alembic_config()
+    with engine.begin() as connection:
+        config.attributes["connection"] = connection
+        command.downgrade(config, revision)
+
+
+def test_deleted_at_downgrades_and_upgrades(db_url: str) -> None:
+    """0002 -> 0001 drops `jobs.deleted_at` without copying the table (a copy would
+    cascade-delete child rows on SQLite) and drops deleted jobs for good; upgrading
+    again restores the column."""
+    db = Database(db_url)
+    now = datetime.now(UTC)
+    try:
+        with db.engine.begin() as conn:
+            conn.execute(
+                insert(Tenant).values(
+                    id="ten_1",
+                    name="acme",
+                    max_concurrent_jobs=1,
+                    max_total_steps=10,
+                    max_dataset_bytes=10,
+                    created_at=now,
+                )
+            )
+            for jid in ("job_kept", "job_gone"):
+                conn.execute(
+                    insert(Job).values(
+                        id=jid,
+                        tenant_id="ten_1",
+                        name=jid,
+                        spec={},
+                        status="done",
+                        steps=2,
+                        steps_done=2,
+                        priority=1.0,
+                        created_at=now,
+                        updated_at=now,
+                    )
+                )
+                conn.execute(
+                    insert(Metric).values(job_id=jid, step=1, name="r", value=1.0, time=now)
+                )
+            conn.execute(update(Job).where(Job.id == "job_gone").values(deleted_at=now))
+        _downgrade(db.engine, "0001")
+        assert current_revision(db.engine) == "0001"
+        with db.engine.connect() as conn:
+            assert conn.execute(select(Job.id)).scalars().all() == ["job_kept"]
+        migrate(db.engine)
+        assert current_revision(db.engine) == head_revision()
+        with db.engine.connect() as conn:
+            assert conn.scalar(select(func.count()).select_from(Metric)) == 1
+            assert conn.execute(select(Job.id, Job.deleted_at)).all() == [("job_kept", None)]
+            diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+        assert diff == []
+    finally:
+        db.close()

@@ -1,7 +1,8 @@
 """The job API over the real pipeline backend, in-process (TestClient, embedded base on
 the CPU): a job runs to done with its steps, metrics and checkpoints visible through
-the API; pause, resume and cancel act on the pipeline; a restart resumes active jobs
-from their checkpoints and keeps paused ones paused."""
+the API; `keep_checkpoints` prunes rows and folders; pause, resume and cancel act on
+the pipeline; deleting a finished job removes its folder; a restart resumes active
+jobs from their checkpoints and keeps paused ones paused."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from marlaas.service.db import Database
 from marlaas.service.models import Checkpoint, Job
 from marlaas.service.pipeline_backend import PipelineBackend
 from marlaas.service.settings import ServiceSettings
+from marlaas.train.checkpoint import list_checkpoints
 
 torch.set_num_threads(1)
 
@@ -168,9 +170,25 @@ def test_a_job_runs_to_done_through_the_api(servers: Servers, settings: ServiceS
     assert "marlaas_tokens_sampled_total" in text
     # Same job name for another tenant: a different job, no clash in the pipeline.
     other = Tenants(client).create("other")
-    r = client.post("/v1/jobs", json=tiny_job("rev", steps=1), headers=other)
+    r = client.post("/v1/jobs", json=tiny_job("rev", steps=2, keep_checkpoints=1), headers=other)
     assert r.status_code == 201, r.text
-    wait_for(client, other, r.json()["id"], lambda j: j["status"] == "done")
+    other_id = r.json()["id"]
+    wait_for(client, other, other_id, lambda j: j["status"] == "done")
+    # Its keep_checkpoints: the older checkpoint's row and folder are gone.
+    ckpts = client.get(f"/v1/jobs/{other_id}/checkpoints", headers=other).json()["checkpoints"]
+    assert [c["step"] for c in ckpts] == [2]
+    folders = settings.artifact_dir / "pipeline" / "tenants" / other_id / "checkpoints"
+    assert [p.name for p in list_checkpoints(folders)] == ["ckpt-00000002"]
+    # Deleting the done job removes its whole folder (checkpoints, final adapter); it
+    # is no model any more; the other tenant's job of the same name is untouched.
+    assert client.delete(f"/v1/jobs/{job_id}", headers=acme).status_code == 204
+    assert not (settings.artifact_dir / "pipeline" / "tenants" / job_id).exists()
+    assert stored_checkpoint_paths(client, job_id) == []
+    r = client.post("/v1/completions", json=body, headers=acme)
+    assert r.status_code == 404, r.text
+    assert [m["id"] for m in client.get("/v1/models", headers=acme).json()["data"]] == ["base"]
+    assert client.get(f"/v1/jobs/{other_id}/checkpoints", headers=other).json()["checkpoints"]
+    assert (settings.artifact_dir / "pipeline" / "tenants" / other_id / "adapter").is_dir()
 
 
 def test_pause_resume_cancel_act_on_the_pipeline(servers: Servers) -> None:
@@ -195,6 +213,14 @@ def test_pause_resume_cancel_act_on_the_pipeline(servers: Servers) -> None:
     client.portal.call(runtime.wait, b)  # type: ignore[union-attr]
     assert runtime.state(b).status == "cancelled"
     assert client.get(f"/v1/jobs/{b}", headers=acme).json()["status"] == "cancelled"
+    # A running job cannot be deleted; the cancelled one can, with its files.
+    assert client.delete(f"/v1/jobs/{a}", headers=acme).status_code == 409
+    assert client.delete(f"/v1/jobs/{b}", headers=acme).status_code == 204
+    artifacts = client.app.state.context.settings.artifact_dir  # type: ignore[attr-defined]
+    assert not (artifacts / "pipeline" / "tenants" / b).exists()
+    assert (artifacts / "pipeline" / "tenants" / a).is_dir()
+    at = client.get(f"/v1/jobs/{a}", headers=acme).json()["steps_done"]
+    wait_for(client, acme, a, lambda j: j["steps_done"] > at)  # a trains on
 
 
 def test_a_restart_resumes_active_jobs_and_keeps_paused_ones_paused(

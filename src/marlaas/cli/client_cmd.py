@@ -1,5 +1,5 @@
 """The tenant's commands against a running server: `submit`, `jobs`, `show`, `logs`,
-`cancel`, `pause`, `resume`, `checkpoints`, `download` (thin wrappers over
+`cancel`, `pause`, `resume`, `delete`, `checkpoints`, `download` (thin wrappers over
 `marlaas.client.Client`).
 
 The server and key come from `--url`/`--key` or $MARLAAS_URL/$MARLAAS_API_KEY. Errors
@@ -295,6 +295,29 @@ def resume(job_id: str = JobArg, url: str | None = UrlOption, key: str | None = 
     _act("resume", job_id, url, key)
 
 
+def delete(
+    job_id: str = JobArg,
+    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
+    url: str | None = UrlOption,
+    key: str | None = KeyOption,
+) -> None:
+    """Delete a done, failed or cancelled job with its checkpoints and adapters, for good."""
+    with _client(url, key) as client:
+        job = client.job(job_id)
+        if not yes:
+            console.print(
+                Text(f"job {job.id} ({job.name}) is ").append_text(_status(job.status))
+                + Text(
+                    f", {job.steps_done}/{job.steps} steps; deleting it removes its "
+                    "checkpoints and adapters for good (the steps it used still count "
+                    "toward your quota)"
+                )
+            )
+            typer.confirm("Delete it?", abort=True)
+        client.delete_job(job.id)
+    console.print(f"job {job.id} ({job.name}) deleted, with its checkpoints and adapters")
+
+
 def checkpoints(
     job_id: str = JobArg, url: str | None = UrlOption, key: str | None = KeyOption
 ) -> None:
@@ -363,6 +386,7 @@ COMMANDS: dict[str, Callable[..., None]] = {
     "cancel": cancel,
     "pause": pause,
     "resume": resume,
+    "delete": delete,
     "checkpoints": checkpoints,
     "download": download,
 }

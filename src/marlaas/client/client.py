@@ -126,12 +126,16 @@ class Client:
             )
         return f"/v1/jobs/{job_id}{suffix}"
 
-    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+    def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
             response = self._http.request(method, path, **kwargs)
         except httpx.TransportError as e:
             raise self._unreachable(e) from e
         self._raise_for(response)
+        return response
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        response = self._send(method, path, **kwargs)
         try:
             return response.json()
         except ValueError:
@@ -174,6 +178,13 @@ class Client:
 
     def resume(self, job_id: str) -> Job:
         return Job.model_validate(self._call("POST", self._job_path(job_id, "/resume")))
+
+    def delete_job(self, job_id: str) -> None:
+        """Delete a done, failed or cancelled job for good (cancel an active one first):
+        the server removes its checkpoints and adapters, and the job is gone (`job`
+        and the rest raise `NotFoundError` afterwards). The steps it used still count toward
+        your quota; an uploaded dataset it trained on is kept."""
+        self._send("DELETE", self._job_path(job_id))
 
     def metrics(
         self,

@@ -71,6 +71,13 @@ class JobSpec(Spec):
     checkpoint_every: int = Field(
         0, ge=0, description="Checkpoint every this many steps (0: only at the end)."
     )
+    keep_checkpoints: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000,
+        description="Keep only the newest this many checkpoints, removing older ones as "
+        "new ones land (None: the runner's default; the service keeps all).",
+    )
     priority: float = Field(
         1.0, gt=0.0, le=1000.0, description="Weight of this job's share of device time."
     )

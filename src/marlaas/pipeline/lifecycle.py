@@ -260,7 +260,7 @@ class TenantRuntime:
             self.ctx.checkpoint_dir(self.name),
             snapshot,
             extra,
-            self.ctx.options.keep_checkpoints,
+            self.job.keep_checkpoints or self.ctx.options.keep_checkpoints,
         )
         self.last_checkpoint = snapshot.version
         self.ctx.recorder.span("checkpoint", "save", t0, time.perf_counter(), tenant=self.name)

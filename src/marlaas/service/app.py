@@ -1,5 +1,5 @@
 """The FastAPI app: `open_context` builds the service's state (database migrated, admin
-key ensured), `create_app` wires routes, middleware, error answers and the backend.
+key ensured, files of deleted jobs removed), `create_app` wires routes, middleware, error answers and the backend.
 
 Shutdown order (the lifespan's end): the backend is closed first (it checkpoints and
 stops its jobs, reporting through the still-open database), then the database pool.
@@ -22,6 +22,7 @@ from marlaas.service.auth import PrincipalCache, bootstrap_admin_key
 from marlaas.service.backend import BackendFactory
 from marlaas.service.context import ServiceContext
 from marlaas.service.db import Database
+from marlaas.service.deletion import purge_deleted_jobs
 from marlaas.service.errors import InvalidField, ServiceError
 from marlaas.service.metrics import PipelineMetrics, make_registry
 from marlaas.service.middleware import BodyLimit, RequestTimer
@@ -39,6 +40,11 @@ def open_context(settings: ServiceSettings) -> tuple[ServiceContext, str | None]
     db = Database(settings.database_url)
     with db.transaction() as session:
         new_admin_key = bootstrap_admin_key(session, settings.admin_key)
+    # Files that deleted jobs left behind (a crash between a delete and its removal).
+    try:
+        purge_deleted_jobs(db, settings.artifact_dir)
+    except OSError:
+        log.exception("could not remove deleted jobs' files; the next delete retries")
     registry, request_metrics = make_registry(db)
     ctx = ServiceContext(
         settings=settings,

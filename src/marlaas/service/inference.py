@@ -237,7 +237,9 @@ def resolve_model(
         raise ModelNotFound(name)
     with db.transaction() as session:
         job = session.scalars(
-            select(Job).where(Job.id == match["job"], Job.tenant_id == tenant_id)
+            select(Job).where(
+                Job.id == match["job"], Job.tenant_id == tenant_id, Job.deleted_at.is_(None)
+            )
         ).one_or_none()
         if job is None:
             raise ModelNotFound(name)
@@ -264,13 +266,13 @@ def list_models(
     with db.transaction() as session:
         jobs = session.execute(
             select(Job.id, Job.updated_at)
-            .where(Job.tenant_id == tenant_id)
+            .where(Job.tenant_id == tenant_id, Job.deleted_at.is_(None))
             .order_by(Job.created_at, Job.id)
         ).all()
         rows = session.execute(
             select(Checkpoint)
             .join(Job, Checkpoint.job_id == Job.id)
-            .where(Job.tenant_id == tenant_id)
+            .where(Job.tenant_id == tenant_id, Job.deleted_at.is_(None))
             .order_by(Checkpoint.step)
         ).scalars()
         by_job: dict[str, list[ServedModel]] = {}

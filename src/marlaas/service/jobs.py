@@ -1,9 +1,9 @@
 """Job operations inside one transaction: create (validated, within quota), find
-(always scoped to the caller's tenant), list, and apply a tenant's action.
+(always scoped to the caller's tenant), list, apply a tenant's action, and delete.
 
 Scoping rule: every lookup filters by tenant id in the query itself, so a job of
 another tenant is simply not found, and the caller answers the same 404 as for an id
-that never existed.
+that never existed. A deleted job (`deleted_at` set) is not found either: the same 404.
 """
 
 from __future__ import annotations
@@ -12,16 +12,17 @@ import inspect
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.elements import ColumnElement
 
 from marlaas.config.job import DatasetSpec, JobSpec
 from marlaas.config.specs import TaskSpec
 from marlaas.service import quotas
 from marlaas.service.errors import Conflict, InvalidField, NotFound
-from marlaas.service.lifecycle import Action, JobStatus, action_target, allowed_from
-from marlaas.service.models import Dataset, Job, JobEvent, Tenant, new_id, utcnow
+from marlaas.service.lifecycle import TERMINAL, Action, JobStatus, action_target, allowed_from
+from marlaas.service.models import Dataset, Job, JobEvent, Metric, Tenant, new_id, utcnow
 
 
 def job_not_found() -> NotFound:
@@ -119,9 +120,14 @@ def create_job(
     return job
 
 
+def visible() -> ColumnElement[bool]:
+    """The filter of jobs that exist for their tenant: every job not deleted."""
+    return Job.deleted_at.is_(None)
+
+
 def get_job(session: Session, tenant_id: str, job_id: str, *, lock: bool = False) -> Job:
     """The tenant's job `job_id`; `NotFound` if missing or another tenant's."""
-    query = select(Job).where(Job.id == job_id, Job.tenant_id == tenant_id)
+    query = select(Job).where(Job.id == job_id, Job.tenant_id == tenant_id, visible())
     if lock:
         query = query.with_for_update()
     job = session.scalars(query).one_or_none()
@@ -139,7 +145,7 @@ def list_jobs(
     offset: int = 0,
 ) -> Sequence[Job]:
     """The tenant's jobs, newest first."""
-    query = select(Job).where(Job.tenant_id == tenant_id)
+    query = select(Job).where(Job.tenant_id == tenant_id, visible())
     if status is not None:
         query = query.where(Job.status == status)
     query = query.order_by(Job.created_at.desc(), Job.id).limit(limit).offset(offset)
@@ -159,6 +165,34 @@ def apply_action(session: Session, tenant_id: str, job_id: str, action: Action) 
     job.status = target
     job.updated_at = utcnow()
     add_event(session, job, "status", {"status": str(target), "action": str(action)})
+    return job
+
+
+def deleted_name(job_id: str) -> str:
+    """What a deleted job's `name` becomes, so that the tenant can use the name again
+    (the original stays in its spec). Never a valid job name, so never taken."""
+    return f"deleted:{job_id}"
+
+
+def delete_job(session: Session, tenant_id: str, job_id: str) -> Job:
+    """Hide a finished job for good: `Conflict` (409) unless it is done, failed or
+    cancelled. The row stays (quotas count the steps it used, see `quotas`), renamed
+    to free its name; its metrics and events go now, its checkpoint rows once their
+    files are removed (`deletion.purge_deleted_jobs`, after this transaction commits).
+    """
+    job = get_job(session, tenant_id, job_id, lock=True)
+    current = JobStatus(job.status)
+    if current not in TERMINAL:
+        raise Conflict(
+            f"cannot delete job {job_id!r}: it is {current}; cancel it first "
+            f"(POST /v1/jobs/{job_id}/cancel), then delete it"
+        )
+    now = utcnow()
+    job.deleted_at = now
+    job.updated_at = now
+    job.name = deleted_name(job.id)
+    session.execute(delete(Metric).where(Metric.job_id == job.id))
+    session.execute(delete(JobEvent).where(JobEvent.job_id == job.id))
     return job
 
 

@@ -34,6 +34,7 @@ class JobCounts(Collector):
             rows = session.execute(
                 select(Tenant.name, Job.status, func.count(Job.id))
                 .join(Job, Job.tenant_id == Tenant.id)
+                .where(Job.deleted_at.is_(None))
                 .group_by(Tenant.name, Job.status)
             ).all()
             tenants = session.scalars(select(Tenant.name)).all()

@@ -105,6 +105,9 @@ class Job(Base):
     failure_reason: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    #: Set when the tenant deleted the job: the row stays (quotas count its steps) but
+    #: is hidden everywhere, and its files are removed (see `marlaas.service.deletion`).
+    deleted_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
     tenant: Mapped[Tenant] = relationship()
 

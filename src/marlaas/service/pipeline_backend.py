@@ -6,7 +6,10 @@ Ids and files:
 - Its files lie under `<artifact_dir>/pipeline/tenants/<job id>/`: `checkpoints/ckpt-<step>/`
   (atomic: adapter, optimizer, RNG, data cursor) and, once done, `adapter/`. A
   checkpoint's database row points at the PEFT adapter directory inside it
-  (`ckpt-<step>/adapter`). Every checkpoint is kept, since the database refers to each.
+  (`ckpt-<step>/adapter`). The pipeline keeps every checkpoint, since the database
+  refers to each: a job's `keep_checkpoints` is applied by the `JobReporter` (rows
+  first, then folders), and deleting the job (`DELETE /v1/jobs/{id}`) removes the
+  whole folder (`deletion`).
 
 Reports (through the `JobReporter`, in the order things happened, by one worker task):
 running when the pipeline admits the job (and after a resume), every step's metrics,
@@ -70,7 +73,8 @@ log = logging.getLogger(__name__)
 
 #: Subdirectory of the artifact directory that holds the pipeline's outputs.
 PIPELINE_DIR = "pipeline"
-#: Checkpoints kept per job: all of them (the database refers to each).
+#: Checkpoints the pipeline keeps per job: all of them (the database refers to each;
+#: the reporter removes those beyond a job's `keep_checkpoints`).
 KEEP_ALL = 2**31
 _CKPT = re.compile(r"^ckpt-(\d+)$")
 
@@ -334,7 +338,11 @@ class PipelineBackend:
     ) -> None:
         """Submit the job under its id (raises on a spec the pipeline cannot take)."""
         try:
-            tenant_spec = JobSpec.model_validate({**spec.model_dump(), "name": job_id})
+            # The pipeline keeps every checkpoint; the reporter applies the job's
+            # `keep_checkpoints` (database rows first, then files).
+            tenant_spec = JobSpec.model_validate(
+                {**spec.model_dump(), "name": job_id, "keep_checkpoints": None}
+            )
         except ValidationError as e:
             raise PipelineError(f"job id {job_id!r} cannot name a pipeline tenant: {e}") from e
         self._jobs[job_id] = known or _Job()

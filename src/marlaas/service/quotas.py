@@ -3,7 +3,8 @@
 Usage is computed from the rows, never kept as a counter that could drift:
 - active jobs: queued, running or paused;
 - steps: the steps asked by active and done jobs, plus the steps that failed and
-  cancelled jobs actually ran (the unused rest is given back);
+  cancelled jobs actually ran (the unused rest is given back); a deleted job's row
+  stays (hidden) for this, so deleting a job gives no steps back;
 - dataset bytes: the sizes of the tenant's uploaded datasets.
 Callers check inside the transaction that then inserts, with the tenant's row locked
 (see `db`), so concurrent requests cannot overshoot a limit together.

@@ -5,7 +5,14 @@ so the event loop never waits on the database. Reports obey the lifecycle
 (`lifecycle.REPORTED`): a status report that does not apply (say, `running` for a job
 the tenant has just cancelled) is ignored and returns False, because the tenant's
 action wins; the backend learns about that action through its own `cancel`/`pause`
-call. Checkpoints and metrics are facts and are always recorded.
+call. Checkpoints and metrics are facts and are always recorded, with two exceptions:
+- a job's `keep_checkpoints`: recording a checkpoint drops the rows of older ones
+  beyond it, then (after the commit) their folders; a crash in between leaves folders
+  that nothing refers to (a resumed job's backend reports them again, and they are
+  dropped then; a finished job's go when the job is deleted);
+- a job the tenant deleted: every report about it is ignored (a late one of a backend
+  still winding the job down; only a step still counts toward its steps used), and its
+  files are removed by `deletion.purge_deleted_jobs`.
 """
 
 from __future__ import annotations
@@ -16,10 +23,11 @@ import math
 from collections.abc import Mapping
 from pathlib import Path
 
-from sqlalchemy import delete
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
 from marlaas.service.db import Database
+from marlaas.service.deletion import checkpoint_folder, remove_dirs
 from marlaas.service.errors import NotFound
 from marlaas.service.events import JobNotifier
 from marlaas.service.jobs import add_event
@@ -46,10 +54,14 @@ class JobReporter:
         """Woken after every committed report, so event streams need not poll."""
 
     @staticmethod
-    def _job(session: Session, job_id: str) -> Job:
+    def _job(session: Session, job_id: str, report: str) -> Job | None:
+        """The job, locked; None (report ignored) when the tenant deleted it."""
         job = session.get(Job, job_id, with_for_update=True)
         if job is None:
             raise NotFound(f"no job with id {job_id!r} in the service database")
+        if job.deleted_at is not None:
+            log.info("job %s: ignored report %s (the job was deleted)", job_id, report)
+            return None
         return job
 
     async def status(self, job_id: str, status: JobStatus, reason: str | None = None) -> bool:
@@ -66,7 +78,9 @@ class JobReporter:
 
     def _status(self, job_id: str, status: JobStatus, reason: str | None) -> bool:
         with self._db.transaction() as session:
-            job = self._job(session, job_id)
+            job = self._job(session, job_id, str(status))
+            if job is None:
+                return False
             if JobStatus(job.status) not in REPORTED[status]:
                 log.info("job %s: ignored report %s (job is %s)", job_id, status, job.status)
                 return False
@@ -87,7 +101,14 @@ class JobReporter:
     def _step(self, job_id: str, step: int, metrics: dict[str, float | None]) -> None:
         now = utcnow()
         with self._db.transaction() as session:
-            job = self._job(session, job_id)
+            job = self._job(session, job_id, f"step {step}")
+            if job is None:  # deleted: no metrics, but the step still counts for quotas
+                session.execute(
+                    update(Job)
+                    .where(Job.id == job_id, Job.steps_done < step)
+                    .values(steps_done=step)
+                )
+                return
             job.steps_done = max(job.steps_done, step)
             job.updated_at = now
             session.execute(
@@ -114,19 +135,52 @@ class JobReporter:
                 f"checkpoint {path} lies outside the artifact directory {root}; write "
                 "checkpoints under it, so the database can refer to them portably"
             ) from None
-        await asyncio.to_thread(
+        dropped = await asyncio.to_thread(
             self._checkpoint, job_id, step, relative.as_posix(), _finite(metrics)
         )
         self.notifier.notify(job_id)
+        if dropped:  # committed: now their folders (a crash before this leaves them
+            # unreferenced; a resumed job's backend reports them again, see _checkpoint)
+            try:
+                await asyncio.to_thread(self._remove_checkpoints, job_id, dropped)
+            except OSError:
+                log.exception("job %s: could not remove dropped checkpoints", job_id)
 
     def _checkpoint(
         self, job_id: str, step: int, path: str, metrics: dict[str, float | None]
-    ) -> None:
+    ) -> list[str]:
+        """Record the checkpoint, and apply the job's `keep_checkpoints`: the rows of
+        older checkpoints beyond it go in the same transaction; returns their paths,
+        whose folders the caller removes after the commit. A checkpoint that is itself
+        beyond it (older than the newest kept ones: a folder that a crash left behind,
+        reported again at recovery) is not recorded, and its path is returned."""
         with self._db.transaction() as session:
-            job = self._job(session, job_id)
+            job = self._job(session, job_id, f"checkpoint {step}")
+            if job is None:
+                return []
+            keep = job.spec.get("keep_checkpoints")
+            mine = select(Checkpoint).where(Checkpoint.job_id == job_id)
+            if keep is not None:
+                newer = session.scalar(
+                    select(func.count()).select_from(mine.where(Checkpoint.step > step).subquery())
+                )
+                if (newer or 0) >= keep:
+                    log.info("job %s: checkpoint %d is beyond keep_checkpoints", job_id, step)
+                    return [path]
             session.add(
                 Checkpoint(
                     job_id=job_id, step=step, path=path, metrics=metrics, created_at=utcnow()
                 )
             )
             add_event(session, job, "checkpoint", {"step": step, "metrics": metrics})
+            if keep is None:
+                return []
+            session.flush()
+            dropped = session.scalars(mine.order_by(Checkpoint.step.desc()).offset(keep)).all()
+            for ckpt in dropped:
+                session.delete(ckpt)
+            return [ckpt.path for ckpt in dropped]
+
+    def _remove_checkpoints(self, job_id: str, paths: list[str]) -> None:
+        folders = (checkpoint_folder(self.artifact_dir, job_id, p) for p in paths)
+        remove_dirs(f for f in folders if f is not None)

@@ -1,5 +1,6 @@
-"""Tenant job routes under /v1: create, list, get, cancel, pause, resume, metrics,
-checkpoints, the event stream, adapter downloads, and the caller's own quotas and usage.
+"""Tenant job routes under /v1: create, list, get, cancel, pause, resume, delete,
+metrics, checkpoints, the event stream, adapter downloads, and the caller's own quotas
+and usage.
 
 Routes that touch the backend are coroutines: the database work runs in a worker
 thread (one transaction), then the backend is told. The database is the source of
@@ -12,7 +13,7 @@ import asyncio
 import logging
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Query, status
+from fastapi import APIRouter, Header, Query, Response, status
 from fastapi.responses import StreamingResponse
 from sqlalchemy import select
 
@@ -22,6 +23,7 @@ from marlaas.service import jobs as ops
 from marlaas.service.api.deps import Context, TenantCaller, tenant_id
 from marlaas.service.archive import ArchiveFormat, open_adapter, stream_archive
 from marlaas.service.context import ServiceContext
+from marlaas.service.deletion import purge_deleted_jobs
 from marlaas.service.errors import InvalidField, NotFound
 from marlaas.service.events import stream_events
 from marlaas.service.lifecycle import Action, JobStatus
@@ -167,6 +169,38 @@ async def pause_job(job_id: str, ctx: Context, caller: TenantCaller) -> JobOut:
 async def resume_job(job_id: str, ctx: Context, caller: TenantCaller) -> JobOut:
     """Queue a paused job again; it becomes running when the backend picks it up."""
     return await _act(ctx, caller, job_id, Action.RESUME)
+
+
+@router.delete(
+    "/jobs/{job_id}",
+    status_code=status.HTTP_204_NO_CONTENT,
+    response_class=Response,
+    responses={
+        **_ERRORS,
+        409: {"description": "The job is queued, running or paused: cancel it first."},
+    },
+)
+async def delete_job(job_id: str, ctx: Context, caller: TenantCaller) -> Response:
+    """Delete a done, failed or cancelled job for good: its checkpoints and adapters are
+    removed, and the job is gone from every listing, download and model list (404
+    afterwards, its name free again). The steps it used still count toward your
+    `max_total_steps` quota. An uploaded dataset it trained on is kept."""
+
+    def hide() -> None:
+        with ctx.db.transaction() as session:
+            ops.delete_job(session, tenant_id(caller), job_id)
+
+    await asyncio.to_thread(hide)  # committed: the job is gone for the tenant
+    ctx.reporter.notifier.notify(job_id)
+    try:  # this job's files, and any a crash left behind of earlier deletes
+        await asyncio.to_thread(purge_deleted_jobs, ctx.db, ctx.settings.artifact_dir)
+    except Exception:
+        log.exception(
+            "job %s is deleted but removing deleted jobs' files failed; the next delete "
+            "or start of the service retries",
+            job_id,
+        )
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
 @router.get("/jobs/{job_id}/metrics", response_model=MetricsOut, responses=_ERRORS)
