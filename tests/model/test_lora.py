@@ -92,6 +92,59 @@ def test_layer_matches_the_lora_formula() -> None:
         layer(torch.randn(3, 6))
 
 
+@pytest.mark.parametrize(
+    ("lanes", "size", "gather"),
+    [
+        ([2, 0, 1, 2, 1, 1], 1, True),  # no common run length: one block per row
+        ([0, 0, 1, 1, 2, 2], 2, False),  # block k is lane k: no weight gather
+        ([0, 1, 2], 1, False),
+        ([0, 0, 1, 1, 2, 2, 2, 2], 2, True),  # lane 2 spans two blocks
+        ([2, 2, 2, 0, 0, 0], 3, True),  # grouped, lanes out of order
+        ([1, 1, 1, 1, 0, 0, 1, 1], 2, True),  # a lane in two runs, lane 2 absent
+        ([1, 1, 1, 1], 4, True),
+    ],
+)
+def test_row_blocks_match_the_formula_with_gradients(
+    lanes: list[int], size: int, gather: bool
+) -> None:
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(6, 5).requires_grad_(False)
+    context = _LaneContext()
+    layer = MultiLoRALinear(linear, "m", context)
+    A_Lri = torch.randn(3, 2, 6, requires_grad=True)
+    B_Lor = torch.randn(3, 5, 2, requires_grad=True)
+    scale_L = torch.tensor([0.0, 2.0, 0.5])
+    lane_B = torch.tensor(lanes)
+    context.batch = LaneBatch(lane_B, {"m": A_Lri}, {"m": B_Lor}, scale_L)
+    context.scale_B = scale_L[lane_B]
+    context.owner = threading.get_ident()
+    x = torch.randn(len(lanes), 3, 6, requires_grad=True)
+    got = layer(x)
+    plan = context.plan
+    assert plan is not None and plan.size == size and (plan.lane_K is not None) == gather
+    expected = torch.stack(
+        [
+            linear(x[b]) + scale_L[lane] * (x[b] @ A_Lri[lane].T) @ B_Lor[lane].T
+            for b, lane in enumerate(lanes)
+        ]
+    )
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    g = torch.randn_like(got)
+    grads = torch.autograd.grad(got, (x, A_Lri, B_Lor), g)
+    want = torch.autograd.grad(expected, (x, A_Lri, B_Lor), g)
+    for a, b in zip(grads, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    absent = sorted(set(range(3)) - set(lanes))
+    assert all(not grads[1][lane].any() and not grads[2][lane].any() for lane in absent)
+    # float32 adapters on a bfloat16 base: the update is added in the base's dtype.
+    context.plan = None
+    layer16 = MultiLoRALinear(torch.nn.Linear(6, 5).to(torch.bfloat16), "m", context)
+    y16 = layer16(x.detach().to(torch.bfloat16))
+    assert y16.dtype == torch.bfloat16
+    ref16 = layer16.base_layer(x.detach().to(torch.bfloat16)).float() + (expected - linear(x))
+    torch.testing.assert_close(y16.float(), ref16, rtol=0.02, atol=0.05)
+
+
 def test_mixed_batch_equals_each_row_alone(tiny_dir: Path, make_adapter: MakeAdapter) -> None:
     base, _ = load_base(tiny_dir)
     model = LoRAModel(base, max_rank=8)
