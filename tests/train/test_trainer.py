@@ -17,8 +17,15 @@ from marlaas.config.specs import GRPOSpec, LoRASpec
 from marlaas.errors import ConfigError, TenantNotFound
 from marlaas.model.lora import AdapterTensors, LoRAModel
 from marlaas.train.advantages import group_advantages
-from marlaas.train.batch import TrainBatch, TrainBatchError, tensorise
-from marlaas.train.bench import run_trainer_bench
+from marlaas.train.batch import (
+    MIN_FILL,
+    Rows,
+    TrainBatch,
+    TrainBatchError,
+    plan_microbatches,
+    tensorise,
+)
+from marlaas.train.bench import run_trainer_bench, tenant_lengths
 from marlaas.train.losses import policy_loss, token_logprobs
 from marlaas.train.trainer import MultiLaneTrainer
 
@@ -152,6 +159,31 @@ def test_token_budget_bounds_every_microbatch(lora_model: LoRAModel, num_tenants
     assert 0 < trainer.stats.max_microbatch_tokens <= budget
     assert trainer.stats.microbatches >= num_tenants  # 4 rows of >= 12 tokens each
     assert trainer.stats.max_microbatch_lanes <= budget // 12
+
+
+def test_microbatches_pad_at_most_a_quarter_whatever_the_mix_of_lengths() -> None:
+    """Rows are packed longest first, and a row shorter than `MIN_FILL` of its
+    micro-batch's length starts the next one, so long and short tenants' rows do not
+    share a micro-batch padded to the longest."""
+    lengths = [40, 39, 31, 30, 29, 20, 19, 10, 9, 0]
+    n = len(lengths)
+    rows = Rows(
+        input_ids_NT=torch.zeros(n, 40, dtype=torch.long),
+        target_ids_NT=torch.zeros(n, 40, dtype=torch.long),
+        mask_NT=torch.zeros(n, 40),
+        behaviour_NT=torch.zeros(n, 40),
+        weights_NT=torch.zeros(n, 40),
+        advantages_N=torch.zeros(n),
+        lengths_N=torch.tensor(lengths),
+        tenant_N=torch.tensor([i % 3 for i in range(n)]),
+    )
+    plans = plan_microbatches(rows, max_tokens=4096)
+    got = [sorted((lengths[int(i)] for i in p.rows_B), reverse=True) for p in plans]
+    assert got == [[40, 39, 31, 30], [29], [20, 19], [10, 9]]
+    for plan, members in zip(plans, got, strict=True):
+        assert plan.length == members[0]
+        assert min(members) >= MIN_FILL * plan.length
+    assert [len(p.rows_B) for p in plan_microbatches(rows, max_tokens=80)] == [2, 2, 1, 2, 2]
 
 
 def test_versions_adapter_copies_and_frozen_base(lora_model: LoRAModel) -> None:
@@ -411,3 +443,24 @@ def test_a_batch_without_model_tokens_still_counts_as_a_step(lora_model: LoRAMod
     assert (results["empty"].tokens, results["empty"].grad_norm) == (0, 0.0)
     assert results["empty"].version == 1 and results["full"].tokens > 0
     assert _rel_diff(trainer.adapter("empty"), before) == 0.0  # zero gradient, no decay
+
+
+def test_benchmark_with_mixed_lengths_gives_tenants_different_lengths(
+    tiny_llama_path: Path, tmp_path: Path
+) -> None:
+    assert [tenant_lengths(i, 8, 6) for i in range(4)] == [(4, 3), (8, 6), (12, 9), (16, 3)]
+    result = run_trainer_bench(
+        tiny_llama_path,
+        tenant_counts=(3,),
+        steps=1,
+        rows_per_tenant=2,
+        prompt_len=4,
+        completion_len=6,
+        mixed_lengths=True,
+        max_tokens_per_microbatch=64,
+        modes=("multi-lane", "single-lane"),
+        console=Console(file=io.StringIO()),
+    )
+    assert result["config"]["mixed_lengths"] is True
+    assert result["config"]["max_tokens_per_microbatch"] == 64
+    assert set(result["speedup"]["3"]) == {"multi_vs_single"}

@@ -57,6 +57,12 @@ def trainer(
     steps: int = typer.Option(5, min=1, help="Timed rounds per mode (the median is used)."),
     rows_per_tenant: int = typer.Option(4, min=1, help="Rows (one GRPO group) per tenant."),
     completion_len: int = typer.Option(16, min=2, help="Longest completion, in tokens."),
+    mixed_lengths: bool = typer.Option(
+        False, help="Tenants of different prompt and completion lengths, as task families."
+    ),
+    microbatch_tokens: int = typer.Option(
+        16384, min=64, help="Token budget of one forward/backward of the trainer."
+    ),
 ) -> None:
     """Optimizer steps/s: multi-lane vs single-lane vs PEFT + torch AdamW per tenant."""
     from marlaas.train.bench import run_trainer_bench
@@ -67,6 +73,8 @@ def trainer(
         steps=steps,
         rows_per_tenant=rows_per_tenant,
         completion_len=completion_len,
+        max_tokens_per_microbatch=microbatch_tokens,
+        mixed_lengths=mixed_lengths,
         json_path=json_out,
     )
     typer.echo(f"wrote {json_out}")

@@ -20,7 +20,9 @@ Invariants:
 
 from __future__ import annotations
 
+import bisect
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from statistics import fmean, pstdev
@@ -288,13 +290,20 @@ class MicroBatch:
         return int(self.rows_B.shape[0]) * self.length
 
 
+#: Least length of a row, relative to its micro-batch's length (see `plan_microbatches`).
+MIN_FILL = 0.75
+
+
 def plan_microbatches(rows: Rows, max_tokens: int) -> list[MicroBatch]:
     """Pack the non-empty rows, longest first, into micro-batches of at most
     `max_tokens` padded tokens each (greedy: rows sorted by length, so a micro-batch's
-    length is its first row's). Rows longer than the budget must be rejected before."""
+    length is its first row's), none of a row shorter than `MIN_FILL` of that length
+    (at most a quarter of a micro-batch is padding, whatever the mix of tenants'
+    lengths). Rows longer than the budget must be rejected before."""
     order = torch.argsort(-rows.lengths_N, stable=True)
     order = order[rows.lengths_N[order] > 0]
     lengths = rows.lengths_N[order].tolist()
+    neg_lengths = [-n for n in lengths]  # ascending, for bisect
     plans: list[MicroBatch] = []
     start = 0
     while start < len(order):
@@ -302,6 +311,9 @@ def plan_microbatches(rows: Rows, max_tokens: int) -> list[MicroBatch]:
         if length > max_tokens:
             raise ValueError(f"a row of {length} tokens exceeds the budget of {max_tokens}")
         end = min(len(order), start + max_tokens // length)
+        # Rows shorter than `MIN_FILL` of this micro-batch's length start the next one,
+        # so padding stays under a quarter of its tokens.
+        end = bisect.bisect_right(neg_lengths, -math.ceil(MIN_FILL * length), start + 1, end)
         rows_B = order[start:end]
         tenant_B = rows.tenant_N[rows_B]
         rows_B = rows_B[torch.argsort(tenant_B, stable=True)]

@@ -78,6 +78,15 @@ def synthetic_batches(
     return out
 
 
+def tenant_lengths(index: int, prompt_len: int, completion_len: int) -> tuple[int, int]:
+    """Tenant `index`'s prompt and longest completion lengths under `mixed_lengths`:
+    prompts cycle through 0.5, 1, 1.5 and 2 times `prompt_len`, completions through
+    0.5, 1 and 1.5 times `completion_len` (at least 2 tokens each)."""
+    p = max(2, prompt_len * (1 + index % 4) // 2)
+    c = max(2, completion_len * (1 + index % 3) // 2)
+    return p, c
+
+
 def _timed(run_step: Callable[[int], None], steps: int) -> list[float]:
     """Seconds of each round after one untimed warm-up round (allocations, lazy init)."""
     run_step(0)
@@ -185,6 +194,7 @@ def run_trainer_bench(
     completion_len: int = 16,
     rank: int = 8,
     max_tokens_per_microbatch: int = 16384,
+    mixed_lengths: bool = False,
     modes: Sequence[str] = MODES,
     threads: int | None = 1,
     json_path: str | Path | None = None,
@@ -196,7 +206,9 @@ def run_trainer_bench(
     A round gives every tenant one optimizer step; each mode runs one warm-up round and
     `steps` timed rounds, and throughput uses the median round (robust to a busy
     machine). `rows_per_tenant` is one GRPO group per tenant per step; completions are
-    `completion_len / 2 .. completion_len` tokens. `threads` pins torch's intra-op
+    `completion_len / 2 .. completion_len` tokens. `mixed_lengths`: tenants differ in
+    length like task families do (`tenant_lengths`), so multi-lane micro-batches mix
+    rows of unequal runs and lengths. `threads` pins torch's intra-op
     threads for the run (None leaves them). Returns (and writes to `json_path`) the
     config, one record per (tenants, mode) and the speed-ups of multi-lane.
     """
@@ -224,9 +236,14 @@ def run_trainer_bench(
         records: list[dict[str, Any]] = []
         for count in tenant_counts:
             names = [f"tenant-{i:03d}" for i in range(count)]
-            data = synthetic_batches(
-                names, steps + 1, algo, vocab, prompt_len, completion_len, seed
-            )
+            data: dict[str, list[TrainBatch]] = {}
+            for i, name in enumerate(names):
+                p_len, c_len = (
+                    tenant_lengths(i, prompt_len, completion_len)
+                    if mixed_lengths
+                    else (prompt_len, completion_len)
+                )
+                data |= synthetic_batches([name], steps + 1, algo, vocab, p_len, c_len, seed + i)
             tokens = [
                 sum(sum(t.loss_mask_T) for n in names for t in data[n][k].trajectories)
                 for k in range(1, steps + 1)
@@ -274,6 +291,7 @@ def run_trainer_bench(
             "rank": rank,
             "target_modules": list(lora.target_modules),
             "max_tokens_per_microbatch": max_tokens_per_microbatch,
+            "mixed_lengths": mixed_lengths,
             "device": str(model.device),
             "dtype": str(model.dtype),
             "torch_threads": threads if threads is not None else previous_threads,
