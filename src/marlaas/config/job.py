@@ -23,7 +23,15 @@ from pydantic import (
 
 from marlaas.config.graders import GraderSpec
 from marlaas.config.ray import RaySpec
-from marlaas.config.specs import GRPOSpec, LoRASpec, SamplingSpec, Spec, TaskSpec
+from marlaas.config.specs import (
+    GRPOSpec,
+    LoRASpec,
+    SamplingSpec,
+    Spec,
+    TaskSpec,
+    describe_problems,
+    read_yaml,
+)
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -152,17 +160,10 @@ class RunSpec(Spec):
 
 def load_run_spec(path: str | Path) -> RunSpec:
     """Read and validate a JOBS.yaml (or .json) file; errors name the file and field."""
-    import yaml
-
     from marlaas.errors import ConfigError
 
     source = Path(path)
-    try:
-        raw = yaml.safe_load(source.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ConfigError(f"cannot read {source}: {e.strerror or e}") from e
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{source} is not valid YAML: {e}") from e
+    raw = read_yaml(source)
     if isinstance(raw, list):  # a bare list of jobs
         raw = {"jobs": raw}
     if not isinstance(raw, dict):
@@ -170,8 +171,4 @@ def load_run_spec(path: str | Path) -> RunSpec:
     try:
         return RunSpec.model_validate(raw)
     except ValidationError as e:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}"
-            for err in e.errors()
-        )
-        raise ConfigError(f"{source}: invalid run spec: {problems}") from e
+        raise ConfigError(f"{source}: invalid run spec: {describe_problems(e)}") from e

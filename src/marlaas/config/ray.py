@@ -13,7 +13,7 @@ from pathlib import Path
 
 from pydantic import Field, ValidationError
 
-from marlaas.config.specs import Spec
+from marlaas.config.specs import Spec, describe_problems, read_yaml
 from marlaas.errors import ConfigError
 
 #: What to tell someone who asked for the Ray backend without Ray installed.
@@ -74,15 +74,8 @@ class RaySpec(Spec):
 def load_ray_spec(path: str | Path) -> RaySpec:
     """Read and validate a Ray spec file (YAML or JSON mapping of `RaySpec` fields; an
     empty file is all defaults). `ConfigError` names the file and the field at fault."""
-    import yaml
-
     source = Path(path)
-    try:
-        raw = yaml.safe_load(source.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ConfigError(f"cannot read the Ray spec {source}: {e.strerror or e}") from e
-    except yaml.YAMLError as e:
-        raise ConfigError(f"the Ray spec {source} is not valid YAML: {e}") from e
+    raw = read_yaml(source, "the Ray spec ")
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -93,11 +86,7 @@ def load_ray_spec(path: str | Path) -> RaySpec:
     try:
         return RaySpec.model_validate(raw)
     except ValidationError as e:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}"
-            for err in e.errors()
-        )
-        raise ConfigError(f"{source}: invalid Ray spec: {problems}") from e
+        raise ConfigError(f"{source}: invalid Ray spec: {describe_problems(e)}") from e
 
 
 def check_ray_installed() -> None:

@@ -4,9 +4,12 @@ rules live in validators, derived values are properties.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from marlaas.errors import ConfigError
 
 DEFAULT_TARGET_MODULES: tuple[str, ...] = (
     "q_proj",
@@ -17,6 +20,27 @@ DEFAULT_TARGET_MODULES: tuple[str, ...] = (
     "up_proj",
     "down_proj",
 )
+
+
+def read_yaml(source: Path, label: str = "") -> object:
+    """The YAML (or JSON) document in `source`; `ConfigError` when it cannot be read
+    or parsed. `label` ("the Ray spec ") prefixes the file's name in messages."""
+    import yaml
+
+    try:
+        return yaml.safe_load(source.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError(f"cannot read {label}{source}: {e.strerror or e}") from e
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{label}{source} is not valid YAML: {e}") from e
+
+
+def describe_problems(error: ValidationError) -> str:
+    """A validation error's problems on one line: `field.path: message; ...`."""
+    return "; ".join(
+        f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}"
+        for err in error.errors()
+    )
 
 
 class Spec(BaseModel):
