@@ -47,13 +47,10 @@ from marlaas.model.tokenizer import build_tokenizer
 from marlaas.rollout.engine import RolloutEngine
 from marlaas.service.app import create_app, open_context
 from marlaas.service.context import ServiceContext
-from marlaas.service.inference import (
-    AdapterCache,
-    EngineProvider,
-    InferenceHub,
-    ServedModel,
-)
+from marlaas.service.inference import EngineProvider, InferenceHub
+from marlaas.service.models_catalog import ServedModel
 from marlaas.service.openai_api import chat_prompt, encode
+from marlaas.service.serving_adapters import AdapterCache
 from marlaas.service.settings import ServiceSettings
 from marlaas.service.streaming import IncrementalText, text_pieces
 from marlaas.types import Completion, RolloutRequest, SamplingParams

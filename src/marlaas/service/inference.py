@@ -1,24 +1,6 @@
-"""OpenAI-compatible inference behind the service: which models a tenant may call, the
-serving adapters registered in the engine's bank, and generation.
-
-Model names (what `model` says in a request, and what `/v1/models` lists):
-- `base` -- the plain shared base, no adapter;
-- `<job id>` (e.g. `job_3f9a0c1d2e4b5a69`) -- the job's latest adapter: the live one
-  while the job trains in the shared engine (the bank tenant named by the job id), else
-  its newest checkpoint whose adapter is on disk;
-- `<job id>:ckpt-<step>` -- the job's checkpoint at optimizer step `step` (the adapter
-  version written at that step).
-
-Invariants:
-- A name resolves through the database with the caller's tenant id in the query, so
-  another tenant's job is "not found" exactly like a job that never existed.
-- A checkpoint's adapter is the PEFT directory at its path under the artifact
-  directory, or the `adapter/` directory inside it (a tenant checkpoint); a path that
-  leaves the artifact directory is never read.
-- Serving adapters live in the bank under `serve:<job id>:<step>` (`serve:base` for the
-  base), names no training tenant uses. At most `capacity` of them stay registered; the
-  least recently used one without requests in flight is removed first, so a request's
-  adapter is never removed under it.
+"""OpenAI-compatible inference behind the service: the provider of the engine, and
+generation over it (model names are resolved in `service.models_catalog`, serving
+adapters are kept registered in `service.serving_adapters`).
 
 The engine, bank and tokenizer come from an `InferenceProvider`: the pipeline runtime's
 shared engine when the service runs one (`ServiceContext.inference`, else a backend
@@ -30,25 +12,19 @@ transformers) happen only there, so importing the service stays cheap.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import re
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
-from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from sqlalchemy import select
-
-from marlaas.config.specs import LoRASpec
 from marlaas.errors import CapacityError, EngineClosed, InvalidRequest, TenantNotFound
 from marlaas.service.db import Database
-from marlaas.service.errors import NotFound, ServiceError
-from marlaas.service.models import Checkpoint, Job
+from marlaas.service.errors import ServiceError
+from marlaas.service.models_catalog import ServedModel, list_models, never_live, resolve_model
+from marlaas.service.serving_adapters import AdapterCache
 from marlaas.types import Completion, RolloutRequest, SamplingParams
 
 if TYPE_CHECKING:
@@ -61,23 +37,6 @@ if TYPE_CHECKING:
     from marlaas.service.streaming import ChoiceEvents
 
 log = logging.getLogger(__name__)
-
-BASE_MODEL = "base"
-BASE_KEY = "serve:base"
-_NAME = re.compile(r"^(?P<job>[A-Za-z0-9_-]{1,32})(?::ckpt-(?P<step>\d{1,9}))?$")
-_PEFT_CONFIG = "adapter_config.json"
-_CHECKPOINT_ADAPTER = "adapter"
-
-
-class ModelNotFound(NotFound):
-    """The one 404 for a model name: missing, malformed or another tenant's alike."""
-
-    def __init__(self, name: str, hint: str = "") -> None:
-        super().__init__(
-            f"The model `{name}` does not exist or you do not have access to it. "
-            f"{hint or 'List your models with GET /v1/models.'}"
-        )
-        self.name = name
 
 
 class BadInferenceRequest(ServiceError, ValueError):
@@ -174,212 +133,6 @@ async def open_engine(
     return await asyncio.to_thread(build)
 
 
-# -- model names ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ServedModel:
-    """A model name resolved for one tenant: the base, a checkpoint's adapter, or (for
-    a job's name while the job trains in the shared engine) the job's live adapter."""
-
-    name: str
-    created: datetime | None
-    job_id: str | None = None
-    step: int | None = None
-    adapter_dir: Path | None = None
-    live: bool = False
-
-    @property
-    def key(self) -> str:
-        """The adapter's tenant name in the bank."""
-        if self.job_id is None:
-            return BASE_KEY
-        return self.job_id if self.live else f"serve:{self.job_id}:{self.step}"
-
-
-def adapter_dir(artifact_dir: Path, path: str) -> Path | None:
-    """The PEFT directory of a checkpoint row's `path`, or None when it is not on disk."""
-    root = artifact_dir.resolve()
-    where = (root / path).resolve()
-    if not where.is_relative_to(root):
-        return None
-    for candidate in (where, where / _CHECKPOINT_ADAPTER):
-        if (candidate / _PEFT_CONFIG).is_file():
-            return candidate
-    return None
-
-
-def _checkpoint_model(name: str, ckpt: Checkpoint, artifact_dir: Path) -> ServedModel | None:
-    found = adapter_dir(artifact_dir, ckpt.path)
-    if found is None:
-        return None
-    return ServedModel(name, ckpt.created_at, ckpt.job_id, ckpt.step, found)
-
-
-def _never(job_id: str) -> bool:
-    return False
-
-
-def resolve_model(
-    db: Database,
-    tenant_id: str,
-    name: str,
-    artifact_dir: Path,
-    live: Callable[[str], bool] = _never,
-) -> ServedModel:
-    """The tenant's model called `name` (see the module docstring); `ModelNotFound`
-    for anything else. A job's name is its live adapter when `live(job id)` says the
-    engine trains it now. Blocking (database and file system)."""
-    if name == BASE_MODEL:
-        return ServedModel(BASE_MODEL, None)
-    match = _NAME.match(name)
-    if match is None:
-        raise ModelNotFound(name)
-    with db.transaction() as session:
-        job = session.scalars(
-            select(Job).where(
-                Job.id == match["job"], Job.tenant_id == tenant_id, Job.deleted_at.is_(None)
-            )
-        ).one_or_none()
-        if job is None:
-            raise ModelNotFound(name)
-        if match["step"] is None and live(job.id):
-            return ServedModel(name, job.updated_at, job.id, live=True)
-        query = select(Checkpoint).where(Checkpoint.job_id == job.id)
-        if match["step"] is not None:
-            query = query.where(Checkpoint.step == int(match["step"]))
-        for ckpt in session.scalars(query.order_by(Checkpoint.step.desc())):
-            served = _checkpoint_model(name, ckpt, artifact_dir)
-            if served is not None:
-                return served
-    if match["step"] is not None:
-        raise ModelNotFound(name, "That job has no checkpoint at this step with its adapter.")
-    raise ModelNotFound(name, "That job has no checkpoint with an adapter yet.")
-
-
-def list_models(
-    db: Database, tenant_id: str, artifact_dir: Path, live: Callable[[str], bool] = _never
-) -> list[ServedModel]:
-    """`base`, then per job of the tenant (oldest first) that has a servable checkpoint
-    or trains live: the job's name (its latest adapter) and each checkpoint by step."""
-    out = [ServedModel(BASE_MODEL, None)]
-    with db.transaction() as session:
-        jobs = session.execute(
-            select(Job.id, Job.updated_at)
-            .where(Job.tenant_id == tenant_id, Job.deleted_at.is_(None))
-            .order_by(Job.created_at, Job.id)
-        ).all()
-        rows = session.execute(
-            select(Checkpoint)
-            .join(Job, Checkpoint.job_id == Job.id)
-            .where(Job.tenant_id == tenant_id, Job.deleted_at.is_(None))
-            .order_by(Checkpoint.step)
-        ).scalars()
-        by_job: dict[str, list[ServedModel]] = {}
-        for ckpt in rows:
-            served = _checkpoint_model(f"{ckpt.job_id}:ckpt-{ckpt.step}", ckpt, artifact_dir)
-            if served is not None:
-                by_job.setdefault(ckpt.job_id, []).append(served)
-    for job_id, updated in jobs:
-        checkpoints = by_job.get(job_id, [])
-        if live(job_id):
-            out.append(ServedModel(job_id, updated, job_id, live=True))
-        elif checkpoints:
-            out.append(replace(checkpoints[-1], name=job_id))
-        out.extend(checkpoints)
-    return out
-
-
-# -- serving adapters -----------------------------------------------------------------
-
-
-class AdapterCache:
-    """Serving adapters registered in the provider's bank, LRU-bounded (see the module
-    docstring). Used from the event loop only; loading runs in a worker thread.
-
-    A request pins its adapter's key before loading starts and unpins it when done, so
-    an adapter is only ever removed while no request holds it; when every registered
-    adapter is pinned the cache goes over `capacity` until pins are released.
-    """
-
-    def __init__(self, provider: InferenceProvider, capacity: int) -> None:
-        if capacity < 1:
-            raise ValueError(f"capacity must be >= 1, got {capacity}")
-        self.provider = provider
-        self.capacity = capacity
-        self._registered: OrderedDict[str, None] = OrderedDict()  # least recently used first
-        self._pins: dict[str, int] = {}
-        self._loading: dict[str, asyncio.Future[None]] = {}
-
-    @property
-    def registered(self) -> list[str]:
-        """Registered adapter keys, least recently used first (the base excluded)."""
-        return list(self._registered)
-
-    @asynccontextmanager
-    async def use(self, model: ServedModel) -> AsyncIterator[str]:
-        """Hold `model`'s adapter registered while the block runs; yields its bank name."""
-        if model.job_id is None:
-            self._ensure_base()
-            yield BASE_KEY
-            return
-        if model.live or model.adapter_dir is None:  # the training tenant's own adapter
-            yield model.key
-            return
-        key, directory = model.key, model.adapter_dir
-        self._pins[key] = self._pins.get(key, 0) + 1
-        try:
-            if key not in self._registered:
-                loading = self._loading.get(key)
-                if loading is None:
-                    loading = self._loading[key] = asyncio.ensure_future(self._load(key, directory))
-                await asyncio.shield(loading)  # raises the load's error; pinned: stays
-            self._registered.move_to_end(key)
-            yield key
-        finally:
-            self._pins[key] -= 1
-            if self._pins[key] == 0:
-                del self._pins[key]
-            self._evict()
-
-    def _ensure_base(self) -> None:
-        bank = self.provider.bank
-        if BASE_KEY not in bank:
-            # Rank 0 on one module: the plain base, with the least idle lane compute.
-            targets = self.provider.model.target_modules[:1]
-            bank.register(BASE_KEY, LoRASpec(rank=0, alpha=1.0, target_modules=targets))
-
-    async def _load(self, key: str, directory: Path) -> None:
-        from marlaas.errors import ModelError
-        from marlaas.model.peft_io import load_peft
-
-        bank = self.provider.bank
-        try:
-            if key not in bank:  # else a previous cache over this bank left it: same files
-                spec, tensors = await asyncio.to_thread(load_peft, directory, self.provider.model)
-                if key not in bank:
-                    bank.register(key, spec, tensors)
-            self._registered[key] = None
-            log.info("serving adapter %s loaded from %s", key, directory)
-        except ModelError as e:
-            raise BadInferenceRequest(
-                f"this checkpoint's adapter cannot be served by this engine: {e}", "model"
-            ) from e
-        finally:
-            del self._loading[key]
-        self._evict()
-
-    def _evict(self) -> None:
-        while len(self._registered) > self.capacity:
-            idle = next((k for k in self._registered if k not in self._pins), None)
-            if idle is None:  # every one is in use: trimmed when one is released
-                return
-            del self._registered[idle]
-            with contextlib.suppress(TenantNotFound):  # already gone from the bank
-                self.provider.bank.remove(idle)
-            log.info("serving adapter %s unloaded (least recently used)", idle)
-
-
 # -- generation -----------------------------------------------------------------------
 
 
@@ -462,7 +215,7 @@ def _live_in(provider: InferenceProvider | None) -> Callable[[str], bool]:
     """Whether a shared engine trains a job now (its bank tenant is named by the job
     id); never true on an engine of the service's own, which has only `serve:*`."""
     if provider is None:
-        return _never
+        return never_live
     bank = provider.bank
     return lambda job_id: job_id in bank
 
