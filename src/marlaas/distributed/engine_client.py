@@ -16,6 +16,9 @@ service's serving adapters come and go this way); a replica that was out meanwhi
 drops it when it is synced back. A request for a tenant the client does not hold fails
 with `TenantNotFound`, as in-process.
 
+Routing (which replica serves a request) and the per-replica and per-request records
+live in `routing`.
+
 The client does not stream tokens (it has no `streams_tokens`): a caller that asked for
 them gets them all with the completion.
 
@@ -57,6 +60,7 @@ from marlaas.distributed.records import (
     TenantAdapters,
     unwrap,
 )
+from marlaas.distributed.routing import PendingRequest, ReplicaSlot, choose_replica, healthy
 from marlaas.errors import EngineClosed, ModelError, TenantNotFound
 from marlaas.model.lora import AdapterTensors, LoRAModel
 from marlaas.rollout.batch import Deliver
@@ -65,32 +69,8 @@ from marlaas.types import Completion, RolloutRequest
 
 log = logging.getLogger(__name__)
 
-#: Sessions remembered for replica affinity (least recently used forgotten first).
-MAX_SESSIONS = 8192
 #: Seconds a publish waits for one replica before taking it out to be recovered.
 PUBLISH_TIMEOUT_S = 30.0
-
-
-@dataclass(eq=False)
-class _Replica:
-    index: int
-    handle: Any
-    healthy: bool = True
-    dead: bool = False
-    inflight: int = 0
-    incarnation: str = ""
-    node_id: str = ""
-    restarts: int = 0
-
-
-@dataclass(eq=False)
-class _Request:
-    request: RolloutRequest
-    deliver: Deliver
-    attempts: int = 0
-    replica: int | None = None
-    ref: Any = None
-    aborted: bool = False
 
 
 @dataclass(eq=False)
@@ -122,11 +102,11 @@ class RayEngineClient:
         self.on_room: Callable[[], None] | None = None
         #: Called at the end of `shutdown` (the other actors of the context close here).
         self.on_shutdown: list[Callable[[], None]] = []
-        self._replicas = [_Replica(i, h) for i, h in enumerate(replicas)]
+        self._replicas = [ReplicaSlot(i, h) for i, h in enumerate(replicas)]
         self._lock = threading.Lock()  # requests, replicas' health, sessions
         self._publish_lock = threading.Lock()  # versions and replica syncs, in order
-        self._requests: dict[str, _Request] = {}
-        self._parked: deque[_Request] = deque()
+        self._requests: dict[str, PendingRequest] = {}
+        self._parked: deque[PendingRequest] = deque()
         self._sessions: OrderedDict[str, int] = OrderedDict()
         self._tenants: dict[str, _Tenant] = {}
         self._put_cache: tuple[AdapterTensors, Any] | None = None
@@ -171,7 +151,7 @@ class RayEngineClient:
 
     def enqueue(self, request: RolloutRequest, deliver: Deliver) -> None:
         """Send `request` to a replica; `deliver` gets its answer once (any thread)."""
-        item = _Request(request, deliver)
+        item = PendingRequest(request, deliver)
         with self._lock:
             if self._closing:
                 raise EngineClosed("the Ray rollout engine is closed; build a new context")
@@ -326,17 +306,21 @@ class RayEngineClient:
 
     # -- dispatch ----------------------------------------------------------------------
 
-    def _healthy(self) -> list[_Replica]:
-        return [r for r in self._replicas if r.healthy and not r.dead]
+    def _healthy(self) -> list[ReplicaSlot]:
+        return healthy(self._replicas)
 
-    def _dispatch(self, item: _Request) -> None:
+    def _dispatch(self, item: PendingRequest) -> None:
         """Send `item` to a replica, park it until one is back, or answer it."""
         rid = item.request.request_id
         error: BaseException | None = None
         with self._lock:
             if self._requests.get(rid) is not item:
                 return  # answered meanwhile
-            replica = None if item.aborted else self._choose(item.request)
+            replica = (
+                None
+                if item.aborted
+                else choose_replica(self._replicas, self._sessions, item.request)
+            )
             if item.aborted:
                 error = asyncio.CancelledError(f"request {rid}")
             elif item.request.tenant not in self._tenants:  # as the in-process bank says
@@ -369,23 +353,9 @@ class RayEngineClient:
             except Exception:  # a bug here must not stop every other answer
                 log.exception("handling a replica's answer failed")
 
-    def _choose(self, request: RolloutRequest) -> _Replica | None:
-        healthy = self._healthy()
-        if not healthy:
-            return None
-        if request.session is not None:
-            index = self._sessions.get(request.session)
-            if index is not None and self._replicas[index] in healthy:
-                self._sessions.move_to_end(request.session)
-                return self._replicas[index]
-        best = min(healthy, key=lambda r: (r.inflight, r.index))
-        if request.session is not None:
-            self._sessions[request.session] = best.index
-            while len(self._sessions) > MAX_SESSIONS:
-                self._sessions.popitem(last=False)
-        return best
-
-    def _answered(self, item: _Request, replica: _Replica, done: ThreadFuture[Any]) -> None:
+    def _answered(
+        self, item: PendingRequest, replica: ReplicaSlot, done: ThreadFuture[Any]
+    ) -> None:
         with self._lock:
             replica.inflight -= 1
             item.replica = None
@@ -417,7 +387,7 @@ class RayEngineClient:
             return
         self._finish(item, cause)
 
-    def _finish(self, item: _Request, result: Completion | BaseException) -> None:
+    def _finish(self, item: PendingRequest, result: Completion | BaseException) -> None:
         """Deliver once per request id; later answers for the same id are dropped."""
         with self._lock:
             if self._requests.get(item.request.request_id) is not item:
@@ -436,7 +406,7 @@ class RayEngineClient:
 
     # -- faults ------------------------------------------------------------------------
 
-    def _settle_control(self, replica: _Replica, call: Any) -> None:
+    def _settle_control(self, replica: ReplicaSlot, call: Any) -> None:
         """Wait for a publish; a replica that failed it is taken out and recovered."""
         try:
             ray.get(call, timeout=PUBLISH_TIMEOUT_S)
@@ -448,7 +418,7 @@ class RayEngineClient:
                 raise cause from None
             self._lost(replica, cause)
 
-    def _lost(self, replica: _Replica, cause: BaseException) -> None:
+    def _lost(self, replica: ReplicaSlot, cause: BaseException) -> None:
         """Take `replica` out of the healthy set and start its recovery (once)."""
         with self._lock:
             if not replica.healthy or self._closing:
@@ -463,7 +433,7 @@ class RayEngineClient:
             daemon=True,
         ).start()
 
-    def _recover(self, replica: _Replica) -> None:
+    def _recover(self, replica: ReplicaSlot) -> None:
         """Wait for Ray to restart the replica, replay the kept versions, put it back.
 
         Calls to an actor that Ray is restarting wait for it, so `info` returns once it
