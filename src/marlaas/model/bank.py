@@ -51,6 +51,10 @@ class AdapterHandle:
     slot: int
     spec: LoRASpec
     handle_id: int
+    #: Names the adapter's weights: unique to this (tenant, version) registration in
+    #: this bank (a tenant removed and registered again gets new ids), so a cache keyed
+    #: by it never serves another adapter's results.
+    adapter_id: int = 0
 
 
 @dataclass(eq=False)
@@ -60,6 +64,7 @@ class _Version:
     spec: LoRASpec
     tensors: AdapterTensors | None  # host copy, float32 on the CPU; None when spilled
     path: Path | None  # spill file
+    adapter_id: int = 0
     pins: int = 0
     slot: int | None = None
     kept: bool = True
@@ -114,6 +119,7 @@ class AdapterBank:
         self._handles: dict[int, _Version] = {}
         self._next_handle = 0
         self._next_spill = 0
+        self._next_adapter_id = 0
 
         S, r, dev, dt = num_slots + 1, model.max_rank, model.device, dtype or model.dtype
         self._A: dict[str, Tensor] = {}
@@ -241,6 +247,7 @@ class AdapterBank:
                 slot=entry.slot,
                 spec=entry.spec,
                 handle_id=self._next_handle,
+                adapter_id=entry.adapter_id,
             )
 
     def release(self, handle: AdapterHandle) -> None:
@@ -303,13 +310,15 @@ class AdapterBank:
     ) -> _Version:
         """Keep a version: a private float32 CPU copy (`owned`: `tensors` already is one)."""
         host = tensors if owned else _host_copy(tensors)
+        self._next_adapter_id += 1
+        adapter_id = self._next_adapter_id
         if record.spill_dir is None:
-            return _Version(record.name, version, record.spec, tensors=host, path=None)
+            return _Version(record.name, version, record.spec, host, None, adapter_id)
         path = record.spill_dir / f"v{version}.safetensors"
         flat = {f"{p}.lora_A": A for p, (A, _) in host.items()}
         flat.update({f"{p}.lora_B": B for p, (_, B) in host.items()})
         atomic_write(path, lambda tmp: save_file(flat, str(tmp)))
-        return _Version(record.name, version, record.spec, tensors=None, path=path)
+        return _Version(record.name, version, record.spec, None, path, adapter_id)
 
     def _host(self, entry: _Version) -> AdapterTensors:
         if entry.tensors is not None:

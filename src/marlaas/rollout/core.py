@@ -7,7 +7,10 @@ One iteration:
 2. admit queued requests, oldest first, while the batch has room and the prefill budget
    lasts: validate, pin the adapter (`bank.acquire`, which fixes the version for the
    request's whole life), take the session's cached KV when it can be continued;
-   prefill the rest of every admitted prompt in one forward and sample the first tokens;
+   prefill the rest of every admitted prompt and sample the first tokens: a prompt
+   prefilled recently under the same adapter version (a GRPO group's samples) is taken
+   from the prompt cache (`marlaas.rollout.prompts`) or shared within the iteration,
+   and prompts of similar length share a forward (bounded padding);
 3. one decode forward over every running row, each with its own adapter slot, and one
    batched sampling call;
 4. rows with a token listener get their new token (prefill and decode alike);
@@ -28,6 +31,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import functools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,9 +52,14 @@ from marlaas.rollout.batch import (
 )
 from marlaas.rollout.finish import FinishPolicy
 from marlaas.rollout.kv import KVBatch, RowKV, kv_geometry
+from marlaas.rollout.prompts import PromptCache, PromptEntry
 from marlaas.rollout.sampling import sample_B, uniform_B
 from marlaas.rollout.sessions import SessionCache, SessionEntry
 from marlaas.types import Completion, RolloutRequest
+
+#: A prefill forward pads its rows to the longest; a prompt shorter than this fraction of
+#: the longest goes to the next forward (see `_plan_prefill`).
+PREFILL_MIN_FILL = 0.75
 
 
 @dataclass
@@ -60,6 +69,9 @@ class EngineStats:
     iterations: int = 0
     #: Prompt tokens run through the model (excluding padding and reused tokens).
     prefill_tokens: int = 0
+    #: Prompt tokens not run because the same prompt under the same adapter version was
+    #: prefilled in the same iteration or is in the prompt cache: its prefill is shared.
+    shared_prefill_tokens: int = 0
     #: Prompt tokens whose KV came from a session's previous turn.
     reused_tokens: int = 0
     #: Row-steps of decode forwards (one per running row per iteration).
@@ -103,6 +115,7 @@ class Scheduler:
         max_batch_size: int,
         max_prefill_tokens: int,
         sessions: SessionCache,
+        prompts: PromptCache,
         eos_token_ids: Sequence[int] | None,
         seed: int | None,
     ) -> None:
@@ -113,6 +126,7 @@ class Scheduler:
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.sessions = sessions
+        self.prompts = prompts
         self.stats = EngineStats()
         config = model.base.config
         num_layers, kv_heads, head_dim = kv_geometry(config)
@@ -162,9 +176,12 @@ class Scheduler:
         taken: list[_Admitted] = []
         back: list[Pending] = []
         budget = self.max_prefill_tokens
+        charged: set[tuple[str, int | None, tuple[int, ...]]] = set()  # shared prefills
         for i, pending in enumerate(candidates):
             request = pending.request
-            if len(taken) >= room or (taken and len(request.prompt_ids) > budget):
+            key = (request.tenant, request.version, request.prompt_ids)
+            cost = 0 if key in charged else len(request.prompt_ids)
+            if len(taken) >= room or (taken and cost > budget):
                 back.extend(candidates[i:])
                 break
             try:
@@ -184,7 +201,8 @@ class Scheduler:
                 reused, past = self.sessions.take(
                     request.session, request.tenant, handle.version, request.prompt_ids
                 )
-            budget -= len(request.prompt_ids)
+            budget -= cost
+            charged.add(key)
             row = Row(request, handle, pending.deliver, reused=reused, listener=pending.listener)
             row.stop_window = self._finisher.window(request.sampling.stop)
             seed = request.sampling.seed
@@ -220,26 +238,73 @@ class Scheduler:
         return limit
 
     def _prefill(self, admitted: list[_Admitted]) -> int:
-        rows = [a.row for a in admitted]
-        slot_R = torch.tensor([r.handle.slot for r in rows], device=self._empty.lengths_B.device)
-        try:
-            logits_RV, kv = prefill_logits(
-                self.model,
-                self.bank,
-                slot_R,
-                [a.past for a in admitted],
-                [a.new_tokens for a in admitted],
-                self._empty,
-                self._pad_id,
+        """Prefill the admitted rows: each distinct prompt once, taken from the prompt
+        cache when it was prefilled before, else in forwards of rows of similar length
+        (`_plan_prefill`); a failed forward fails its rows only."""
+        hits: dict[int, PromptEntry] = {}
+        for i, a in enumerate(admitted):
+            if a.past is None:
+                entry = self.prompts.get(a.row.handle.adapter_id, a.new_tokens)
+                if entry is not None:
+                    hits[i] = entry
+        source, forwards = _plan_prefill(admitted, set(hits))
+        logits: list[torch.Tensor] = []
+        kvs: list[KVBatch] = []
+        at: dict[int, int] = {}  # admitted index of a prefilled prompt -> its output row
+        for forward in forwards:
+            firsts = [admitted[i] for i in forward]
+            slot_R = torch.tensor(
+                [a.row.handle.slot for a in firsts], device=self._empty.lengths_B.device
             )
-        except Exception as exc:
-            for row in rows:
-                self._release(row)
-                self.fail(row.deliver, exc)
+            try:
+                logits_RV, kv = prefill_logits(
+                    self.model,
+                    self.bank,
+                    slot_R,
+                    [a.past for a in firsts],
+                    [a.new_tokens for a in firsts],
+                    self._empty,
+                    self._pad_id,
+                )
+            except Exception as exc:
+                for i, a in enumerate(admitted):
+                    if source[i] in forward:
+                        self._release(a.row)
+                        self.fail(a.row.deliver, exc)
+                continue
+            for j, (i, a) in enumerate(zip(forward, firsts, strict=True)):
+                at[i] = len(at)
+                if a.past is None:
+                    entry = PromptEntry(kv.row(j), logits_RV[j].clone())
+                    self.prompts.put(a.row.handle.adapter_id, a.new_tokens, entry)
+            logits.append(logits_RV)
+            kvs.append(kv)
+            self.stats.prefill_tokens += sum(len(a.new_tokens) for a in firsts)
+        cached = sorted(i for i in hits if source[i] == i)
+        if cached:
+            for i in cached:
+                at[i] = len(at)
+            logits.append(torch.stack([hits[i].logits_V for i in cached]))
+            kvs.append(KVBatch.from_rows([hits[i].kv for i in cached], self._empty))
+        # Rows in the order of their prefill rows: a prompt's sharers sit together.
+        ok = sorted(
+            (i for i in range(len(admitted)) if source[i] in at), key=lambda i: at[source[i]]
+        )
+        if not ok:
             return 0
-        self.stats.prefill_tokens += sum(len(a.new_tokens) for a in admitted)
+        rows_R = [at[source[i]] for i in ok]
+        logits_RV = torch.cat(logits) if len(logits) > 1 else logits[0]
+        kv = functools.reduce(KVBatch.concat, kvs)
+        if rows_R != list(range(len(at))):  # shared prompts: copy their rows out
+            index_R = torch.tensor(rows_R, dtype=torch.long, device=logits_RV.device)
+            logits_RV, kv = logits_RV[index_R], kv.select(index_R)
+        done = [admitted[i] for i in ok]
+        rows = [a.row for a in done]
+        self.stats.shared_prefill_tokens += sum(
+            len(admitted[i].new_tokens) for i in ok if source[i] != i or i in hits
+        )
         self.stats.reused_tokens += sum(r.reused for r in rows)
-        new = RowBatch.build(rows, kv, [a.seed for a in admitted], [a.max_new for a in admitted])
+        new = RowBatch.build(rows, kv, [a.seed for a in done], [a.max_new for a in done])
         new = self._sample_and_finish(new, logits_RV)
         self.batch = RowBatch.concat(self.batch, new)
         self.stats.max_batch = max(self.stats.max_batch, self.batch.size)
@@ -318,6 +383,37 @@ class Scheduler:
     def _release(self, row: Row) -> None:
         with contextlib.suppress(MarlaasError):  # already released: nothing left to undo
             self.bank.release(row.handle)
+
+
+def _plan_prefill(
+    admitted: Sequence[_Admitted], cached: set[int]
+) -> tuple[list[int], list[list[int]]]:
+    """Which prompts to prefill, and in which forwards: `(source, forwards)`.
+
+    `source[i]` is the admitted index whose prefill row `i` shares: the first row with
+    the same adapter (`adapter_id`) and prompt and no session cache (the samples of a
+    GRPO group), else `i` itself. `forwards` splits the distinct prompts, except the
+    `cached` ones (found in the prompt cache), longest first, into forwards whose
+    shortest prompt has at least `PREFILL_MIN_FILL` of the longest's tokens, so at most
+    about a quarter of a forward is padding.
+    """
+    first: dict[tuple[int, tuple[int, ...]], int] = {}
+    source: list[int] = []
+    for i, a in enumerate(admitted):
+        if a.past is None:
+            source.append(first.setdefault((a.row.handle.adapter_id, a.new_tokens), i))
+        else:
+            source.append(i)
+    forwards: list[list[int]] = []
+    longest = 0
+    for i in sorted(set(source) - cached, key=lambda i: -len(admitted[i].new_tokens)):
+        n = len(admitted[i].new_tokens)
+        if forwards and n >= PREFILL_MIN_FILL * longest:
+            forwards[-1].append(i)
+        else:
+            forwards.append([i])
+            longest = n
+    return source, forwards
 
 
 def _stream_tokens(batch: RowBatch, tokens_B: torch.Tensor) -> None:

@@ -54,6 +54,7 @@ from marlaas.model.bank import AdapterBank
 from marlaas.model.lora import AdapterTensors, LoRAModel
 from marlaas.rollout.batch import Deliver, TokenListener
 from marlaas.rollout.core import EngineStats, Pending, Scheduler
+from marlaas.rollout.prompts import PromptCache
 from marlaas.rollout.sessions import SessionCache
 from marlaas.types import Completion, RolloutRequest
 
@@ -63,7 +64,9 @@ class RolloutEngine:
 
     `max_batch_size` bounds the running rows, `max_prefill_tokens` the prompt tokens
     admitted per iteration (a longer prompt is admitted alone), `max_sessions` and
-    `max_session_tokens` the KV kept for multi-turn sessions. `eos_token_ids` overrides
+    `max_session_tokens` the KV kept for multi-turn sessions, `max_prompts` and
+    `max_prompt_tokens` the prefills kept for repeated prompts (`max_prompts=0`: none
+    kept; identical prompts admitted together still share one). `eos_token_ids` overrides
     the tokenizer's and the model's EOS ids (`[]`: never stop on EOS).
     """
 
@@ -80,6 +83,8 @@ class RolloutEngine:
         max_prefill_tokens: int = 4096,
         max_sessions: int = 256,
         max_session_tokens: int = 1 << 16,
+        max_prompts: int = 512,
+        max_prompt_tokens: int = 1 << 15,
         eos_token_ids: Sequence[int] | None = None,
         background: bool = True,
         seed: int | None = None,
@@ -95,6 +100,7 @@ class RolloutEngine:
             max_batch_size=max_batch_size,
             max_prefill_tokens=max_prefill_tokens,
             sessions=SessionCache(max_sessions, max_session_tokens),
+            prompts=PromptCache(max_prompts, max_prompt_tokens),
             eos_token_ids=eos_token_ids,
             seed=seed,
         )
@@ -284,6 +290,7 @@ class RolloutEngine:
         with self._lock:
             self._closed = True
             self._core.sessions.clear()
+            self._core.prompts.clear()
 
     # -- helpers --------------------------------------------------------------------------
 

@@ -25,24 +25,13 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache
 
 from marlaas.errors import ModelError
+from marlaas.model.cache import cache_tensors, wrap_cache
 
 #: One sequence's cache: per layer `(keys [H, L, D], values [H, L, D])`.
 RowKV = list[tuple[Tensor, Tensor]]
-
-
-def _wrap(keys: Sequence[Tensor], values: Sequence[Tensor]) -> DynamicCache:
-    cache = DynamicCache()
-    layers: list[DynamicLayer] = []
-    for k, v in zip(keys, values, strict=True):
-        layer = DynamicLayer()
-        layer.lazy_initialization(k, v)
-        layer.keys, layer.values = k, v
-        layers.append(layer)
-    cache.layers = layers  # type: ignore[assignment]
-    return cache
 
 
 def _suffix_mask(lengths_B: Tensor, S: int, extra: int = 0) -> Tensor:
@@ -84,19 +73,12 @@ class KVBatch:
 
     def forward_cache(self) -> DynamicCache:
         """A `DynamicCache` over these tensors for one model forward (no copy)."""
-        return _wrap(self.keys, self.values)
+        return wrap_cache(self.keys, self.values)
 
     @staticmethod
     def grown(cache: DynamicCache) -> tuple[list[Tensor], list[Tensor]]:
         """The per-layer keys and values a forward left in a `forward_cache()` cache."""
-        keys: list[Tensor] = []
-        values: list[Tensor] = []
-        for layer in cache.layers:
-            assert isinstance(layer, DynamicLayer) and layer.keys is not None
-            assert layer.values is not None
-            keys.append(layer.keys)
-            values.append(layer.values)
-        return keys, values
+        return cache_tensors(cache)
 
     def select(self, rows_R: Tensor) -> KVBatch:
         """The rows `rows_R` (int64 indices), trimmed."""

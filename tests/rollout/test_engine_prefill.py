@@ -1,0 +1,167 @@
+"""Prefill planning: identical prompts (a GRPO group's samples) are prefilled once and
+shared, prompts of very different lengths go to different forwards, and neither changes
+what any request gets back."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from rollout_support import SPEC, random_adapter
+from transformers import PreTrainedTokenizerBase
+
+import marlaas.rollout.core as core
+from marlaas.model.bank import AdapterBank
+from marlaas.model.lora import LoRAModel
+from marlaas.rollout import RolloutEngine
+from marlaas.types import Completion, RolloutRequest, SamplingParams
+
+
+def _sampled(
+    tok: PreTrainedTokenizerBase, tenant: str, text: str, seed: int, **kw: Any
+) -> RolloutRequest:
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=seed)
+    return RolloutRequest(tenant=tenant, prompt_ids=tuple(tok.encode(text)), sampling=params, **kw)
+
+
+def _alone(make_engine: Callable[..., RolloutEngine], request: RolloutRequest) -> Completion:
+    return make_engine().generate([request])[0]
+
+
+def _assert_same(got: Completion, want: Completion) -> None:
+    assert got.token_ids == want.token_ids
+    torch.testing.assert_close(
+        torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0
+    )
+
+
+def test_a_group_with_one_prompt_is_prefilled_once(
+    make_engine: Callable[..., RolloutEngine],
+    tokenizer: PreTrainedTokenizerBase,
+    lora_model: LoRAModel,
+    bank: AdapterBank,
+) -> None:
+    prompt = "what is 12 + 30? answer:"
+    group = [_sampled(tokenizer, "t0", prompt, seed=s) for s in (1, 2, 3, 4)]
+    other_tenant = _sampled(tokenizer, "t1", prompt, seed=5)
+    session = _sampled(tokenizer, "t0", prompt, seed=6, session="ep-shared")
+    n = len(group[0].prompt_ids)
+    engine = make_engine()
+    outs = engine.generate([*group, other_tenant, session])
+    # t0's group and its first session turn share one prefill; t1 has its own adapter.
+    assert engine.stats.prefill_tokens == 2 * n
+    assert engine.stats.shared_prefill_tokens == 4 * n
+    for request, out in zip([*group, other_tenant, session], outs, strict=True):
+        _assert_same(out, _alone(make_engine, request))
+    assert len({out.token_ids for out in outs[:4]}) > 1  # each sampled with its own seed
+    assert not bank._handles
+
+
+def test_versions_are_never_shared(
+    make_engine: Callable[..., RolloutEngine],
+    tokenizer: PreTrainedTokenizerBase,
+    lora_model: LoRAModel,
+) -> None:
+    engine = make_engine()
+    engine.publish("t2", 1, random_adapter(lora_model, 99))
+    old = _sampled(tokenizer, "t2", "same words", seed=7, version=0)
+    new = _sampled(tokenizer, "t2", "same words", seed=7, version=1)
+    out_old, out_new = engine.generate([old, new])
+    assert engine.stats.shared_prefill_tokens == 0
+    assert (out_old.version, out_new.version) == (0, 1)
+    _assert_same(out_old, _alone(make_engine, old))
+    _assert_same(out_new, _alone(make_engine, new))
+
+
+def test_short_and_long_prompts_use_separate_forwards(
+    make_engine: Callable[..., RolloutEngine],
+    tokenizer: PreTrainedTokenizerBase,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    widths: list[list[int]] = []
+    real = core.prefill_logits
+
+    def spy(*args: Any) -> Any:
+        widths.append([len(t) for t in args[4]])
+        return real(*args)
+
+    monkeypatch.setattr(core, "prefill_logits", spy)
+    long_text = "a much longer prompt that goes on and on"
+    requests = [
+        _sampled(tokenizer, "t0", "hi", seed=1),
+        _sampled(tokenizer, "t1", long_text, seed=2),
+        _sampled(tokenizer, "t2", "yo", seed=3),
+        _sampled(tokenizer, "t0", long_text + "!", seed=4),
+    ]
+    engine = make_engine()
+    outs = engine.generate(requests)
+    assert len(widths) == 2
+    for forward in widths:
+        assert min(forward) >= core.PREFILL_MIN_FILL * max(forward)
+    assert sorted(len(r.prompt_ids) for r in requests) == sorted(
+        n for forward in widths for n in forward
+    )
+    monkeypatch.setattr(core, "prefill_logits", real)
+    for request, out in zip(requests, outs, strict=True):
+        _assert_same(out, _alone(make_engine, request))
+
+
+def test_a_prompt_prefilled_earlier_comes_from_the_prompt_cache(
+    make_engine: Callable[..., RolloutEngine],
+    tokenizer: PreTrainedTokenizerBase,
+    lora_model: LoRAModel,
+    bank: AdapterBank,
+) -> None:
+    engine = make_engine()
+    first = _sampled(tokenizer, "t1", "seven times six is", seed=1)
+    later = _sampled(tokenizer, "t1", "seven times six is", seed=2)
+    n = len(first.prompt_ids)
+    engine.generate([first])
+    out = engine.generate([later])[0]
+    assert (engine.stats.prefill_tokens, engine.stats.shared_prefill_tokens) == (n, n)
+    _assert_same(out, _alone(make_engine, later))
+    # The same tenant name registered again is another adapter: nothing is reused.
+    bank.remove("t1")
+    bank.register("t1", SPEC, tensors=random_adapter(lora_model, 55))
+    again = engine.generate([later])[0]
+    assert engine.stats.shared_prefill_tokens == n
+    _assert_same(again, _alone(make_engine, later))
+    assert again.token_ids != out.token_ids or again.logprobs != out.logprobs
+    # Without a prompt cache only requests admitted together share.
+    plain = make_engine(max_prompts=0)
+    plain.generate([first])
+    plain.generate([later])
+    assert plain.stats.shared_prefill_tokens == 0
+
+
+def _fake(tenant: str, version: int, tokens: tuple[int, ...], past: object = None) -> Any:
+    handle = SimpleNamespace(adapter_id=hash((tenant, version)))
+    return SimpleNamespace(row=SimpleNamespace(handle=handle), past=past, new_tokens=tokens)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_plan_prefill_covers_every_prompt_once_with_bounded_padding(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    admitted = []
+    for _ in range(40):
+        n = int(torch.randint(1, 60, (1,), generator=gen))
+        tenant = f"t{int(torch.randint(0, 3, (1,), generator=gen))}"
+        tokens = tuple([int(torch.randint(0, 4, (1,), generator=gen))] * n)
+        past = object() if bool(torch.rand(1, generator=gen) < 0.2) else None
+        admitted.append(_fake(tenant, 0, tokens, past))
+    cached = {j for j in set(range(0, 40, 7)) if admitted[j].past is None}
+    source, forwards = core._plan_prefill(admitted, cached)
+    planned = sorted(i for forward in forwards for i in forward)
+    assert planned == sorted(set(source) - cached)  # every other distinct prompt once
+    for i, j in enumerate(source):
+        a, b = admitted[i], admitted[j]
+        assert j <= i and a.new_tokens == b.new_tokens
+        assert a.row.handle.adapter_id == b.row.handle.adapter_id
+        assert j == i or (a.past is None and b.past is None)
+    assert not cached & set(planned)
+    for forward in forwards:
+        lengths = [len(admitted[i].new_tokens) for i in forward]
+        assert min(lengths) >= core.PREFILL_MIN_FILL * max(lengths)
