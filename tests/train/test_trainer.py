@@ -176,6 +176,8 @@ def test_microbatches_pad_at_most_a_quarter_whatever_the_mix_of_lengths() -> Non
         advantages_N=torch.zeros(n),
         lengths_N=torch.tensor(lengths),
         tenant_N=torch.tensor([i % 3 for i in range(n)]),
+        prompt_N=torch.arange(n),
+        prompt_len_N=torch.ones(n, dtype=torch.long),
     )
     plans = plan_microbatches(rows, max_tokens=4096)
     got = [sorted((lengths[int(i)] for i in p.rows_B), reverse=True) for p in plans]

@@ -189,7 +189,8 @@ class Rows:
 
     `tenant_N` indexes the step's batches; `lengths_N` is the number of positions run
     (0 for a row without valid targets); `weights_NT` is each token's weight in its
-    tenant's loss.
+    tenant's loss; `prompt_N` numbers the distinct (tenant, prompt) pairs, so rows with
+    the same number start with the same `prompt_len_N` tokens (a GRPO group).
     """
 
     input_ids_NT: Tensor
@@ -200,6 +201,8 @@ class Rows:
     advantages_N: Tensor
     lengths_N: Tensor
     tenant_N: Tensor
+    prompt_N: Tensor
+    prompt_len_N: Tensor
 
 
 def tensorise(
@@ -237,6 +240,12 @@ def tensorise(
     )
     # Cut each row after its last valid target: a later position never affects it.
     last_N = torch.where(mask_NT, torch.arange(1, T + 1), 0).amax(dim=1)
+    prompts: dict[tuple[int, tuple[int, ...]], int] = {}
+    prompt_N = [
+        prompts.setdefault((k, t.prompt_ids), len(prompts))
+        for k, b in enumerate(batches)
+        for t in b.trajectories
+    ]
     return Rows(
         input_ids_NT=input_ids,
         target_ids_NT=target_ids,
@@ -246,6 +255,8 @@ def tensorise(
         advantages_N=torch.tensor([a for b in batches for a in b.advantages], dtype=torch.float32),
         lengths_N=last_N,
         tenant_N=tenant_N,
+        prompt_N=torch.tensor(prompt_N, dtype=torch.long),
+        prompt_len_N=torch.tensor([len(t.prompt_ids) for t in trajs], dtype=torch.long),
     )
 
 

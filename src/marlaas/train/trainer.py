@@ -14,7 +14,9 @@ Per tenant, per micro-batch, on that tenant's contiguous slice of rows:
 `log pi_base` comes from the same rows run with no lane batch (the plain base) under
 `no_grad`. Log-probs are `log_softmax(logits / temperature)` at the tenant's sampling
 temperature. The micro-batch's loss is the sum over its tenants, so its gradient
-reaches each tenant's adapter from that tenant's rows only.
+reaches each tenant's adapter from that tenant's rows only. Where a micro-batch holds
+several samples of one prompt (GRPO groups), the prompt runs once and its rows share its
+cache (`marlaas.train.prefix`), when that saves tokens.
 
 Invariants:
 - Training tenants together gives the adapters each would get alone (same batches,
@@ -64,6 +66,7 @@ from marlaas.train.optim import (
     adamw_step_,
     clip_grad_norms_,
 )
+from marlaas.train.prefix import SharedPrefix
 
 
 @dataclass
@@ -75,6 +78,8 @@ class TrainerStats:
     rows: int = 0
     max_microbatch_tokens: int = 0
     max_microbatch_lanes: int = 0
+    #: Micro-batches whose rows shared their prompts' forwards (`marlaas.train.prefix`).
+    shared_prefix_microbatches: int = 0
 
 
 @dataclass(eq=False)
@@ -339,8 +344,20 @@ class MultiLaneTrainer:
         lane_batch = self.model.lane_batch(
             [(s.lora, s.layout.unflatten(s.flat_P)) for s in lane_states], lane_B
         )
+        shared = SharedPrefix.plan(rows, plan)
+        if shared is not None:  # from here on, every [B, T] tensor in the suffix layout
+            self.stats.shared_prefix_microbatches += 1
+            ids_BT, tgt_BT, beh_BT, w_BT = (
+                shared.suffix(x) for x in (ids_BT, tgt_BT, beh_BT, w_BT)
+            )
+            mask_BT = shared.suffix(mask_BT)
+            ref_BT = None if ref_BT is None else shared.suffix(ref_BT)
+            logits_BTV = shared.logits(self.model, lane_batch, ids_BT)
+            z_BTV = logits_BTV.to(torch.promote_types(logits_BTV.dtype, torch.float32))
+            z_BTV = z_BTV if temp_B is None else z_BTV / temp_B[:, None, None]
         with self.model.lanes(lane_batch):
-            z_BTV = self._scaled_logits(ids_BT, attn_BT, temp_B)
+            if shared is None:
+                z_BTV = self._scaled_logits(ids_BT, attn_BT, temp_B)
             lp_BT = token_logprobs(z_BTV, tgt_BT)
             losses: list[Tensor] = []
             stats: list[Tensor] = []

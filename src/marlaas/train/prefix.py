@@ -1,0 +1,129 @@
+"""Rows that start with the same prompt share its forward (the samples of a GRPO group).
+
+A micro-batch holds a group's samples as rows that each start with the group's prompt.
+Under causal attention the prompt's keys and values do not depend on what follows it,
+so the prompt is run once per distinct prompt and its cache is shared by its rows:
+
+1. prefix pass: the distinct prefixes (each prompt but its last token), left-padded, one
+   row each, under its tenant's LoRA lane; the cache is kept (with its autograd graph);
+2. suffix pass: each row's remaining positions (the prompt's last token, whose logits
+   predict the first sampled token, then the trajectory), right-padded, attending to its
+   prefix's cache rows (`index_select`: the gradients of a group's rows add up in its
+   one prefix).
+
+Column `j` of the suffix layout is column `start_B[b] + j` of the row's full layout, and
+every valid target lies in the suffix (prompt targets never carry a loss), so the loss
+sees the same targets with the same log-probs, up to floating-point rounding, and the
+gradient is the full forward's.
+
+It is used only where it saves tokens: distinct prefixes x the longest prefix plus rows
+x the longest suffix must be at most `MAX_COST` of rows x the micro-batch's length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from marlaas.model.cache import cache_tensors, wrap_cache
+from marlaas.model.lora import LaneBatch, LoRAModel
+from marlaas.train.batch import MicroBatch, Rows
+
+#: Largest cost of the shared forward, relative to the plain one, for it to be used.
+MAX_COST = 0.8
+
+
+@dataclass(frozen=True)
+class SharedPrefix:
+    """How one micro-batch's rows share their prompts' forwards (see the module doc)."""
+
+    #: Per row: its prefix's length, i.e. the full-layout column of suffix column 0.
+    start_B: Tensor
+    #: Per row: the index of its prefix among the distinct ones.
+    group_B: Tensor
+    #: The distinct prefixes, left-padded, with their attention mask and positions.
+    ids_GP: Tensor
+    attn_GP: Tensor
+    pos_GP: Tensor
+    #: The LoRA lane of each prefix (its rows' tenant).
+    lane_G: Tensor
+    #: Per row: which suffix columns hold positions of the row.
+    valid_BS: Tensor
+
+    @staticmethod
+    def plan(rows: Rows, micro: MicroBatch) -> SharedPrefix | None:
+        """The sharing plan of `micro`, or None where sharing would not save tokens."""
+        idx_B = micro.rows_B
+        B, T = int(idx_B.shape[0]), micro.length
+        start_B = rows.prompt_len_N[idx_B] - 1
+        if B < 2 or int(start_B.min()) < 1:  # an empty prefix has nothing to share
+            return None
+        groups, group_B = torch.unique(rows.prompt_N[idx_B], return_inverse=True)
+        G = int(groups.shape[0])
+        P = int(start_B.max())
+        S = int((rows.lengths_N[idx_B] - start_B).max())
+        if G == B or G * P + B * S > MAX_COST * B * T:
+            return None
+        # The first row of each group stands for it (its prompt is the group's prompt).
+        first_G = torch.full((G,), B, dtype=torch.long).scatter_reduce_(
+            0, group_B, torch.arange(B), "amin"
+        )
+        len_G = start_B[first_G]
+        col_GP = torch.arange(P) - (P - len_G)[:, None]  # left padding: negative columns
+        attn_GP = col_GP >= 0
+        ids_GP = rows.input_ids_NT[idx_B[first_G]].gather(1, col_GP.clamp(min=0))
+        valid_BS = torch.arange(S) < (rows.lengths_N[idx_B] - start_B)[:, None]
+        return SharedPrefix(
+            start_B=start_B,
+            group_B=group_B,
+            ids_GP=torch.where(attn_GP, ids_GP, 0),
+            attn_GP=attn_GP.long(),
+            pos_GP=col_GP.clamp(min=0),
+            lane_G=micro.lane_B[first_G],
+            valid_BS=valid_BS,
+        )
+
+    @property
+    def length(self) -> int:
+        """Columns of the suffix layout."""
+        return int(self.valid_BS.shape[1])
+
+    def suffix(self, x_BT: Tensor) -> Tensor:
+        """The suffix layout of a full-layout `[B, T]` tensor (zeros outside the rows)."""
+        T = x_BT.shape[1]
+        col_BS = (self.start_B[:, None] + torch.arange(self.length)).clamp(max=T - 1)
+        out_BS = x_BT.gather(1, col_BS.to(x_BT.device))
+        return torch.where(self.valid_BS.to(x_BT.device), out_BS, torch.zeros_like(out_BS))
+
+    def logits(self, model: LoRAModel, lanes: LaneBatch, ids_BS: Tensor) -> Tensor:
+        """Logits `[B, S, V]` of the suffix tokens `ids_BS`, each row under its lane in
+        `lanes`, after its prefix (the two passes of the module doc)."""
+        dev = ids_BS.device
+        prefix_lanes = dataclasses.replace(lanes, lane_B=self.lane_G.to(dev))
+        with model.lanes(prefix_lanes):
+            out = model.base(
+                input_ids=self.ids_GP.to(dev),
+                attention_mask=self.attn_GP.to(dev),
+                position_ids=self.pos_GP.to(dev),
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        keys, values = cache_tensors(out.past_key_values)
+        group_B = self.group_B.to(dev)
+        cache = wrap_cache(
+            [k.index_select(0, group_B) for k in keys],
+            [v.index_select(0, group_B) for v in values],
+        )
+        attn_BPS = torch.cat([self.attn_GP.to(dev)[group_B], self.valid_BS.long().to(dev)], 1)
+        pos_BS = self.start_B.to(dev)[:, None] + torch.arange(self.length, device=dev)
+        with model.lanes(lanes):
+            return model.base(
+                input_ids=ids_BS,
+                attention_mask=attn_BPS,
+                position_ids=pos_BS,
+                past_key_values=cache,
+                use_cache=True,
+            ).logits
