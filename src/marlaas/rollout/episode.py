@@ -2,8 +2,9 @@
 
 Each model turn is one engine request continuing the episode's context; its tokens and
 behaviour log-probs are recorded with loss mask 1. Environment observations (tool
-output) are appended with loss mask 0 and log-prob 0. All turns of an episode share one
-engine session, so the engine can keep the episode's KV cache between turns.
+output) are appended with loss mask 0 and log-prob 0. All turns of an episode but the
+last one it may take share one engine session, so the engine keeps the episode's KV
+cache between turns (and a single-turn episode keeps none).
 
 The loop never blocks: the engine and the environment are both awaited.
 """
@@ -66,7 +67,8 @@ async def run_episode(
             prompt_ids=prompt_ids + tuple(tokens),
             sampling=replace(sampling, stop=stop),
             version=version,
-            session=session,
+            # The last turn has no next one to continue its cache: keep nothing.
+            session=session if turns < env.max_turns else None,
         )
         completion = await submit(request)
         versions.append(completion.version)
