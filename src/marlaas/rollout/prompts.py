@@ -18,12 +18,12 @@ Invariants:
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
 from torch import Tensor
 
 from marlaas.rollout.kv import RowKV
+from marlaas.rollout.lru import TokenLRU
 
 PromptKey = tuple[int, tuple[int, ...]]
 
@@ -40,39 +40,20 @@ class PromptCache:
     """An LRU of prompt prefills, bounded by entry count and total tokens."""
 
     def __init__(self, max_entries: int, max_tokens: int) -> None:
-        self.max_entries = max_entries
-        self.max_tokens = max_tokens
-        self._entries: OrderedDict[PromptKey, PromptEntry] = OrderedDict()
-        self._tokens = 0
+        self._lru: TokenLRU[PromptKey, PromptEntry] = TokenLRU(max_entries, max_tokens)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._lru)
 
     @property
     def cached_tokens(self) -> int:
-        return self._tokens
+        return self._lru.cached_tokens
 
     def get(self, adapter_id: int, prompt: tuple[int, ...]) -> PromptEntry | None:
-        key = (adapter_id, prompt)
-        entry = self._entries.get(key)
-        if entry is not None:
-            self._entries.move_to_end(key)
-        return entry
+        return self._lru.get((adapter_id, prompt))
 
     def put(self, adapter_id: int, prompt: tuple[int, ...], entry: PromptEntry) -> None:
-        key = (adapter_id, prompt)
-        self._drop(key)
-        if self.max_entries < 1 or len(prompt) > self.max_tokens:
-            return
-        self._entries[key] = entry
-        self._tokens += len(prompt)
-        while len(self._entries) > self.max_entries or self._tokens > self.max_tokens:
-            self._drop(next(iter(self._entries)))
+        self._lru.put((adapter_id, prompt), entry, len(prompt))
 
     def clear(self) -> None:
-        self._entries.clear()
-        self._tokens = 0
-
-    def _drop(self, key: PromptKey) -> None:
-        if self._entries.pop(key, None) is not None:
-            self._tokens -= len(key[1])
+        self._lru.clear()

@@ -17,11 +17,11 @@ Invariants:
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from marlaas.rollout.kv import RowKV
+from marlaas.rollout.lru import TokenLRU
 
 
 @dataclass(frozen=True)
@@ -36,28 +36,17 @@ class SessionCache:
     """An LRU of per-session KV caches, bounded by entry count and total tokens."""
 
     def __init__(self, max_sessions: int, max_tokens: int) -> None:
-        self.max_sessions = max_sessions
-        self.max_tokens = max_tokens
-        self._entries: OrderedDict[tuple[str, str], SessionEntry] = OrderedDict()
-        self._tokens = 0
+        self._lru: TokenLRU[tuple[str, str], SessionEntry] = TokenLRU(max_sessions, max_tokens)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._lru)
 
     @property
     def cached_tokens(self) -> int:
-        return self._tokens
+        return self._lru.cached_tokens
 
     def put(self, session: str, entry: SessionEntry) -> None:
-        key = (entry.tenant, session)
-        self._drop(key)
-        if self.max_sessions < 1 or len(entry.tokens) > self.max_tokens:
-            return
-        self._entries[key] = entry
-        self._tokens += len(entry.tokens)
-        while len(self._entries) > self.max_sessions or self._tokens > self.max_tokens:
-            oldest = next(iter(self._entries))
-            self._drop(oldest)
+        self._lru.put((entry.tenant, session), entry, len(entry.tokens))
 
     def take(
         self, session: str, tenant: str, version: int, prompt: Sequence[int]
@@ -69,12 +58,8 @@ class SessionCache:
         leave at least one prompt token to prefill (the model needs a fresh position to
         predict from). `(0, None)` when nothing can be reused.
         """
-        key = (tenant, session)
-        entry = self._entries.get(key)
-        if entry is None:
-            return 0, None
-        self._drop(key)
-        if entry.version != version:
+        entry = self._lru.pop((tenant, session))
+        if entry is None or entry.version != version:
             return 0, None
         n = len(entry.tokens)
         limit = min(n, len(prompt) - 1)
@@ -87,10 +72,4 @@ class SessionCache:
         return keep, kv
 
     def clear(self) -> None:
-        self._entries.clear()
-        self._tokens = 0
-
-    def _drop(self, key: tuple[str, str]) -> None:
-        entry = self._entries.pop(key, None)
-        if entry is not None:
-            self._tokens -= len(entry.tokens)
+        self._lru.clear()
