@@ -40,6 +40,8 @@ def run(wall: float, tenants: dict[str, dict[str, Any]], busy: float = 0.9) -> d
         "max_tenants_per_train_step": 2,
         "staleness_max": max(t["staleness_max"] for t in tenants.values()),
         "staleness_violations": 0,
+        "prefill_tokens": 300,
+        "shared_prefill_tokens": 900,
         "tenants": tenants,
     }
 
@@ -246,3 +248,4 @@ def test_outputs_are_json_markdown_and_png(tmp_path: Path) -> None:
     md = paths[1].read_text()
     assert "| 4 | 2 | 8.0 | 20.0 | 16.0 | 0.40x | 0.50x |" in md
     assert "paper-v1.yaml" in md and "not run" in md
+    assert "| paper | 4 | marlaas | 4.0 | 2.0 | 10 | 12.0 | 400.0 | 4 | 300 | 900 |" in md

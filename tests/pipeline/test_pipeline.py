@@ -53,6 +53,8 @@ def check_outputs(result: RunResult, out: Path, recorder: MemoryRecorder, steps:
         assert ckpts == ["ckpt-00000002", "ckpt-00000004"]
     assert 0.0 < result.device_busy_fraction <= 1.0
     assert result.staleness_violations == 0
+    # Every step samples groups of one prompt: all but the first of a group share its prefill.
+    assert result.prefill_tokens and result.shared_prefill_tokens
 
 
 async def test_async_tenants_respect_staleness_and_finish(base_dir: Path, tmp_path: Path) -> None:

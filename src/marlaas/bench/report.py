@@ -73,6 +73,8 @@ def _device(run: Mapping[str, Any]) -> dict[str, Any]:
         "mean_decode_batch": run.get("mean_decode_batch"),
         "decode_s_per_iteration": run["decode_busy_s"] / steps if steps else None,
         "train_steps": run.get("train_steps"),
+        "prefill_tokens": run.get("prefill_tokens"),
+        "shared_prefill_tokens": run.get("shared_prefill_tokens"),
     }
 
 
@@ -383,8 +385,8 @@ def _device_tables(result: Mapping[str, Any]) -> list[str]:
         "## Device time (measured runs)",
         "",
         "| regime | N | system | decode s | train s | decode iterations | mean batch "
-        "| ms / iteration | train steps |",
-        "|" + "---|" * 9,
+        "| ms / iteration | train steps | prompt tokens run | prompt tokens shared |",
+        "|" + "---|" * 11,
     ]
     for regime in result["regimes"]:
         for row in regime["rows"]:
@@ -399,7 +401,8 @@ def _device_tables(result: Mapping[str, Any]) -> list[str]:
                     + f" | {_fmt(d['decode_busy_s'], '.1f')} | {_fmt(d['train_busy_s'], '.1f')} "
                     f"| {d['decode_steps']} | {_fmt(d['mean_decode_batch'], '.1f')} "
                     f"| {_fmt(per_iter * 1000 if per_iter else None, '.1f')} "
-                    f"| {d['train_steps']} |"
+                    f"| {d['train_steps']} | {_fmt(d.get('prefill_tokens'), 'd')} "
+                    f"| {_fmt(d.get('shared_prefill_tokens'), 'd')} |"
                 )
     return lines
 

@@ -109,6 +109,10 @@ class RunResult:
     staleness_max: int
     staleness_violations: int
     out_dir: str
+    #: Prompt tokens the engine ran, and those it shared (`EngineStats`); None where the
+    #: engine does not count them (the Ray engine client).
+    prefill_tokens: int | None = None
+    shared_prefill_tokens: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -262,6 +266,7 @@ def _summarize(
         for name, state in states.items()
     }
     results = tenants.values()
+    engine_stats = getattr(ex.engine, "stats", None)
     return RunResult(
         mode=mode,
         tenants=tenants,
@@ -279,4 +284,8 @@ def _summarize(
         staleness_max=max((r.staleness_max for r in results), default=0),
         staleness_violations=sum(r.staleness_violations for r in results),
         out_dir=str(ctx.out_dir),
+        prefill_tokens=None if engine_stats is None else engine_stats.prefill_tokens,
+        shared_prefill_tokens=(
+            None if engine_stats is None else engine_stats.shared_prefill_tokens
+        ),
     )
