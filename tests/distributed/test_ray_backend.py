@@ -501,6 +501,9 @@ def test_bench_paper_on_ray_matches_the_in_process_backend(
     (local_row,) = local["regimes"][0]["rows"]
     (remote_row,) = remote["regimes"][0]["rows"]
     assert remote_row["eval"]["tenants"] == local_row["eval"]["tenants"]
+    for row in (local_row, remote_row):  # the replicas' prompt counts reach the report
+        device = row["marlaas_async"]["device"]
+        assert device["prefill_tokens"] > 0 and device["shared_prefill_tokens"] > 0
     print(  # the Ray backend's overhead on this workload (shown with -s)
         "bench paper tiny, wall s (inprocess -> ray): "
         + ", ".join(

@@ -164,7 +164,14 @@ class EngineReplica:
         return self.bank.kept_versions(tenant) if tenant in self.bank else []
 
     async def stats(self) -> ReplicaStats:
-        return ReplicaStats(self._busy_s, self._decode_steps, self._tokens)
+        engine = self.engine.stats
+        return ReplicaStats(
+            self._busy_s,
+            self._decode_steps,
+            self._tokens,
+            engine.prefill_tokens,
+            engine.shared_prefill_tokens,
+        )
 
     # -- the decode loop -------------------------------------------------------------
 

@@ -52,6 +52,7 @@ class RayExecutor(DeviceExecutor):
         self._pumping = False
         self._pump_wanted = False
         self._refs: dict[str, Any] = {}  # the last step's adapter refs, by tenant
+        self._prompt_tokens = (0, 0)
 
     def pump(self) -> None:
         """Move fairly-ordered requests into free replica rows. Reentrant and cheap: a
@@ -78,6 +79,14 @@ class RayExecutor(DeviceExecutor):
         self.decode_steps = sum(s.decode_steps for s in stats)
         self.tokens_sampled = sum(s.tokens for s in stats)
         self.busy_decode_s = sum(s.busy_s for s in stats)
+        self._prompt_tokens = (
+            sum(s.prefill_tokens for s in stats),
+            sum(s.shared_prefill_tokens for s in stats),
+        )
+
+    def prompt_tokens(self) -> tuple[int, int]:
+        """The replicas' figures, collected at `stop` (zeros before)."""
+        return self._prompt_tokens
 
     @property
     def busy_fraction(self) -> float:

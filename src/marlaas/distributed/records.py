@@ -42,6 +42,8 @@ class ReplicaStats:
     busy_s: float
     decode_steps: int
     tokens: int
+    prefill_tokens: int = 0
+    shared_prefill_tokens: int = 0
 
 
 @dataclass(frozen=True)

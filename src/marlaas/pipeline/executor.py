@@ -185,6 +185,11 @@ class DeviceExecutor:
         end = self._stopped if self._stopped is not None else time.perf_counter()
         return max(end - self._started, 0.0) if self._started else 0.0
 
+    def prompt_tokens(self) -> tuple[int, int]:
+        """(prompt tokens the engine ran, prompt tokens whose prefill it shared) so far."""
+        stats = self.engine.stats
+        return stats.prefill_tokens, stats.shared_prefill_tokens
+
     @property
     def mean_decode_batch(self) -> float:
         """Tokens sampled per decode iteration: how full the engine's batches were."""

@@ -109,10 +109,9 @@ class RunResult:
     staleness_max: int
     staleness_violations: int
     out_dir: str
-    #: Prompt tokens the engine ran, and those it shared (`EngineStats`); None where the
-    #: engine does not count them (the Ray engine client).
-    prefill_tokens: int | None = None
-    shared_prefill_tokens: int | None = None
+    #: Prompt tokens the engine ran, and those whose prefill it shared (`EngineStats`).
+    prefill_tokens: int = 0
+    shared_prefill_tokens: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -266,7 +265,7 @@ def _summarize(
         for name, state in states.items()
     }
     results = tenants.values()
-    engine_stats = getattr(ex.engine, "stats", None)
+    prefill_tokens, shared_prefill_tokens = ex.prompt_tokens()
     return RunResult(
         mode=mode,
         tenants=tenants,
@@ -284,8 +283,6 @@ def _summarize(
         staleness_max=max((r.staleness_max for r in results), default=0),
         staleness_violations=sum(r.staleness_violations for r in results),
         out_dir=str(ctx.out_dir),
-        prefill_tokens=None if engine_stats is None else engine_stats.prefill_tokens,
-        shared_prefill_tokens=(
-            None if engine_stats is None else engine_stats.shared_prefill_tokens
-        ),
+        prefill_tokens=prefill_tokens,
+        shared_prefill_tokens=shared_prefill_tokens,
     )
