@@ -1,5 +1,6 @@
 """Helpers shared by the rollout tests (a plain module: `conftest` names clash across
-test folders). Specs of the test tenants, random adapters, merging into a plain base."""
+test folders). Specs of the test tenants, random adapters, merging into a plain base,
+comparing completions."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from transformers import PreTrainedModel
 
 from marlaas.config.specs import LoRASpec
 from marlaas.model.lora import AdapterTensors, LoRAModel
+from marlaas.types import Completion
 
 MAX_POSITIONS = 64
 SPEC = LoRASpec(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "o_proj", "up_proj"))
@@ -34,3 +36,11 @@ def merged(base: PreTrainedModel, tensors: AdapterTensors, spec: LoRASpec) -> Pr
             assert isinstance(linear, torch.nn.Linear)
             linear.weight += spec.scaling * (B @ A)
     return base
+
+
+def assert_same_completion(got: Completion, want: Completion) -> None:
+    """The same tokens, and log-probs equal up to float noise."""
+    assert got.token_ids == want.token_ids
+    torch.testing.assert_close(
+        torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0
+    )

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from rollout_support import SPEC, merged
+from rollout_support import SPEC, assert_same_completion, merged
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from marlaas.model.bank import AdapterBank
@@ -114,10 +114,7 @@ def test_mixed_tenant_batches_with_staggered_arrival_equal_solo_runs(
         got = results[request.request_id]
         assert isinstance(got, Completion)
         want = _solo(solo_engine, request)
-        assert got.token_ids == want.token_ids
-        torch.testing.assert_close(
-            torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0
-        )
+        assert_same_completion(got, want)
 
 
 def test_stop_string_cuts_text_and_keeps_the_completing_token(
@@ -183,10 +180,7 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(
     engine.step()
     engine.step()
     outs = engine.generate([others[1], request, others[2]])
-    assert outs[1].token_ids == alone.token_ids
-    torch.testing.assert_close(
-        torch.tensor(outs[1].logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0
-    )
+    assert_same_completion(outs[1], alone)
     reseeded = _solo(
         engine,
         _req(

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from rollout_support import SPEC, random_adapter
+from rollout_support import SPEC, assert_same_completion, random_adapter
 from transformers import PreTrainedTokenizerBase
 
 import marlaas.rollout.core as core
@@ -31,13 +31,6 @@ def _alone(make_engine: Callable[..., RolloutEngine], request: RolloutRequest) -
     return make_engine().generate([request])[0]
 
 
-def _assert_same(got: Completion, want: Completion) -> None:
-    assert got.token_ids == want.token_ids
-    torch.testing.assert_close(
-        torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=1e-5, rtol=0
-    )
-
-
 def test_a_group_with_one_prompt_is_prefilled_once(
     make_engine: Callable[..., RolloutEngine],
     tokenizer: PreTrainedTokenizerBase,
@@ -55,7 +48,7 @@ def test_a_group_with_one_prompt_is_prefilled_once(
     assert engine.stats.prefill_tokens == 2 * n
     assert engine.stats.shared_prefill_tokens == 4 * n
     for request, out in zip([*group, other_tenant, session], outs, strict=True):
-        _assert_same(out, _alone(make_engine, request))
+        assert_same_completion(out, _alone(make_engine, request))
     assert len({out.token_ids for out in outs[:4]}) > 1  # each sampled with its own seed
     assert not bank._handles
 
@@ -72,8 +65,8 @@ def test_versions_are_never_shared(
     out_old, out_new = engine.generate([old, new])
     assert engine.stats.shared_prefill_tokens == 0
     assert (out_old.version, out_new.version) == (0, 1)
-    _assert_same(out_old, _alone(make_engine, old))
-    _assert_same(out_new, _alone(make_engine, new))
+    assert_same_completion(out_old, _alone(make_engine, old))
+    assert_same_completion(out_new, _alone(make_engine, new))
 
 
 def test_short_and_long_prompts_use_separate_forwards(
@@ -106,7 +99,7 @@ def test_short_and_long_prompts_use_separate_forwards(
     )
     monkeypatch.setattr(core, "prefill_logits", real)
     for request, out in zip(requests, outs, strict=True):
-        _assert_same(out, _alone(make_engine, request))
+        assert_same_completion(out, _alone(make_engine, request))
 
 
 def test_a_prompt_prefilled_earlier_comes_from_the_prompt_cache(
@@ -122,13 +115,13 @@ def test_a_prompt_prefilled_earlier_comes_from_the_prompt_cache(
     engine.generate([first])
     out = engine.generate([later])[0]
     assert (engine.stats.prefill_tokens, engine.stats.shared_prefill_tokens) == (n, n)
-    _assert_same(out, _alone(make_engine, later))
+    assert_same_completion(out, _alone(make_engine, later))
     # The same tenant name registered again is another adapter: nothing is reused.
     bank.remove("t1")
     bank.register("t1", SPEC, tensors=random_adapter(lora_model, 55))
     again = engine.generate([later])[0]
     assert engine.stats.shared_prefill_tokens == n
-    _assert_same(again, _alone(make_engine, later))
+    assert_same_completion(again, _alone(make_engine, later))
     assert again.token_ids != out.token_ids or again.logprobs != out.logprobs
     # Without a prompt cache only requests admitted together share.
     plain = make_engine(max_prompts=0)

@@ -6,8 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-import torch
-from rollout_support import SPEC, random_adapter
+from rollout_support import SPEC, assert_same_completion, random_adapter
 from transformers import PreTrainedTokenizerBase
 
 from marlaas.errors import TenantNotFound
@@ -118,10 +117,7 @@ def test_session_continuation_prefills_only_new_tokens(
         [RolloutRequest(tenant="t2", prompt_ids=prompt2, sampling=first.sampling)]
     )[0]
     assert scratch_engine.stats.prefill_tokens == len(prompt2)
-    assert cont.token_ids == scratch.token_ids
-    torch.testing.assert_close(
-        torch.tensor(cont.logprobs), torch.tensor(scratch.logprobs), atol=1e-5, rtol=0
-    )
+    assert_same_completion(cont, scratch)
 
 
 def test_session_reuses_the_shared_prefix_only_on_the_same_version(

@@ -313,12 +313,16 @@ class AdapterBank:
         self._next_adapter_id += 1
         adapter_id = self._next_adapter_id
         if record.spill_dir is None:
-            return _Version(record.name, version, record.spec, host, None, adapter_id)
+            return _Version(
+                record.name, version, record.spec, tensors=host, path=None, adapter_id=adapter_id
+            )
         path = record.spill_dir / f"v{version}.safetensors"
         flat = {f"{p}.lora_A": A for p, (A, _) in host.items()}
         flat.update({f"{p}.lora_B": B for p, (_, B) in host.items()})
         atomic_write(path, lambda tmp: save_file(flat, str(tmp)))
-        return _Version(record.name, version, record.spec, None, path, adapter_id)
+        return _Version(
+            record.name, version, record.spec, tensors=None, path=path, adapter_id=adapter_id
+        )
 
     def _host(self, entry: _Version) -> AdapterTensors:
         if entry.tensors is not None:

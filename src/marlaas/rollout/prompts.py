@@ -42,13 +42,6 @@ class PromptCache:
     def __init__(self, max_entries: int, max_tokens: int) -> None:
         self._lru: TokenLRU[PromptKey, PromptEntry] = TokenLRU(max_entries, max_tokens)
 
-    def __len__(self) -> int:
-        return len(self._lru)
-
-    @property
-    def cached_tokens(self) -> int:
-        return self._lru.cached_tokens
-
     def get(self, adapter_id: int, prompt: tuple[int, ...]) -> PromptEntry | None:
         return self._lru.get((adapter_id, prompt))
 

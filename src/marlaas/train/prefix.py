@@ -67,7 +67,8 @@ class SharedPrefix:
         groups, group_B = torch.unique(rows.prompt_N[idx_B], return_inverse=True)
         G = int(groups.shape[0])
         P = int(start_B.max())
-        S = int((rows.lengths_N[idx_B] - start_B).max())
+        suffix_B = rows.lengths_N[idx_B] - start_B
+        S = int(suffix_B.max())
         if G == B or G * P + B * S > MAX_COST * B * T:
             return None
         # The first row of each group stands for it (its prompt is the group's prompt).
@@ -78,7 +79,6 @@ class SharedPrefix:
         col_GP = torch.arange(P) - (P - len_G)[:, None]  # left padding: negative columns
         attn_GP = col_GP >= 0
         ids_GP = rows.input_ids_NT[idx_B[first_G]].gather(1, col_GP.clamp(min=0))
-        valid_BS = torch.arange(S) < (rows.lengths_N[idx_B] - start_B)[:, None]
         return SharedPrefix(
             start_B=start_B,
             group_B=group_B,
@@ -86,7 +86,7 @@ class SharedPrefix:
             attn_GP=attn_GP.long(),
             pos_GP=col_GP.clamp(min=0),
             lane_G=micro.lane_B[first_G],
-            valid_BS=valid_BS,
+            valid_BS=torch.arange(S) < suffix_B[:, None],
         )
 
     @property

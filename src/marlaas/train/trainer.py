@@ -298,12 +298,8 @@ class MultiLaneTrainer:
                 )
         return states
 
-    def _scaled_logits(self, ids_BT: Tensor, attn_BT: Tensor, temp_B: Tensor | None) -> Tensor:
-        logits_BTV = self.model.base(
-            input_ids=ids_BT, attention_mask=attn_BT, use_cache=False
-        ).logits
-        z_BTV = logits_BTV.to(torch.promote_types(logits_BTV.dtype, torch.float32))
-        return z_BTV if temp_B is None else z_BTV / temp_B[:, None, None]
+    def _logits(self, ids_BT: Tensor, attn_BT: Tensor) -> Tensor:
+        return self.model.base(input_ids=ids_BT, attention_mask=attn_BT, use_cache=False).logits
 
     def _run_microbatch(
         self, plan: MicroBatch, rows: Rows, states: Sequence[_Tenant], acc_KM: Tensor
@@ -334,8 +330,9 @@ class MultiLaneTrainer:
                 [torch.arange(plan.offsets[lane], plan.offsets[lane + 1]) for lane in kl_lanes]
             ).to(dev)
             with torch.no_grad():
-                z_base = self._scaled_logits(
-                    ids_BT[sel], attn_BT[sel], None if temp_B is None else temp_B[sel]
+                z_base = _scaled(
+                    self._logits(ids_BT[sel], attn_BT[sel]),
+                    None if temp_B is None else temp_B[sel],
                 )
                 ref_BT = torch.zeros_like(beh_BT)
                 ref_BT[sel] = token_logprobs(z_base, tgt_BT[sel])
@@ -345,59 +342,64 @@ class MultiLaneTrainer:
             [(s.lora, s.layout.unflatten(s.flat_P)) for s in lane_states], lane_B
         )
         shared = SharedPrefix.plan(rows, plan)
-        if shared is not None:  # from here on, every [B, T] tensor in the suffix layout
+        if shared is None:
+            with self.model.lanes(lane_batch):
+                logits_BTV = self._logits(ids_BT, attn_BT)
+        else:  # from here on, every [B, T] tensor is in the suffix layout
             self.stats.shared_prefix_microbatches += 1
-            ids_BT, tgt_BT, beh_BT, w_BT = (
-                shared.suffix(x) for x in (ids_BT, tgt_BT, beh_BT, w_BT)
+            ids_BT, tgt_BT, mask_BT, beh_BT, w_BT = (
+                shared.suffix(x) for x in (ids_BT, tgt_BT, mask_BT, beh_BT, w_BT)
             )
-            mask_BT = shared.suffix(mask_BT)
             ref_BT = None if ref_BT is None else shared.suffix(ref_BT)
             logits_BTV = shared.logits(self.model, lane_batch, ids_BT)
-            z_BTV = logits_BTV.to(torch.promote_types(logits_BTV.dtype, torch.float32))
-            z_BTV = z_BTV if temp_B is None else z_BTV / temp_B[:, None, None]
-        with self.model.lanes(lane_batch):
-            if shared is None:
-                z_BTV = self._scaled_logits(ids_BT, attn_BT, temp_B)
-            lp_BT = token_logprobs(z_BTV, tgt_BT)
-            losses: list[Tensor] = []
-            stats: list[Tensor] = []
-            for lane, s in enumerate(lane_states):
-                a, b = plan.offsets[lane], plan.offsets[lane + 1]
-                loss, m = policy_loss(
-                    lp_BT[a:b],
-                    beh_BT[a:b],
-                    adv_B[a:b],
-                    mask_BT[a:b],
-                    clip_low=s.algo.clip_low,
-                    clip_high=s.algo.clip_high,
-                    tis_cap=s.algo.tis_cap,
-                    weights_BT=w_BT[a:b],
+        # The backward needs no lane context: autograd keeps the lane tensors it used.
+        z_BTV = _scaled(logits_BTV, temp_B)
+        lp_BT = token_logprobs(z_BTV, tgt_BT)
+        losses: list[Tensor] = []
+        stats: list[Tensor] = []
+        for lane, s in enumerate(lane_states):
+            a, b = plan.offsets[lane], plan.offsets[lane + 1]
+            loss, m = policy_loss(
+                lp_BT[a:b],
+                beh_BT[a:b],
+                adv_B[a:b],
+                mask_BT[a:b],
+                clip_low=s.algo.clip_low,
+                clip_high=s.algo.clip_high,
+                tis_cap=s.algo.tis_cap,
+                weights_BT=w_BT[a:b],
+            )
+            kl_sum = loss.new_zeros(())
+            if ref_BT is not None and s.algo.kl_coef > 0:
+                kl_BT = kl_penalty(
+                    lp_BT[a:b], ref_BT[a:b], s.algo.kl_estimator, mask_BT=mask_BT[a:b]
                 )
-                kl_sum = loss.new_zeros(())
-                if ref_BT is not None and s.algo.kl_coef > 0:
-                    kl_BT = kl_penalty(
-                        lp_BT[a:b], ref_BT[a:b], s.algo.kl_estimator, mask_BT=mask_BT[a:b]
-                    )
-                    loss = loss + s.algo.kl_coef * (w_BT[a:b] * kl_BT).sum()
-                    kl_sum = kl_BT.detach().sum()
-                losses.append(loss)
-                tokens = m["tokens"].to(loss.dtype)
-                # Columns LOSS .. KL_BASE of `batch.NUM_SUMS`; ENTROPY is appended below.
-                stats.append(
-                    torch.stack(
-                        [
-                            loss.detach(),
-                            tokens,
-                            m["clip_frac"] * tokens,
-                            m["ratio_mean"] * tokens,
-                            m["kl_behaviour"] * tokens,
-                            kl_sum,
-                        ]
-                    )
+                loss = loss + s.algo.kl_coef * (w_BT[a:b] * kl_BT).sum()
+                kl_sum = kl_BT.detach().sum()
+            losses.append(loss)
+            tokens = m["tokens"].to(loss.dtype)
+            # Columns LOSS .. KL_BASE of `batch.NUM_SUMS`; ENTROPY is appended below.
+            stats.append(
+                torch.stack(
+                    [
+                        loss.detach(),
+                        tokens,
+                        m["clip_frac"] * tokens,
+                        m["ratio_mean"] * tokens,
+                        m["kl_behaviour"] * tokens,
+                        kl_sum,
+                    ]
                 )
-            torch.stack(losses).sum().backward()
+            )
+        torch.stack(losses).sum().backward()
         with torch.no_grad():
             ent_B = torch.where(mask_BT, entropy_from_logits(z_BTV.detach()), 0.0).sum(1)
             ent_L = torch.zeros(len(lane_states), device=dev).index_add_(0, lane_B, ent_B)
             lane_KM = torch.cat([torch.stack(stats), ent_L[:, None]], dim=1)
             acc_KM.index_add_(0, torch.tensor(plan.lanes, device=dev), lane_KM.to(acc_KM.dtype))
+
+
+def _scaled(logits_BTV: Tensor, temp_B: Tensor | None) -> Tensor:
+    """Logits in at least float32, divided by each row's sampling temperature."""
+    z_BTV = logits_BTV.to(torch.promote_types(logits_BTV.dtype, torch.float32))
+    return z_BTV if temp_B is None else z_BTV / temp_B[:, None, None]
