@@ -16,6 +16,7 @@ from transformers import PreTrainedTokenizerBase
 import marlaas.rollout.core as core
 from marlaas.model.bank import AdapterBank
 from marlaas.model.lora import LoRAModel
+from marlaas.packing import MIN_FILL
 from marlaas.rollout import RolloutEngine
 from marlaas.types import Completion, RolloutRequest, SamplingParams
 
@@ -93,7 +94,7 @@ def test_short_and_long_prompts_use_separate_forwards(
     outs = engine.generate(requests)
     assert len(widths) == 2
     for forward in widths:
-        assert min(forward) >= core.PREFILL_MIN_FILL * max(forward)
+        assert min(forward) >= MIN_FILL * max(forward)
     assert sorted(len(r.prompt_ids) for r in requests) == sorted(
         n for forward in widths for n in forward
     )
@@ -157,4 +158,4 @@ def test_plan_prefill_covers_every_prompt_once_with_bounded_padding(seed: int) -
     assert not cached & set(planned)
     for forward in forwards:
         lengths = [len(admitted[i].new_tokens) for i in forward]
-        assert min(lengths) >= core.PREFILL_MIN_FILL * max(lengths)
+        assert min(lengths) >= MIN_FILL * max(lengths)

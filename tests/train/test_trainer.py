@@ -16,9 +16,9 @@ from train_data import make_batch, tiny_llama
 from marlaas.config.specs import GRPOSpec, LoRASpec
 from marlaas.errors import ConfigError, TenantNotFound
 from marlaas.model.lora import AdapterTensors, LoRAModel
+from marlaas.packing import MIN_FILL
 from marlaas.train.advantages import group_advantages
 from marlaas.train.batch import (
-    MIN_FILL,
     Rows,
     TrainBatch,
     TrainBatchError,
@@ -186,6 +186,8 @@ def test_microbatches_pad_at_most_a_quarter_whatever_the_mix_of_lengths() -> Non
         assert plan.length == members[0]
         assert min(members) >= MIN_FILL * plan.length
     assert [len(p.rows_B) for p in plan_microbatches(rows, max_tokens=80)] == [2, 2, 1, 2, 2]
+    with pytest.raises(ValueError, match="exceeds the budget of 39"):
+        plan_microbatches(rows, max_tokens=39)
 
 
 def test_versions_adapter_copies_and_frozen_base(lora_model: LoRAModel) -> None:

@@ -42,6 +42,7 @@ from transformers import PreTrainedTokenizerBase
 from marlaas.errors import CapacityError, InvalidRequest, MarlaasError
 from marlaas.model.bank import AdapterBank
 from marlaas.model.lora import LoRAModel
+from marlaas.packing import pack_longest_first
 from marlaas.rollout.batch import (
     Deliver,
     Row,
@@ -56,10 +57,6 @@ from marlaas.rollout.prompts import PromptCache, PromptEntry
 from marlaas.rollout.sampling import sample_B, uniform_B
 from marlaas.rollout.sessions import SessionCache, SessionEntry
 from marlaas.types import Completion, RolloutRequest
-
-#: A prefill forward pads its rows to the longest; a prompt shorter than this fraction of
-#: the longest goes to the next forward (see `_plan_prefill`).
-PREFILL_MIN_FILL = 0.75
 
 
 @dataclass
@@ -393,9 +390,8 @@ def _plan_prefill(
     `source[i]` is the admitted index whose prefill row `i` shares: the first row with
     the same adapter (`adapter_id`) and prompt and no session cache (the samples of a
     GRPO group), else `i` itself. `forwards` splits the distinct prompts, except the
-    `cached` ones (found in the prompt cache), longest first, into forwards whose
-    shortest prompt has at least `PREFILL_MIN_FILL` of the longest's tokens, so at most
-    about a quarter of a forward is padding.
+    `cached` ones (found in the prompt cache), longest first, into forwards padded at
+    most a quarter (`marlaas.packing`).
     """
     first: dict[tuple[int, tuple[int, ...]], int] = {}
     source: list[int] = []
@@ -404,16 +400,9 @@ def _plan_prefill(
             source.append(first.setdefault((a.row.handle.adapter_id, a.new_tokens), i))
         else:
             source.append(i)
-    forwards: list[list[int]] = []
-    longest = 0
-    for i in sorted(set(source) - cached, key=lambda i: -len(admitted[i].new_tokens)):
-        n = len(admitted[i].new_tokens)
-        if forwards and n >= PREFILL_MIN_FILL * longest:
-            forwards[-1].append(i)
-        else:
-            forwards.append([i])
-            longest = n
-    return source, forwards
+    order = sorted(set(source) - cached, key=lambda i: -len(admitted[i].new_tokens))
+    spans = pack_longest_first([len(admitted[i].new_tokens) for i in order])
+    return source, [order[start:end] for start, end in spans]
 
 
 def _stream_tokens(batch: RowBatch, tokens_B: torch.Tensor) -> None:

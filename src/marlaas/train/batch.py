@@ -20,9 +20,7 @@ Invariants:
 
 from __future__ import annotations
 
-import bisect
 import itertools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from statistics import fmean, pstdev
@@ -31,6 +29,7 @@ import torch
 from torch import Tensor
 
 from marlaas.errors import DataError
+from marlaas.packing import pack_longest_first
 from marlaas.train.advantages import group_advantages
 from marlaas.train.losses import LossNorm, token_weights
 from marlaas.types import Trajectory
@@ -301,36 +300,21 @@ class MicroBatch:
         return int(self.rows_B.shape[0]) * self.length
 
 
-#: Least length of a row, relative to its micro-batch's length (see `plan_microbatches`).
-MIN_FILL = 0.75
-
-
 def plan_microbatches(rows: Rows, max_tokens: int) -> list[MicroBatch]:
     """Pack the non-empty rows, longest first, into micro-batches of at most
-    `max_tokens` padded tokens each (greedy: rows sorted by length, so a micro-batch's
-    length is its first row's), none of a row shorter than `MIN_FILL` of that length
-    (at most a quarter of a micro-batch is padding, whatever the mix of tenants'
-    lengths). Rows longer than the budget must be rejected before."""
+    `max_tokens` padded tokens each, none of a row shorter than `MIN_FILL` of the
+    micro-batch's length (its first row's): `marlaas.packing`. Rows longer than the
+    budget must be rejected before."""
     order = torch.argsort(-rows.lengths_N, stable=True)
     order = order[rows.lengths_N[order] > 0]
     lengths = rows.lengths_N[order].tolist()
-    neg_lengths = [-n for n in lengths]  # ascending, for bisect
     plans: list[MicroBatch] = []
-    start = 0
-    while start < len(order):
-        length = lengths[start]
-        if length > max_tokens:
-            raise ValueError(f"a row of {length} tokens exceeds the budget of {max_tokens}")
-        end = min(len(order), start + max_tokens // length)
-        # Rows shorter than `MIN_FILL` of this micro-batch's length start the next one,
-        # so padding stays under a quarter of its tokens.
-        end = bisect.bisect_right(neg_lengths, -math.ceil(MIN_FILL * length), start + 1, end)
+    for start, end in pack_longest_first(lengths, max_tokens):
         rows_B = order[start:end]
         tenant_B = rows.tenant_N[rows_B]
         rows_B = rows_B[torch.argsort(tenant_B, stable=True)]
         lanes, counts = torch.unique_consecutive(rows.tenant_N[rows_B], return_counts=True)
         lane_B = torch.repeat_interleave(torch.arange(len(lanes)), counts)
         offsets = (0, *itertools.accumulate(counts.tolist()))
-        plans.append(MicroBatch(rows_B, length, lane_B, tuple(lanes.tolist()), offsets))
-        start = end
+        plans.append(MicroBatch(rows_B, lengths[start], lane_B, tuple(lanes.tolist()), offsets))
     return plans
