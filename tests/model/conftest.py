@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from arch_support import char_tokenizer
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
     PreTrainedModel,
-    PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
@@ -41,24 +40,9 @@ _TINY = {
 }
 
 
-def _tokenizer() -> PreTrainedTokenizerFast:
-    specials = ["<unk>", "<s>", "</s>", "<pad>"]
-    chars = [chr(c) for c in range(33, 33 + VOCAB - len(specials))]
-    vocab = {tok: i for i, tok in enumerate(specials + chars)}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        unk_token="<unk>",
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-    )
-
-
 def _save(model: PreTrainedModel, path: Path) -> Path:
     model.save_pretrained(path)
-    _tokenizer().save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
     return path
 
 

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from marlaas.config.specs import LoRASpec
-from marlaas.errors import ModelError
+from marlaas.errors import ConfigError, ModelError
 from marlaas.model.base import default_base_path, load_base
 from marlaas.model.lora import (
     AdapterTensors,
@@ -207,14 +207,14 @@ def test_training_reaches_only_the_batch_adapters(
 
 def test_specs_and_injection_are_checked(tiny_llama_dir: Path) -> None:
     base, _ = load_base(tiny_llama_dir)
-    with pytest.raises(ModelError, match=r"match no nn\.Linear"):
+    with pytest.raises(ConfigError, match=r"'qkv' matches no linear layer.*'down_proj'"):
         LoRAModel(base, max_rank=4, target_modules=("q_proj", "qkv"))
     model = LoRAModel(base, max_rank=4, target_modules=("q_proj", "v_proj"))
     with pytest.raises(ModelError, match="already has multi-LoRA"):
         LoRAModel(base, max_rank=4)
     with pytest.raises(ModelError, match="max_rank 4"):
         model.init_adapter(LoRASpec(rank=8, target_modules=("q_proj",)), 0)
-    with pytest.raises(ModelError, match="not injected"):
+    with pytest.raises(ConfigError, match="'o_proj' was not injected"):
         model.init_adapter(LoRASpec(rank=2, target_modules=("q_proj", "o_proj")), 0)
     spec = LoRASpec(rank=2, target_modules=("v_proj",))
     tensors = model.init_adapter(spec, 0)
@@ -258,3 +258,27 @@ def test_lanes_are_private_to_the_thread(tiny_llama_dir: Path, make_adapter: Mak
         with pytest.raises(ModelError, match="do not nest"), model.lanes(batch):
             pass
     assert torch.equal(seen[0], plain)
+
+
+def test_flattened_token_inputs_keep_each_rows_lane() -> None:
+    """`[B * T, in]` inputs (OPT's MLP, Qwen2-MoE's shared expert) get each row's lane,
+    as `[B, T, in]` does; a count that fits no row layout is refused."""
+    torch.manual_seed(0)
+    context = _LaneContext()
+    layer = MultiLoRALinear(torch.nn.Linear(6, 5), "m", context)
+    A_Lri, B_Lor, scale_L = torch.randn(2, 2, 6), torch.randn(2, 5, 2), torch.tensor([1.0, 0.5])
+    lane_B = torch.tensor([1, 0, 1])
+    context.batch = LaneBatch(lane_B, {"m": A_Lri}, {"m": B_Lor}, scale_L)
+    context.scale_B = scale_L[lane_B]
+    context.owner = threading.get_ident()
+    x_BTi = torch.randn(3, 4, 6)
+    with torch.no_grad():
+        y_BTo = layer(x_BTi)
+        flat = layer(x_BTi.reshape(12, 6))
+        expected = layer.base_layer(x_BTi) + scale_L[lane_B, None, None] * (
+            x_BTi @ A_Lri[lane_B].transpose(1, 2) @ B_Lor[lane_B].transpose(1, 2)
+        )
+        torch.testing.assert_close(y_BTo, expected)
+        torch.testing.assert_close(flat, expected.reshape(12, 5))
+        with pytest.raises(ModelError, match="does not match a lane batch of 3"):
+            layer(torch.randn(10, 6))

@@ -35,6 +35,7 @@ from marlaas.bench.trl_baseline import NOTES as TRL_NOTES
 from marlaas.bench.trl_baseline import run_trl_tenant
 from marlaas.bench.workloads import Workload, is_single_turn
 from marlaas.config.ray import RaySpec
+from marlaas.config.specs import ModelDType
 from marlaas.errors import ConfigError
 from marlaas.fileio import atomic_write_json, atomic_write_text
 from marlaas.model.base import default_base_path
@@ -74,6 +75,7 @@ def run_paper_bench(
     backend: str = "inprocess",
     ray: RaySpec | None = None,
     log: Log = print,
+    dtype: ModelDType = "auto",
 ) -> dict[str, Any]:
     """Run the benchmark and return the result (also written to `json_path`, with the
     Markdown table at `json_path.with_suffix('.md')` and the chart at `.png`).
@@ -113,7 +115,7 @@ def run_paper_bench(
                     out_dir / workload.regime,
                     base,
                     log,
-                    {"backend": backend, "ray": ray or RaySpec()},
+                    {"backend": backend, "ray": ray or RaySpec(), "dtype": dtype},
                 )
             )
     finally:
@@ -130,6 +132,7 @@ def run_paper_bench(
             "backend": backend,
             "ray": (ray or RaySpec()).model_dump(mode="json") if backend == "ray" else None,
             "base_model": str(base),
+            "dtype": dtype,
             "device": resolve_device("auto"),
             "torch_threads": threads if threads is not None else previous_threads,
             "torch": torch.__version__,
@@ -219,7 +222,9 @@ def _run_regime(
                     continue
                 if job.name not in trl_cache:
                     log(f"[{workload.regime}] TRL GRPOTrainer: {job.name}")
-                    trl_cache[job.name] = run_trl_tenant(job, base).to_json()
+                    trl_cache[job.name] = run_trl_tenant(
+                        job, base, dtype=(placement or {}).get("dtype", "auto")
+                    ).to_json()
                 trl.append(trl_cache[job.name])
         single_turn = [job.name for job in spec.jobs if is_single_turn(job)]
         row = build_row(

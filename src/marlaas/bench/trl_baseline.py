@@ -51,8 +51,11 @@ import torch
 
 from marlaas.bench.workloads import is_single_turn
 from marlaas.config.job import JobSpec
+from marlaas.config.specs import ModelDType
 from marlaas.envs.base import Example, TaskFamily
 from marlaas.errors import ConfigError, ModelError
+from marlaas.model.base import resolve_dtype
+from marlaas.model.peft_io import peft_target_modules
 from marlaas.pipeline.data import ExampleStream, build_task, eval_examples
 
 LOSS_TYPES = {"token": "dapo", "sequence": "grpo", "constant": "dr_grpo"}
@@ -140,7 +143,7 @@ def _lora_config(job: JobSpec) -> Any:
     return LoraConfig(
         r=job.lora.rank,
         lora_alpha=job.lora.alpha,  # type: ignore[arg-type]  # annotated int; a float scales alike
-        target_modules=list(job.lora.target_modules),
+        target_modules=peft_target_modules(job.lora),
         lora_dropout=0.0,
         use_rslora=job.lora.use_rslora,
         bias="none",
@@ -148,13 +151,16 @@ def _lora_config(job: JobSpec) -> Any:
     )
 
 
-def _load(base_path: Path) -> tuple[Any, Any, list[int]]:
-    """The base and tokenizer, with the newline added to the EOS ids (a turn's end)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _load(base_path: Path, dtype: ModelDType) -> tuple[Any, Any, list[int]]:
+    """The base (in `dtype`, as marlaas resolves it on the device TRL trains on) and
+    tokenizer, with the newline added to the EOS ids (a turn's end)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     try:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        config = AutoConfig.from_pretrained(base_path, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(
-            base_path, dtype=torch.float32, local_files_only=True
+            base_path, dtype=resolve_dtype(dtype, device, config), local_files_only=True
         )
         tokenizer = AutoTokenizer.from_pretrained(base_path, local_files_only=True)
     except (OSError, ValueError) as e:
@@ -240,6 +246,7 @@ def run_trl_tenant(
     base_path: str | Path,
     *,
     work_dir: str | Path | None = None,
+    dtype: ModelDType = "auto",
 ) -> TRLTenantResult:
     """Train `job`'s adapter with TRL's `GRPOTrainer` + PEFT LoRA (see the module docstring).
 
@@ -261,7 +268,7 @@ def run_trl_tenant(
     dataset = Dataset.from_dict(
         {"prompt": [e.prompt for e in examples], "example_index": list(range(n))}
     )
-    model, tokenizer, eos_ids = _load(Path(base_path))
+    model, tokenizer, eos_ids = _load(Path(base_path), dtype)
     reward = _Reward(family, examples)
     try:
         with _quiet(), tempfile.TemporaryDirectory(dir=work_dir) as tmp:

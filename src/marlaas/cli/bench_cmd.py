@@ -10,6 +10,7 @@ from pathlib import Path
 import typer
 
 from marlaas.config.ray import RaySpec, load_ray_spec
+from marlaas.config.specs import DTYPE_HELP, check_dtype
 
 app = typer.Typer(no_args_is_help=True, help="Benchmarks (a table on screen, JSON on disk).")
 
@@ -33,6 +34,7 @@ def rollout(
     max_new_tokens: int = typer.Option(24, min=1),
     repeats: int = typer.Option(3, min=1, help="Each figure is the best of this many runs."),
     no_hf: bool = typer.Option(False, help="Skip the Hugging Face + PEFT comparison."),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
 ) -> None:
     """Tokens/s of the engine with N mixed adapters vs one adapter vs HF generate + PEFT."""
     from marlaas.rollout.bench import run_rollout_bench
@@ -45,6 +47,7 @@ def rollout(
         json_out,
         repeats=repeats,
         include_hf=not no_hf,
+        dtype=check_dtype(dtype),
     )
     typer.echo(f"wrote {json_out}")
 
@@ -63,6 +66,7 @@ def trainer(
     microbatch_tokens: int = typer.Option(
         16384, min=64, help="Token budget of one forward/backward of the trainer."
     ),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
 ) -> None:
     """Optimizer steps/s: multi-lane vs single-lane vs PEFT + torch AdamW per tenant."""
     from marlaas.train.bench import run_trainer_bench
@@ -76,6 +80,7 @@ def trainer(
         max_tokens_per_microbatch=microbatch_tokens,
         mixed_lengths=mixed_lengths,
         json_path=json_out,
+        dtype=check_dtype(dtype),
     )
     typer.echo(f"wrote {json_out}")
 
@@ -151,6 +156,7 @@ def paper(
     ray_spec: Path = typer.Option(
         None, help="YAML file of the Ray spec (RaySpec: address, replicas, resources)."
     ),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
 ) -> None:
     """The paper's headline table: marlaas async vs the sync baseline vs TRL GRPOTrainer."""
     import tempfile
@@ -193,6 +199,7 @@ def paper(
             backend=backend,
             ray=_ray_spec(ray_spec),
             log=typer.echo,
+            dtype=check_dtype(dtype),
         )
     typer.echo(markdown(result))
     typer.echo(f"bench wall time {result['bench_wall_s']:.0f} s")

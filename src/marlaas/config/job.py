@@ -26,9 +26,12 @@ from marlaas.config.ray import RaySpec
 from marlaas.config.specs import (
     GRPOSpec,
     LoRASpec,
+    ModelDType,
     SamplingSpec,
     Spec,
+    TargetModules,
     TaskSpec,
+    check_target_names,
     describe_problems,
     read_yaml,
 )
@@ -132,6 +135,17 @@ class RunSpec(Spec):
     base_model: str | None = Field(
         None, description="Hugging Face causal-LM directory; None: the embedded base."
     )
+    dtype: ModelDType = Field(
+        "auto",
+        description="The base's weights in memory: float32, bfloat16 or float16; auto: the "
+        "checkpoint's own dtype on an accelerator, float32 on the CPU. LoRA weights, "
+        "optimizer state and log-probs stay float32 whatever the base.",
+    )
+    default_target_modules: TargetModules = Field(
+        None,
+        description="`lora.target_modules` of the jobs that leave it unset: leaf names of "
+        "the base's linear layers or 'all-linear'; None: 'all-linear'.",
+    )
     backend: Literal["inprocess", "ray"] = Field("inprocess", description="Where stages run.")
     ray: RaySpec = Field(
         default_factory=RaySpec, description="Ray cluster and actor placement (backend: ray)."
@@ -142,6 +156,11 @@ class RunSpec(Spec):
     engine: EngineSpec = Field(default_factory=EngineSpec)
     trainer: TrainerSpec = Field(default_factory=TrainerSpec)
     jobs: tuple[JobSpec, ...] = Field(..., min_length=1, description="The tenants' jobs.")
+
+    @field_validator("default_target_modules")
+    @classmethod
+    def _targets(cls, v: TargetModules) -> TargetModules:
+        return check_target_names(v)
 
     @model_validator(mode="after")
     def _check(self) -> RunSpec:

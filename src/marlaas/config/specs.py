@@ -7,19 +7,52 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from marlaas.errors import ConfigError
 
-DEFAULT_TARGET_MODULES: tuple[str, ...] = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
+#: `target_modules` that names every linear layer of the base but its output head (as
+#: PEFT's own shorthand does).
+ALL_LINEAR = "all-linear"
+
+#: LoRA targets as a spec gives them: leaf names of the base's linear layers (`q_proj`,
+#: `query_key_value`, `c_attn`, ...), `"all-linear"`, or None (the default: the run's
+#: default, else `"all-linear"`). `marlaas.model.arch.resolve_targets` turns them into
+#: the leaf names of one base, in its module order.
+TargetModules = tuple[str, ...] | Literal["all-linear"] | None
+
+#: The base model's weights in memory: `auto` is the checkpoint's own dtype on an
+#: accelerator and float32 on the CPU.
+ModelDType = Literal["auto", "float32", "bfloat16", "float16"]
+
+#: The help text of the command line's `--dtype`.
+DTYPE_HELP = (
+    "The base's weights: auto (the checkpoint's dtype on an accelerator, float32 on the "
+    "CPU), float32, bfloat16 or float16. LoRA weights and log-probs stay float32."
 )
+
+
+def check_dtype(value: str, option: str = "--dtype") -> ModelDType:
+    """`value` as a `ModelDType`; `ConfigError` naming `option` otherwise."""
+    for choice in ("auto", "float32", "bfloat16", "float16"):
+        if value == choice:
+            return choice
+    raise ConfigError(f"{option} must be auto, float32, bfloat16 or float16; got {value!r}")
+
+
+def check_target_names(value: TargetModules) -> TargetModules:
+    """Explicit target names must be non-empty leaf names (no dots, no blanks)."""
+    if value is None or isinstance(value, str):
+        return value
+    if not value:
+        raise ValueError("give at least one module name, 'all-linear', or leave it unset")
+    for name in value:
+        if not name.strip() or "." in name or name != name.strip():
+            raise ValueError(
+                f"{name!r} is not a module's leaf name; give names like 'q_proj' (the last "
+                "part of a module's path), or 'all-linear'"
+            )
+    return tuple(dict.fromkeys(value))
 
 
 def read_yaml(source: Path, label: str = "") -> object:
@@ -54,12 +87,20 @@ class LoRASpec(Spec):
 
     rank: int = Field(8, ge=0, le=256, description="LoRA rank r; 0 means the plain base.")
     alpha: float = Field(16.0, gt=0, description="LoRA alpha; the update is scaled by alpha/r.")
-    target_modules: tuple[str, ...] = Field(
-        DEFAULT_TARGET_MODULES,
-        min_length=1,
-        description="Names of the base's linear modules that get an adapter (leaf names).",
+    target_modules: TargetModules = Field(
+        None,
+        description="Leaf names of the base's linear layers that get an adapter (e.g. "
+        "[q_proj, v_proj]; GPT-NeoX: query_key_value, GPT-2: c_attn, ...), or 'all-linear' "
+        "(every linear layer but the output head). Unset: the run's "
+        "`default_target_modules`, else 'all-linear'. MoE expert weights are fused, "
+        "frozen parameters, not linear layers: they cannot be targeted.",
     )
     use_rslora: bool = Field(False, description="Scale by alpha/sqrt(r) instead of alpha/r.")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, v: TargetModules) -> TargetModules:
+        return check_target_names(v)
 
     @property
     def scaling(self) -> float:

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from marlaas.config.specs import GRPOSpec, LoRASpec
+from marlaas.config.specs import GRPOSpec, LoRASpec, ModelDType
 from marlaas.distributed.records import (
     ActorInfo,
     Rejected,
@@ -71,10 +71,11 @@ class EngineReplica:
         max_prefill_tokens: int,
         seed: int,
         device: str = "auto",
+        dtype: ModelDType = "auto",
         torch_threads: int | None = None,
     ) -> None:
         _threads(torch_threads)
-        base, tokenizer = load_base(Path(base_path), device=_device(device))
+        base, tokenizer = load_base(Path(base_path), dtype=dtype, device=_device(device))
         self.model = LoRAModel(base, max_rank=max_rank)
         self.bank = AdapterBank(self.model, num_slots=adapter_slots, versions_kept=versions_kept)
         self.engine = RolloutEngine(
@@ -211,10 +212,11 @@ class TrainerWorker:
         max_rank: int,
         max_tokens_per_microbatch: int,
         device: str = "auto",
+        dtype: ModelDType = "auto",
         torch_threads: int | None = None,
     ) -> None:
         _threads(torch_threads)
-        base, _ = load_base(Path(base_path), device=_device(device))
+        base, _ = load_base(Path(base_path), dtype=dtype, device=_device(device))
         self.trainer = MultiLaneTrainer(
             LoRAModel(base, max_rank=max_rank), max_tokens_per_microbatch
         )

@@ -164,6 +164,7 @@ def build_ray_context(
             max_prefill_tokens=options.max_prefill_tokens,
             seed=options.engine_seed + i,
             device=options.device,
+            dtype=run.dtype,
             torch_threads=spec.torch_threads,
         )
         for i in range(spec.engine_replicas)
@@ -176,6 +177,7 @@ def build_ray_context(
             max_rank=run.engine.max_rank,
             max_tokens_per_microbatch=run.trainer.max_tokens_per_microbatch,
             device=options.device,
+            dtype=run.dtype,
             torch_threads=spec.torch_threads,
         )
 

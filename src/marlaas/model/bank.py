@@ -2,9 +2,10 @@
 
 Many more tenants are registered than fit on the device. Each tenant's adapters live in
 host memory (or, with `spill_dir`, in safetensors files loaded on demand); a fixed set
-of compute slots holds the adapters in use, preallocated as stacked buffers on the
-base's device: per injected module one `[S, r_max, in]` A buffer and one `[S, out, r_max]`
-B buffer, plus `scale_S`. `slot_lanes()` hands these buffers to the multi-LoRA layers
+of compute slots holds the adapters in use, as stacked buffers on the base's device: per
+module some registered adapter targets, one `[S, r_max, in]` A buffer and one
+`[S, out, r_max]` B buffer (allocated when the first tenant targeting the module
+registers, then kept), plus `scale_S`. `slot_lanes()` hands these buffers to the multi-LoRA layers
 as a `LaneBatch` (lane = slot), so one forward serves rows of any resident adapters.
 
 Invariants:
@@ -64,6 +65,7 @@ class _Version:
     spec: LoRASpec
     tensors: AdapterTensors | None  # host copy, float32 on the CPU; None when spilled
     path: Path | None  # spill file
+    modules: frozenset[str] = frozenset()  # the module paths the spec targets
     adapter_id: int = 0
     pins: int = 0
     slot: int | None = None
@@ -75,6 +77,7 @@ class _Tenant:
     name: str
     spec: LoRASpec
     spill_dir: Path | None
+    modules: frozenset[str]
     versions: dict[int, _Version] = field(default_factory=dict)
     latest: int = 0
 
@@ -90,9 +93,9 @@ class AdapterBank:
     """Tenants' adapter versions in host memory, paged into `num_slots` compute slots.
 
     `num_slots` counts the slots tenants can use; the buffers have `num_slots + 1`
-    lanes because lane 0 is the plain base. `dtype` is the slot buffers' dtype (default:
-    the base's); float32 slots on a bf16 base keep sampling exactly on the trainer's
-    float32 adapter weights.
+    lanes because lane 0 is the plain base. `dtype` is the slot buffers' dtype, float32
+    by default whatever the base's: sampling then uses exactly the trainer's float32
+    adapter weights (the multi-LoRA layers compute the update in the adapter's dtype).
     """
 
     def __init__(
@@ -121,13 +124,11 @@ class AdapterBank:
         self._next_spill = 0
         self._next_adapter_id = 0
 
-        S, r, dev, dt = num_slots + 1, model.max_rank, model.device, dtype or model.dtype
-        self._A: dict[str, Tensor] = {}
+        S = num_slots + 1
+        self._dtype = dtype or torch.float32
+        self._A: dict[str, Tensor] = {}  # per module path, allocated on first use
         self._B: dict[str, Tensor] = {}
-        for path, (fan_in, fan_out) in model.module_shapes.items():
-            self._A[path] = torch.zeros(S, r, fan_in, device=dev, dtype=dt)
-            self._B[path] = torch.zeros(S, fan_out, r, device=dev, dtype=dt)
-        self._scale_S = torch.zeros(S, device=dev, dtype=torch.float32)
+        self._scale_S = torch.zeros(S, device=model.device, dtype=torch.float32)
         self._slots: list[_Version | None] = [None] * S
         self._free: list[int] = list(range(S - 1, 0, -1))  # pop() hands out 1, 2, ...
         self._lru: OrderedDict[int, None] = OrderedDict()  # unpinned resident, oldest first
@@ -135,6 +136,11 @@ class AdapterBank:
     @property
     def num_lanes(self) -> int:
         return self.num_slots + 1
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The slot buffers' dtype."""
+        return self._dtype
 
     # -- tenants and versions ------------------------------------------------------------
 
@@ -149,7 +155,7 @@ class AdapterBank:
         with self._lock:
             if tenant in self._tenants:
                 raise ModelError(f"tenant {tenant!r} is already registered; remove it first")
-            self.model.validate_spec(spec)
+            modules = frozenset(self.model.module_paths(spec))
             fresh = tensors is None
             if tensors is None:
                 tensors = self.model.init_adapter(spec, seed)
@@ -160,8 +166,9 @@ class AdapterBank:
                 spill = self.spill_dir / f"{_safe_name(tenant)}-{self._next_spill}"
                 self._next_spill += 1
                 spill.mkdir(parents=True)
-            record = _Tenant(name=tenant, spec=spec, spill_dir=spill)
+            record = _Tenant(name=tenant, spec=spec, spill_dir=spill, modules=modules)
             record.versions[0] = self._store(record, 0, tensors, owned=fresh)
+            self._allocate(modules)
             self._tenants[tenant] = record
 
     def remove(self, tenant: str) -> None:
@@ -277,8 +284,8 @@ class AdapterBank:
         with self._lock:
             resident = [e for e in self._slots if e is not None]
             r = max([e.spec.rank for e in resident] + [1])
-            leaves = {name for e in resident for name in e.spec.target_modules}
-            paths = [p for p in self._A if p.rsplit(".", 1)[-1] in leaves]
+            targeted = frozenset().union(*(e.modules for e in resident))
+            paths = [p for p in self._A if p in targeted]
             return LaneBatch(
                 lane_B=slot_B,
                 A={p: self._A[p][:, :r] for p in paths},
@@ -287,6 +294,17 @@ class AdapterBank:
             )
 
     # -- internals -----------------------------------------------------------------------
+
+    def _allocate(self, modules: frozenset[str]) -> None:
+        """Zeroed slot buffers for the modules that have none yet (every slot's lane of a
+        new buffer is zero: no resident adapter targets that module)."""
+        S, r, dev = self.num_lanes, self.model.max_rank, self.model.device
+        shapes = self.model.module_shapes
+        for path in shapes:  # module order
+            if path in modules and path not in self._A:
+                fan_in, fan_out = shapes[path]
+                self._A[path] = torch.zeros(S, r, fan_in, device=dev, dtype=self._dtype)
+                self._B[path] = torch.zeros(S, fan_out, r, device=dev, dtype=self._dtype)
 
     def _get(self, tenant: str) -> _Tenant:
         record = self._tenants.get(tenant)
@@ -314,14 +332,26 @@ class AdapterBank:
         adapter_id = self._next_adapter_id
         if record.spill_dir is None:
             return _Version(
-                record.name, version, record.spec, tensors=host, path=None, adapter_id=adapter_id
+                record.name,
+                version,
+                record.spec,
+                tensors=host,
+                path=None,
+                modules=record.modules,
+                adapter_id=adapter_id,
             )
         path = record.spill_dir / f"v{version}.safetensors"
         flat = {f"{p}.lora_A": A for p, (A, _) in host.items()}
         flat.update({f"{p}.lora_B": B for p, (_, B) in host.items()})
         atomic_write(path, lambda tmp: save_file(flat, str(tmp)))
         return _Version(
-            record.name, version, record.spec, tensors=None, path=path, adapter_id=adapter_id
+            record.name,
+            version,
+            record.spec,
+            tensors=None,
+            path=path,
+            modules=record.modules,
+            adapter_id=adapter_id,
         )
 
     def _host(self, entry: _Version) -> AdapterTensors:

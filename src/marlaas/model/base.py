@@ -4,6 +4,9 @@ Invariants:
 - The returned model is in eval mode and every one of its parameters has
   `requires_grad == False`; nothing in marlaas ever writes to these weights.
 - Loading never touches the network (`local_files_only=True`).
+- `dtype="auto"` is the checkpoint's own dtype (`config.json` `dtype`, formerly
+  `torch_dtype`) on an accelerator and float32 on the CPU, where half-precision matmuls
+  are slow and imprecise; an explicit dtype is used anywhere.
 - A bad path fails with `ModelError` naming the path, never with a bare Hugging Face
   traceback.
 """
@@ -21,7 +24,14 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from marlaas.errors import ModelError
+from marlaas.config.specs import ModelDType
+from marlaas.errors import ConfigError, ModelError
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 
 
 def default_base_path() -> Path:
@@ -32,12 +42,32 @@ def default_base_path() -> Path:
     return Path(__file__).resolve().parent / "embedded"
 
 
+def resolve_dtype(
+    dtype: ModelDType | torch.dtype, device: str | torch.device, config: object = None
+) -> torch.dtype:
+    """The torch dtype of the base for `dtype` on `device` (see the module docstring);
+    `config` is the model's config, whose own dtype `auto` takes on an accelerator."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in _DTYPES:
+        return _DTYPES[dtype]
+    if dtype != "auto":
+        raise ConfigError(f"dtype must be auto, {', '.join(_DTYPES)}; got {dtype!r}")
+    if torch.device(device).type == "cpu":
+        return torch.float32
+    own = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(own, str):
+        own = _DTYPES.get(own.removeprefix("torch."))
+    return own if isinstance(own, torch.dtype) and own in _DTYPES.values() else torch.float32
+
+
 def load_base(
     path: str | Path,
-    dtype: torch.dtype = torch.float32,
+    dtype: ModelDType | torch.dtype = "auto",
     device: str | torch.device = "cpu",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer from a local directory, frozen and in eval mode.
+    """Load a causal LM and its tokenizer from a local directory, frozen and in eval mode,
+    with its weights in `dtype` (see `resolve_dtype`) on `device`.
 
     Raises `ModelError` when the directory is missing, holds no model config, is not a
     causal LM, or has no tokenizer.
@@ -56,9 +86,10 @@ def load_base(
         config = AutoConfig.from_pretrained(root, local_files_only=True)
     except (OSError, ValueError, KeyError) as e:
         raise ModelError(f"cannot read the model config in {str(root)!r}: {e}") from e
+    torch_dtype = resolve_dtype(dtype, device, config)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            root, config=config, dtype=dtype, local_files_only=True
+            root, config=config, dtype=torch_dtype, local_files_only=True
         )
     except ValueError as e:
         raise ModelError(

@@ -48,9 +48,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import PreTrainedModel
+from transformers.pytorch_utils import Conv1D
 
-from marlaas.config.specs import DEFAULT_TARGET_MODULES, LoRASpec
+from marlaas.config.specs import LoRASpec, TargetModules
 from marlaas.errors import ModelError
+from marlaas.model.arch import (
+    adaptable_layers,
+    check_attention,
+    fused_weights,
+    layer_features,
+    leaf,
+    output_head,
+    resolve_targets,
+)
 
 #: One adapter in PEFT layout: module path -> (A [r, in], B [out, r]).
 AdapterTensors = dict[str, tuple[Tensor, Tensor]]
@@ -146,14 +156,22 @@ class _LaneContext:
 
 
 class MultiLoRALinear(nn.Module):
-    """A frozen `nn.Linear` plus the per-row LoRA update of the current lane batch."""
+    """A frozen linear layer (`nn.Linear`, or GPT-2's `Conv1D`) plus the per-row LoRA
+    update of the current lane batch.
 
-    def __init__(self, base_layer: nn.Linear, path: str, context: _LaneContext) -> None:
+    Inputs may have any leading shape whose row-major order keeps each lane-batch row's
+    tokens together: `[B, T, in]`, the `[B * T, in]` that OPT's MLP and Qwen2-MoE's
+    shared expert pass, `[B, in]`, or packed inputs with one lane per token. Layers that
+    reorder tokens (MoE expert dispatch) are never wrapped (see `marlaas.model.arch`).
+    """
+
+    def __init__(self, base_layer: nn.Module, path: str, context: _LaneContext) -> None:
         super().__init__()
         self.base_layer = base_layer
         self.path = path
-        self.in_features = base_layer.in_features
-        self.out_features = base_layer.out_features
+        self.in_features, self.out_features = layer_features(base_layer)
+        #: PEFT's `fan_in_fan_out`: the base weight is stored `[in, out]` (Conv1D).
+        self.fan_in_fan_out = isinstance(base_layer, Conv1D)
         self._context = context
 
     def forward(self, x: Tensor) -> Tensor:
@@ -166,19 +184,17 @@ class MultiLoRALinear(nn.Module):
         if A_Lri is None:
             return y
         B_Lor = batch.B[self.path]
-        lane_B = batch.lane_B
-        rows = lane_B.shape[0]
-        if x.dim() >= 2 and x.shape[0] == rows:  # one lane per row (the first axis)
-            x_BTi = x.reshape(rows, -1, x.shape[-1])
-        elif x.dim() >= 2 and x.shape[:-1].numel() == rows:  # one lane per token (packed)
-            x_BTi = x.reshape(rows, 1, x.shape[-1])
-        else:
+        rows = batch.lane_B.shape[0]
+        # Every row owns a contiguous run of the flattened leading axes: [B, T] rows of
+        # T tokens, [B * T] the same, and one lane per token when the counts are equal.
+        tokens = x.shape[:-1].numel()
+        if x.dim() < 2 or rows == 0 or tokens % rows:
             raise ModelError(
                 f"{self.path}: input of shape {tuple(x.shape)} does not match a lane batch "
                 f"of {rows} entries; give one lane per row (first axis) or per token"
             )
-        x_BTi = x_BTi.to(A_Lri.dtype)
-        y_BTo = y.reshape(rows, x_BTi.shape[1], -1)
+        x_BTi = x.reshape(rows, tokens // rows, x.shape[-1]).to(A_Lri.dtype)
+        y_BTo = y.reshape(rows, tokens // rows, y.shape[-1])
         return plan.apply(x_BTi, A_Lri, B_Lor, y_BTo).reshape(y.shape)
 
     def extra_repr(self) -> str:
@@ -190,16 +206,19 @@ class MultiLoRALinear(nn.Module):
 class LoRAModel:
     """The frozen base with multi-LoRA layers injected, once per process.
 
-    `target_modules` are leaf names (`q_proj`, ...): every `nn.Linear` with one of these
-    names gets a `MultiLoRALinear`. A tenant may target any subset of them, with any
-    rank up to `max_rank`.
+    By default every layer LoRA can adapt gets a `MultiLoRALinear` (`marlaas.model.arch`:
+    every linear and Conv1D layer but the output head), so a tenant may target any of
+    them; a layer no resident adapter targets costs one dictionary lookup per forward.
+    `target_modules` (leaf names) injects only those. A tenant's spec may target any
+    injected leaf names, with any rank up to `max_rank`; `resolve` turns its
+    `target_modules` into explicit names.
     """
 
     def __init__(
         self,
         base: PreTrainedModel,
         max_rank: int,
-        target_modules: Sequence[str] = DEFAULT_TARGET_MODULES,
+        target_modules: TargetModules = None,
     ) -> None:
         if max_rank < 1:
             raise ModelError(f"max_rank must be >= 1, got {max_rank}")
@@ -208,30 +227,59 @@ class LoRAModel:
                 "this base already has multi-LoRA layers; build one LoRAModel per base and "
                 "share it between the rollout engine and the trainer"
             )
+        check_attention(base.config)
         self.base = base
         self.max_rank = max_rank
-        self.target_modules: tuple[str, ...] = tuple(dict.fromkeys(target_modules))
         self._context = _LaneContext()
         self._lock = threading.Lock()
         base.requires_grad_(False)
 
-        found: list[tuple[str, nn.Linear]] = [
-            (name, module)
-            for name, module in base.named_modules()
-            if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in self.target_modules
-        ]
-        missing = set(self.target_modules) - {name.rsplit(".", 1)[-1] for name, _ in found}
-        if missing:
-            raise ModelError(
-                f"target modules {sorted(missing)} match no nn.Linear in "
-                f"{type(base).__name__}; pass the leaf names of its linear layers"
-            )
+        layers = adaptable_layers(base)
+        head = output_head(base)
+        self._head_path = next((n for n, m in base.named_modules() if m is head), None)
+        self._fused = fused_weights(base)
+        self._skipped: set[str] = set()
+        self.target_modules: tuple[str, ...] = self._resolve(
+            target_modules, list(layers), "target_modules"
+        )
+        wanted = set(self.target_modules)
         self._shapes: dict[str, tuple[int, int]] = {}
-        for path, linear in found:
-            parent_path, _, leaf = path.rpartition(".")
+        for path, layer in layers.items():
+            if leaf(path) not in wanted:
+                continue
+            parent_path, _, name = path.rpartition(".")
             parent = base.get_submodule(parent_path) if parent_path else base
-            setattr(parent, leaf, MultiLoRALinear(linear, path, self._context))
-            self._shapes[path] = (linear.in_features, linear.out_features)
+            setattr(parent, name, MultiLoRALinear(layer, path, self._context))
+            self._shapes[path] = layer_features(layer)
+        self._fan_in_fan_out = {path for path in self._shapes if isinstance(layers[path], Conv1D)}
+        self._skipped = {leaf(p) for p in layers} - wanted
+
+    def _resolve(
+        self, requested: TargetModules, paths: Sequence[str], option: str
+    ) -> tuple[str, ...]:
+        return resolve_targets(
+            requested,
+            paths,
+            model_name=type(self.base).__name__,
+            frozen=self._fused,
+            head=self._head_path,
+            skipped=self._skipped,
+            option=option,
+        )
+
+    def resolve(self, spec: LoRASpec, default: TargetModules = None) -> LoRASpec:
+        """`spec` with explicit `target_modules`: the injected leaf names it targets, in
+        module order (unset: `default`, else every injected layer). Raises `ConfigError`
+        naming `lora.target_modules` for names the base lacks or cannot adapt."""
+        requested = spec.target_modules if spec.target_modules is not None else default
+        names = self._resolve(requested, list(self._shapes), "lora.target_modules")
+        if names == spec.target_modules:
+            return spec
+        return spec.model_copy(update={"target_modules": names})
+
+    def fan_in_fan_out(self, path: str) -> bool:
+        """Whether the injected layer at `path` stores its weight `[in, out]` (Conv1D)."""
+        return path in self._fan_in_fan_out
 
     @property
     def module_shapes(self) -> dict[str, tuple[int, int]]:
@@ -249,24 +297,22 @@ class LoRAModel:
     # -- specs and tensors -------------------------------------------------------------
 
     def validate_spec(self, spec: LoRASpec) -> None:
-        """Raise `ModelError` unless this model can serve an adapter of this shape."""
+        """Raise unless this model can serve an adapter of this shape: `ModelError` for a
+        rank above `max_rank`, `ConfigError` for targets it did not inject."""
+        self._targets(spec)
+
+    def module_paths(self, spec: LoRASpec) -> list[str]:
+        """The module paths an adapter of this spec covers, in the base's module order."""
+        wanted = set(self._targets(spec))
+        return [p for p in self._shapes if leaf(p) in wanted]
+
+    def _targets(self, spec: LoRASpec) -> tuple[str, ...]:
         if spec.rank > self.max_rank:
             raise ModelError(
                 f"LoRA rank {spec.rank} exceeds this model's max_rank {self.max_rank}; "
                 "lower the rank or start the service with a larger max_rank"
             )
-        extra = set(spec.target_modules) - set(self.target_modules)
-        if extra:
-            raise ModelError(
-                f"target modules {sorted(extra)} were not injected (injected: "
-                f"{list(self.target_modules)}); choose a subset of the injected modules"
-            )
-
-    def module_paths(self, spec: LoRASpec) -> list[str]:
-        """The module paths an adapter of this spec covers, in the base's module order."""
-        self.validate_spec(spec)
-        wanted = set(spec.target_modules)
-        return [p for p in self._shapes if p.rsplit(".", 1)[-1] in wanted]
+        return self._resolve(spec.target_modules, list(self._shapes), "lora.target_modules")
 
     def check_tensors(self, spec: LoRASpec, tensors: Mapping[str, tuple[Tensor, Tensor]]) -> None:
         """Raise `ModelError` unless `tensors` is exactly an adapter of `spec` (PEFT layout)."""

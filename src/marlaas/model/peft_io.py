@@ -3,7 +3,9 @@
 A PEFT directory holds `adapter_config.json` and `adapter_model.safetensors` with keys
 `base_model.model.<module path>.lora_A.weight` (`[r, in]`) and `...lora_B.weight`
 (`[out, r]`). `PeftModel.from_pretrained(base, dir)` loads what `save_peft` writes and
-computes the same function as our multi-LoRA layers.
+computes the same function as our multi-LoRA layers. GPT-2's `Conv1D` layers store
+their weight `[in, out]`: their adapters are written with PEFT's `fan_in_fan_out: true`
+(the LoRA tensors keep the layout above; the flag tells PEFT how to merge them).
 
 Invariants:
 - `save_peft` writes into a temporary sibling directory and renames it into place: a
@@ -12,7 +14,9 @@ Invariants:
 - `load_peft` accepts only what the multi-LoRA layers compute exactly: plain LoRA (no
   DoRA, biases, per-module rank or alpha patterns, extra trained modules) on modules
   that are injected, where an adapter covers every injected module of each leaf name it
-  targets. Anything else is a `ModelError` that names the option.
+  targets. `fan_in_fan_out` may take either value: PEFT itself sets it from the layer
+  type on load, and the LoRA tensors have one layout. Anything else is a `ModelError`
+  that names the option.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import os
 import re
 import shutil
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +35,7 @@ from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from marlaas.config.specs import LoRASpec
+from marlaas.config.specs import ALL_LINEAR, LoRASpec
 from marlaas.errors import ModelError
 from marlaas.model.lora import AdapterTensors, LoRAModel
 
@@ -45,7 +49,6 @@ _KEY = re.compile(r"^base_model\.model\.(?P<path>.+)\.lora_(?P<ab>[AB])\.weight$
 _UNSUPPORTED = (
     "use_dora",
     "lora_bias",
-    "fan_in_fan_out",
     "modules_to_save",
     "rank_pattern",
     "alpha_pattern",
@@ -68,13 +71,17 @@ def save_peft(
     spec: LoRASpec,
     tensors: Mapping[str, tuple[Tensor, Tensor]],
     base_model_name_or_path: str | None = None,
+    *,
+    fan_in_fan_out: bool = False,
 ) -> Path:
     """Write `tensors` (module path -> (A [r, in], B [out, r])) as a PEFT LoRA directory.
 
-    Replaces `directory` if it exists. Returns the directory's path.
+    `target_modules` are the leaf names of the tensors' modules. `fan_in_fan_out`: the
+    modules are Conv1D layers (`LoRAModel.fan_in_fan_out`). Replaces `directory` if it
+    exists. Returns the directory's path.
     """
     target = Path(directory)
-    _check_for_save(spec, tensors)
+    leaves = _check_for_save(spec, tensors)
     config: dict[str, Any] = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -82,10 +89,10 @@ def save_peft(
         "r": spec.rank,
         "lora_alpha": spec.alpha,
         "use_rslora": spec.use_rslora,
-        "target_modules": sorted(spec.target_modules),
+        "target_modules": leaves,
         "lora_dropout": 0.0,
         "bias": "none",
-        "fan_in_fan_out": False,
+        "fan_in_fan_out": fan_in_fan_out,
         "use_dora": False,
         "init_lora_weights": True,
         "inference_mode": True,
@@ -197,6 +204,20 @@ def load_peft(directory: str | Path, model: LoRAModel) -> tuple[LoRASpec, Adapte
     return spec, tensors
 
 
+def peft_target_modules(spec: LoRASpec) -> list[str] | str:
+    """`spec`'s targets as a PEFT `LoraConfig` takes them: the names, or "all-linear"
+    (PEFT's shorthand, also for unset targets: marlaas's default)."""
+    if isinstance(spec.target_modules, tuple):
+        return list(spec.target_modules)
+    return ALL_LINEAR
+
+
+def model_fan_in_fan_out(model: LoRAModel, paths: Iterable[str]) -> bool:
+    """The `fan_in_fan_out` PEFT sets for an adapter of these modules: true when they are
+    Conv1D layers."""
+    return any(model.fan_in_fan_out(p) for p in paths)
+
+
 def _check_config(config: dict[str, Any], config_path: Path) -> None:
     if config.get("peft_type") != "LORA":
         raise ModelError(
@@ -212,23 +233,23 @@ def _check_config(config: dict[str, Any], config_path: Path) -> None:
         )
 
 
-def _check_for_save(spec: LoRASpec, tensors: Mapping[str, tuple[Tensor, Tensor]]) -> None:
+def _check_for_save(spec: LoRASpec, tensors: Mapping[str, tuple[Tensor, Tensor]]) -> list[str]:
+    """The tensors' leaf names (sorted); `ModelError` unless they fit `spec`."""
     if spec.rank < 1:
         raise ModelError("a rank-0 adapter is the plain base; PEFT cannot store it")
     if not tensors:
         raise ModelError("no adapter tensors to save")
-    leaves = {path.rsplit(".", 1)[-1] for path in tensors}
-    if leaves != set(spec.target_modules):
-        raise ModelError(
-            f"tensors cover modules {sorted(leaves)} but the spec targets "
-            f"{sorted(spec.target_modules)}"
-        )
+    leaves = sorted({path.rsplit(".", 1)[-1] for path in tensors})
+    named = spec.target_modules
+    if isinstance(named, tuple) and set(leaves) != set(named):
+        raise ModelError(f"tensors cover modules {leaves} but the spec targets {sorted(named)}")
     for path, (A, B) in tensors.items():
         if A.dim() != 2 or B.dim() != 2 or A.shape[0] != spec.rank or B.shape[1] != spec.rank:
             raise ModelError(
                 f"{path}: expected A [r, in] and B [out, r] with r = {spec.rank}, got "
                 f"A {list(A.shape)} and B {list(B.shape)}"
             )
+    return leaves
 
 
 def _fsync(path: Path) -> None:

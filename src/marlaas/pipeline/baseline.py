@@ -45,6 +45,7 @@ class SyncBaseline:
 
     def __init__(self, ctx: PipelineContext, jobs: Sequence[JobSpec]) -> None:
         self.ctx = ctx
+        jobs = [ctx.resolve_job(job) for job in jobs]
         self.states = {job.name: TenantState(job, order=i) for i, job in enumerate(jobs)}
         queue = AdmissionQueue()
         for job in jobs:

@@ -16,7 +16,7 @@ from pathlib import Path
 from pydantic import Field
 from transformers import PreTrainedTokenizerBase
 
-from marlaas.config.job import RunSpec
+from marlaas.config.job import JobSpec, RunSpec
 from marlaas.config.specs import Spec
 from marlaas.envs.base import TaskFamily
 from marlaas.model.bank import AdapterBank
@@ -76,6 +76,14 @@ class PipelineContext:
     base_name: str | None = None
     #: Task families that replace a job's own task, by job name (custom environments).
     tasks: Mapping[str, TaskFamily] = field(default_factory=dict)
+
+    def resolve_job(self, job: JobSpec) -> JobSpec:
+        """`job` with its LoRA targets named for this base (`lora.target_modules` unset:
+        the run's `default_target_modules`); `ConfigError` when the base cannot adapt
+        them. Jobs are resolved once, when submitted, so checkpoints and exported
+        adapters record explicit names."""
+        lora = self.model.resolve(job.lora, default=self.run.default_target_modules)
+        return job if lora is job.lora else job.model_copy(update={"lora": lora})
 
     def tenant_dir(self, name: str) -> Path:
         return self.out_dir / "tenants" / name

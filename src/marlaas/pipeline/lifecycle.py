@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from marlaas.envs.base import Example, TaskFamily
 from marlaas.errors import ModelError
 from marlaas.model.lora import AdapterTensors
-from marlaas.model.peft_io import save_peft
+from marlaas.model.peft_io import model_fan_in_fan_out, save_peft
 from marlaas.pipeline.context import PipelineContext
 from marlaas.pipeline.data import (
     ExampleStream,
@@ -261,6 +261,7 @@ class TenantRuntime:
             snapshot,
             extra,
             self.job.keep_checkpoints or self.ctx.options.keep_checkpoints,
+            fan_in_fan_out=model_fan_in_fan_out(self.ctx.model, snapshot.tensors),
         )
         self.last_checkpoint = snapshot.version
         self.ctx.recorder.span("checkpoint", "save", t0, time.perf_counter(), tenant=self.name)
@@ -272,5 +273,10 @@ class TenantRuntime:
         """The final adapter, in PEFT format, under the tenant's `adapter/`."""
         tensors: AdapterTensors = await self.ctx.executor.call(self.ctx.trainer.adapter, self.name)
         await asyncio.to_thread(
-            save_peft, self.ctx.adapter_dir(self.name), self.job.lora, tensors, self.ctx.base_name
+            save_peft,
+            self.ctx.adapter_dir(self.name),
+            self.job.lora,
+            tensors,
+            self.ctx.base_name,
+            fan_in_fan_out=model_fan_in_fan_out(self.ctx.model, tensors),
         )

@@ -125,6 +125,7 @@ class Orchestrator:
                 f"job {job.name!r}: lora.rank {job.lora.rank} is above the engine's "
                 f"max_rank {self.ctx.model.max_rank}; lower the rank"
             )
+        job = self.ctx.resolve_job(job)
         if job.algorithm.max_staleness + 2 > self.ctx.bank.versions_kept:
             raise ConfigError(
                 f"job {job.name!r}: algorithm.max_staleness {job.algorithm.max_staleness} is "

@@ -165,7 +165,7 @@ def build_context(
     options = options or PipelineOptions()
     recorder = recorder or NullRecorder()
     base_path = Path(run.base_model) if run.base_model else default_base_path()
-    base, tokenizer = load_base(base_path, device=resolve_device(options.device))
+    base, tokenizer = load_base(base_path, dtype=run.dtype, device=resolve_device(options.device))
     model = LoRAModel(base, max_rank=run.engine.max_rank)
     if max_staleness is None:
         max_staleness = max(job.algorithm.max_staleness for job in run.jobs)

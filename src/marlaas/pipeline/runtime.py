@@ -37,7 +37,7 @@ from pydantic import Field
 
 from marlaas.config.job import EngineSpec, JobSpec, RunSpec, TrainerSpec
 from marlaas.config.ray import RaySpec
-from marlaas.config.specs import Spec
+from marlaas.config.specs import ModelDType, Spec, TargetModules
 from marlaas.fileio import atomic_write_json
 from marlaas.obs.recorder import NullRecorder, Recorder
 from marlaas.pipeline.context import PipelineContext, PipelineOptions
@@ -58,6 +58,10 @@ class RuntimeSpec(Spec):
 
     base_model: str | None = Field(
         None, description="Hugging Face causal-LM directory; None: the embedded base."
+    )
+    dtype: ModelDType = Field("auto", description="The base's dtype (`RunSpec.dtype`).")
+    default_target_modules: TargetModules = Field(
+        None, description="LoRA targets of jobs that name none (`RunSpec`); None: all-linear."
     )
     max_active_tenants: int = Field(
         32, ge=1, le=4096, description="Admission cap; further jobs wait in a queue."
@@ -81,6 +85,8 @@ class RuntimeSpec(Spec):
         from a validated spec, so validation (which wants >= 1 job) is skipped."""
         return RunSpec.model_construct(
             base_model=self.base_model,
+            dtype=self.dtype,
+            default_target_modules=self.default_target_modules,
             backend=self.backend,
             ray=self.ray,
             max_active_tenants=self.max_active_tenants,

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
-from marlaas.config.specs import DEFAULT_TARGET_MODULES, LoRASpec
+from marlaas.config.specs import ALL_LINEAR, LoRASpec, ModelDType
 from marlaas.fileio import atomic_write_json
 from marlaas.model.bank import AdapterBank
 from marlaas.model.base import default_base_path, load_base
@@ -136,6 +136,7 @@ def run_rollout_bench(
     include_hf: bool = True,
     seed: int = 0,
     print_table: bool = True,
+    dtype: ModelDType = "auto",
 ) -> dict[str, Any]:
     """Measure rollout throughput (see the module docstring); returns the results dict.
 
@@ -147,11 +148,11 @@ def run_rollout_bench(
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     path = Path(model_path) if model_path is not None else default_base_path()
-    base, tokenizer = load_base(path)
-    spec = LoRASpec(
-        rank=rank, alpha=2.0 * rank, target_modules=DEFAULT_TARGET_MODULES, use_rslora=False
+    base, tokenizer = load_base(path, dtype=dtype)
+    lora_model = LoRAModel(base, max_rank=rank)
+    spec = lora_model.resolve(
+        LoRASpec(rank=rank, alpha=2.0 * rank, target_modules=ALL_LINEAR, use_rslora=False)
     )
-    lora_model = LoRAModel(base, max_rank=rank, target_modules=spec.target_modules)
     n_max = max(tenant_counts)
     adapters = _adapters(lora_model, spec, n_max, seed)
     bank = AdapterBank(lora_model, num_slots=n_max, versions_kept=1)
@@ -164,7 +165,7 @@ def run_rollout_bench(
 
     peft_model = None
     if include_hf:
-        peft_model = _peft_model(path, spec, adapters)
+        peft_model = _peft_model(path, spec, adapters, dtype)
 
     rows: list[dict[str, Any]] = []
     warm = _prompts(min(4, max_batch_size), vocab, prompt_lengths, seed + 1)
@@ -202,6 +203,7 @@ def run_rollout_bench(
     result: dict[str, Any] = {
         "model": str(path),
         "device": str(lora_model.device),
+        "dtype": str(lora_model.dtype),
         "num_threads": torch.get_num_threads(),
         "rank": rank,
         "max_batch_size": max_batch_size,
@@ -218,11 +220,13 @@ def run_rollout_bench(
     return result
 
 
-def _peft_model(path: Path, spec: LoRASpec, adapters: Sequence[AdapterTensors]) -> Any:
+def _peft_model(
+    path: Path, spec: LoRASpec, adapters: Sequence[AdapterTensors], dtype: ModelDType
+) -> Any:
     """A plain copy of the base with every adapter loaded under PEFT, named t0, t1, ..."""
     from peft import PeftModel
 
-    base, _ = load_base(path)
+    base, _ = load_base(path, dtype=dtype)
     with (
         tempfile.TemporaryDirectory(prefix="marlaas-bench-") as tmp,
         warnings.catch_warnings(),

@@ -23,10 +23,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from marlaas.config.specs import DEFAULT_TARGET_MODULES, GRPOSpec, LoRASpec
+from marlaas.config.specs import ALL_LINEAR, GRPOSpec, LoRASpec, ModelDType
 from marlaas.fileio import atomic_write_json
 from marlaas.model.base import default_base_path, load_base
 from marlaas.model.lora import LoRAModel
+from marlaas.model.peft_io import peft_target_modules
 from marlaas.train.batch import TrainBatch, tensorise
 from marlaas.train.losses import policy_loss, token_logprobs
 from marlaas.train.trainer import MultiLaneTrainer, vocab_size
@@ -128,14 +129,15 @@ def _bench_peft(
     lora: LoRASpec,
     algo: GRPOSpec,
     steps: int,
+    dtype: ModelDType,
 ) -> list[float]:
     from peft import LoraConfig, PeftModel, get_peft_model
 
-    base, _ = load_base(model_path)
+    base, _ = load_base(model_path, dtype=dtype)
     config = LoraConfig(
         r=lora.rank,
         lora_alpha=round(lora.alpha),  # integral here: alpha = 2 x rank
-        target_modules=list(lora.target_modules),
+        target_modules=peft_target_modules(lora),
         lora_dropout=0.0,
         use_rslora=lora.use_rslora,
     )
@@ -200,6 +202,7 @@ def run_trainer_bench(
     json_path: str | Path | None = None,
     seed: int = 0,
     console: Console | None = None,
+    dtype: ModelDType = "auto",
 ) -> dict[str, Any]:
     """Measure optimizer steps/s and trained tokens/s per mode and tenant count.
 
@@ -224,11 +227,13 @@ def run_trainer_bench(
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        base, _ = load_base(path)
+        base, _ = load_base(path, dtype=dtype)
         model = LoRAModel(base, max_rank=rank)
         vocab = vocab_size(model)
-        lora = LoRASpec.model_validate(
-            {"rank": rank, "alpha": 2.0 * rank, "target_modules": DEFAULT_TARGET_MODULES}
+        lora = model.resolve(
+            LoRASpec.model_validate(
+                {"rank": rank, "alpha": 2.0 * rank, "target_modules": ALL_LINEAR}
+            )
         )
         algo = GRPOSpec.model_validate(
             {"group_size": rows_per_tenant, "prompts_per_step": 1, "max_staleness": 0}
@@ -250,7 +255,7 @@ def run_trainer_bench(
             ]
             for mode in modes:
                 if mode == "peft":
-                    times = _bench_peft(path, data, lora, algo, steps)
+                    times = _bench_peft(path, data, lora, algo, steps, dtype)
                 else:
                     together = mode == "multi-lane"
                     times = _bench_lanes(
@@ -289,7 +294,7 @@ def run_trainer_bench(
             "prompt_len": prompt_len,
             "completion_len": completion_len,
             "rank": rank,
-            "target_modules": list(lora.target_modules),
+            "target_modules": peft_target_modules(lora),
             "max_tokens_per_microbatch": max_tokens_per_microbatch,
             "mixed_lengths": mixed_lengths,
             "device": str(model.device),

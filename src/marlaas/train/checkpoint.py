@@ -87,9 +87,12 @@ def save_checkpoint(
     snapshot: TenantSnapshot,
     extra: Mapping[str, Any] | None = None,
     keep_last: int = 3,
+    *,
+    fan_in_fan_out: bool = False,
 ) -> Path:
     """Write `snapshot` (from `MultiLaneTrainer.snapshot`) and `extra` (JSON-able) as
-    `<root>/ckpt-<version>`, atomically; keep the newest `keep_last` checkpoints."""
+    `<root>/ckpt-<version>`, atomically; keep the newest `keep_last` checkpoints.
+    `fan_in_fan_out`: the adapter's layers are Conv1D (`save_peft`)."""
     if keep_last < 1:
         raise ConfigError(f"keep_last must be >= 1, got {keep_last}")
     extra_dict = dict(extra or {})
@@ -117,7 +120,7 @@ def save_checkpoint(
     tmp = base / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
     tmp.mkdir()
     try:
-        save_peft(tmp / ADAPTER_DIR, snapshot.lora, snapshot.tensors)
+        save_peft(tmp / ADAPTER_DIR, snapshot.lora, snapshot.tensors, fan_in_fan_out=fan_in_fan_out)
         save_file(
             {
                 "exp_avg": snapshot.adam.exp_avg_P.detach().cpu().contiguous(),
@@ -157,10 +160,10 @@ def load_checkpoint(path: str | Path, model: LoRAModel) -> Checkpoint:
         raise ModelError(f"{str(root)!r} has format {state.get('format')!r}, expected {FORMAT!r}")
     lora = LoRASpec.model_validate(state["lora"])
     peft_spec, tensors = load_peft(root / ADAPTER_DIR, model)
-    if (peft_spec.rank, peft_spec.alpha, set(peft_spec.target_modules)) != (
+    if (peft_spec.rank, peft_spec.alpha, peft_spec.target_modules) != (
         lora.rank,
         lora.alpha,
-        set(lora.target_modules),
+        model.resolve(lora).target_modules,
     ):
         raise ModelError(f"{str(root)!r}: the adapter does not match the recorded LoRA spec")
     try:

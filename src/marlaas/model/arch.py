@@ -1,0 +1,151 @@
+"""What marlaas can do with a base architecture: which layers LoRA adapts, the targets a
+spec resolves to, and what is refused before any work starts.
+
+- Adaptable layers are the base's `nn.Linear` and `Conv1D` (GPT-2 family) modules, but
+  its output head: the same set as PEFT's `all-linear`. Fused MoE expert weights
+  (Mixtral's and Qwen2-MoE's `experts.gate_up_proj` / `experts.down_proj`, 3-D
+  parameters) are not layers; they stay frozen.
+- `resolve_targets` is the one function that turns a spec's `target_modules` (leaf
+  names, `"all-linear"` or None) into the leaf names of one base, in module order;
+  every error names the option to change and lists what the base has.
+- `check_attention` refuses sliding-window attention (Mistral's `sliding_window`,
+  Qwen2's `use_sliding_window`, Gemma2/3's `layer_types`): the rollout engine's KV
+  cache and the trainer's shared-prefix cache assume every layer attends to the whole
+  sequence. The message names the config option that switches the window off; when
+  the engine supports windows, this check goes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping, Sequence
+from typing import Any
+
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from marlaas.config.specs import ALL_LINEAR, TargetModules
+from marlaas.errors import ConfigError, ModelError
+
+#: Module types a multi-LoRA layer can wrap (`Conv1D` holds its weight as `[in, out]`).
+ADAPTABLE_TYPES: tuple[type[nn.Module], ...] = (nn.Linear, Conv1D)
+
+
+def layer_features(layer: nn.Module) -> tuple[int, int]:
+    """`(in_features, out_features)` of an adaptable layer."""
+    if isinstance(layer, nn.Linear):
+        return layer.in_features, layer.out_features
+    if isinstance(layer, Conv1D):
+        fan_in, fan_out = layer.weight.shape
+        return int(fan_in), int(fan_out)
+    raise ModelError(f"{type(layer).__name__} is not a linear layer marlaas can adapt")
+
+
+def adaptable_layers(base: nn.Module) -> dict[str, nn.Module]:
+    """Module path -> layer, for every layer LoRA can adapt, in the base's module order."""
+    head = output_head(base)
+    return {
+        name: module
+        for name, module in base.named_modules()
+        if isinstance(module, ADAPTABLE_TYPES) and module is not head
+    }
+
+
+def output_head(base: nn.Module) -> nn.Module | None:
+    """The base's output head (`lm_head`), which LoRA leaves alone, as PEFT does."""
+    get: Any = getattr(base, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    return head if isinstance(head, nn.Module) else None
+
+
+def leaf(path: str) -> str:
+    return path.rsplit(".", 1)[-1]
+
+
+def resolve_targets(
+    requested: TargetModules,
+    layers: Sequence[str],
+    *,
+    model_name: str,
+    frozen: Mapping[str, str] | None = None,
+    head: str | None = None,
+    skipped: Collection[str] = (),
+    option: str = "lora.target_modules",
+) -> tuple[str, ...]:
+    """The leaf names `requested` covers among the adaptable `layers` (module paths), in
+    module order. None and `"all-linear"` cover every layer.
+
+    `frozen` maps leaf names of the base's fused (non-layer) weights to one of their
+    paths, and `head` is the output head's path: naming one is refused with a message
+    saying why, as is one of `skipped`: adaptable leaf names left out of `layers` (not
+    injected). Raises `ConfigError` naming `option`.
+    """
+    leaves = list(dict.fromkeys(leaf(p) for p in layers))
+    if requested is None or requested == ALL_LINEAR:
+        if not leaves:
+            raise ConfigError(f"{model_name} has no linear layers LoRA can adapt")
+        return tuple(leaves)
+    unknown = [name for name in requested if name not in leaves]
+    if unknown:
+        reasons: list[str] = []
+        for name in unknown:
+            if frozen and name in frozen:
+                reasons.append(
+                    f"{name!r} is a fused expert weight ({frozen[name]}), a frozen "
+                    "parameter rather than a linear layer; marlaas trains the attention "
+                    "and shared/dense layers of MoE models only"
+                )
+            elif name in skipped:
+                reasons.append(
+                    f"{name!r} was not injected into this model (build it with that name in "
+                    "LoRAModel's target_modules)"
+                )
+            elif head is not None and name == leaf(head):
+                reasons.append(f"{name!r} is the output head, which LoRA does not adapt")
+            else:
+                reasons.append(f"{name!r} matches no linear layer")
+        raise ConfigError(
+            f"{option}: {'; '.join(reasons)}. {model_name}'s adaptable layers are "
+            f"{leaves} (or give 'all-linear')"
+        )
+    wanted = set(requested)
+    return tuple(name for name in leaves if name in wanted)
+
+
+def fused_weights(base: nn.Module) -> dict[str, str]:
+    """Leaf name -> path of the base's parameters of three or more dimensions that
+    belong to no adaptable layer (fused MoE experts), for error messages."""
+    out: dict[str, str] = {}
+    for path, param in base.named_parameters():
+        if param.dim() >= 3:
+            out.setdefault(leaf(path), path)
+    return out
+
+
+def check_attention(config: Any) -> None:
+    """Raise `ModelError` for sliding-window attention, naming the config option that
+    switches it off (see the module docstring)."""
+    text: Any = (
+        config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    )
+    layer_types = getattr(text, "layer_types", None)
+    window = getattr(text, "sliding_window", None)
+    if layer_types:
+        windowed = [t for t in layer_types if t != "full_attention"]
+        if not windowed:
+            return
+        what = f"{sorted(set(windowed))} layers ({len(windowed)} of {len(layer_types)})"
+    elif window and getattr(text, "use_sliding_window", True):
+        what = f"sliding-window attention (`sliding_window: {window}`)"
+    else:
+        return
+    if hasattr(text, "use_sliding_window"):
+        option = "`use_sliding_window: false`"
+    elif layer_types:
+        option = 'every entry of `layer_types` to "full_attention"'
+    else:
+        option = "`sliding_window: null`"
+    raise ModelError(
+        f"{type(text).__name__} has {what}: marlaas's rollout engine and trainer support "
+        f"full attention only; set {option} in the model's config.json to run it with "
+        "full attention"
+    )
