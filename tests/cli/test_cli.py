@@ -142,6 +142,31 @@ def test_run_writes_a_run_folder(tmp_path: Path) -> None:
     assert (out / "curves.png").read_bytes().startswith(b"\x89PNG")
 
 
+def test_run_exits_nonzero_naming_the_jobs_that_failed(tmp_path: Path) -> None:
+    jobs = tmp_path / "jobs.yaml"
+    missing = tmp_path / "missing.jsonl"
+    jobs.write_text(
+        "jobs:\n"
+        "  - {name: fine, task: {family: reverse}, steps: 1, eval_episodes: 1,\n"
+        "     algorithm: {group_size: 2, prompts_per_step: 1}, sampling: {max_new_tokens: 4}}\n"
+        f"  - {{name: broken, task: {{type: dataset, path: '{missing}', grader: {{type: math}}}}}}\n"
+    )
+    out = tmp_path / "run"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "COLUMNS": "120"}
+    proc = subprocess.run(
+        [*MARLAAS, "run", str(jobs), "--out", str(out), "--no-live"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "job broken failed:" in proc.stderr and "missing.jsonl" in proc.stderr
+    assert "1 of 2 jobs failed" in proc.stderr and "job fine" not in proc.stderr
+    result = json.loads((out / "result.json").read_text())
+    assert result["tenants"]["fine"]["status"] == "done"
+
+
 def test_run_rejects_a_bad_spec_naming_the_field(tmp_path: Path) -> None:
     jobs = tmp_path / "jobs.yaml"
     jobs.write_text("jobs:\n  - name: a\n    task: {family: arithmetic}\n    steps: 0\n")

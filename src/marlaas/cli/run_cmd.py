@@ -2,6 +2,10 @@
 
 The run folder gets the resolved spec, metrics and events (JSONL), a Perfetto trace,
 PNG plots, per-tenant checkpoints and each tenant's final adapter in PEFT format.
+
+Exit status: 0 when every job finished, 1 when any job failed (each failed job and its
+reason are printed to stderr; the others' results are still written), 2 when the run
+could not start (a bad spec, a model it cannot serve).
 """
 
 from __future__ import annotations
@@ -44,7 +48,23 @@ def run(
     if backend is not None:
         spec = spec.model_copy(update={"backend": backend})
     out = out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    execute(spec, out, mode=mode, resume=resume, live=live)
+    result = execute(spec, out, mode=mode, resume=resume, live=live)
+    failed = failures(result)
+    if failed:
+        for name, reason in failed.items():
+            typer.echo(f"job {name} failed: {reason}", err=True)
+        typer.echo(f"{len(failed)} of {len(spec.jobs)} jobs failed; see {out}", err=True)
+        raise typer.Exit(1)
+
+
+def failures(result: object) -> dict[str, str]:
+    """Job name -> why, for every job of a `RunResult` that did not finish."""
+    from marlaas.pipeline.runner import RunResult
+
+    assert isinstance(result, RunResult)
+    return {
+        t.name: t.failure_reason or t.status for t in result.tenants.values() if t.status != "done"
+    }
 
 
 def execute(spec: object, out: Path, *, mode: str, resume: bool, live: bool) -> object:
