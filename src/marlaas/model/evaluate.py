@@ -4,6 +4,11 @@ Episodes are played turn by turn over a batch: every active episode's next turn 
 generated in one batched Hugging Face `generate` call, the environments answer
 concurrently, and finished episodes leave the batch. This is the plain-HF reference
 path; the multi-tenant rollout engine is measured against it elsewhere.
+
+Batches are left-padded whatever the tokenizer's own `padding_side` (a right-padded
+batch would generate after its padding), with the tokenizer's pad token (else its EOS),
+and prompts get BOS as the tokenizer expects (`marlaas.model.chat.encode_text`), as
+in training.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerB
 
 from marlaas.envs.base import TURN_END, Env
 from marlaas.envs.tasks import FAMILIES, get_family
+from marlaas.model.chat import encode_text
 
 
 @dataclass(frozen=True)
@@ -37,7 +43,7 @@ def generate_turns(
 ) -> list[str]:
     """One model turn per context: the text up to (not including) the first newline."""
     newline_id = tokenizer(TURN_END, add_special_tokens=False)["input_ids"][-1]
-    enc = tokenizer(list(contexts), return_tensors="pt", padding=True, add_special_tokens=False)
+    enc = left_padded(tokenizer, [encode_text(tokenizer, c) for c in contexts])
     config = GenerationConfig(
         max_new_tokens=max_new_tokens,
         do_sample=temperature > 0,
@@ -45,13 +51,36 @@ def generate_turns(
         top_k=None,
         top_p=None,
         eos_token_id=[newline_id, tokenizer.eos_token_id],
-        pad_token_id=tokenizer.pad_token_id,
+        pad_token_id=pad_id(tokenizer),
     )
+    enc = {k: v.to(model.device) for k, v in enc.items()}
     with torch.no_grad():
         out = model.generate(**enc, generation_config=config)  # type: ignore[operator]
     new = out[:, enc["input_ids"].shape[1] :]
     texts = tokenizer.batch_decode(new, skip_special_tokens=True)
     return [t.split(TURN_END, 1)[0] for t in texts]
+
+
+def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The id that pads a batch: the pad token, else EOS (GPT-2, Llama 3 have no pad)."""
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if isinstance(candidate, int):
+            return candidate
+    return 0
+
+
+def left_padded(
+    tokenizer: PreTrainedTokenizerBase, rows: Sequence[Sequence[int]]
+) -> dict[str, torch.Tensor]:
+    """`input_ids` and `attention_mask` of `rows`, padded on the left."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id(tokenizer), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row:
+            ids[i, width - len(row) :] = torch.tensor(list(row), dtype=torch.long)
+            mask[i, width - len(row) :] = 1
+    return {"input_ids": ids, "attention_mask": mask}
 
 
 async def play_episodes(
