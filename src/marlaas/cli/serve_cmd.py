@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from marlaas.config.specs import DTYPE_HELP, check_dtype
+
 if TYPE_CHECKING:
     from marlaas.config.ray import RaySpec
 
@@ -81,6 +83,7 @@ def serve(
         None, help="Hugging Face causal-LM directory of the shared base (default: embedded)."
     ),
     device: str = typer.Option("auto", help="Torch device of the base: auto, cpu, cuda, ..."),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
     max_active_jobs: int = typer.Option(
         32, min=1, max=4096, help="Jobs trained at once; further jobs wait in a queue."
     ),
@@ -93,11 +96,16 @@ def serve(
     from marlaas.service.settings import ADMIN_KEY_ENV, ServiceSettings, admin_key_from_env
 
     chosen, ray = resolve_backend(backend, no_backend, ray_spec)
+    model_dtype = check_dtype(dtype)
+    base_dir = base_model.resolve() if base_model else None
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
     settings = ServiceSettings(
         data_dir=data_dir.resolve(),
         db_url=db_url or os.environ.get(DB_URL_ENV) or None,
         admin_key=admin_key_from_env(),
+        # The OpenAI routes serve this base (`--backend none`); with a backend, only the
+        # backend's own engine, on the same base, ever answers.
+        serve_base_model=base_dir,
     )
     ctx, new_admin_key = open_context(settings)
     if new_admin_key is not None:
@@ -119,7 +127,8 @@ def serve(
         from marlaas.service.pipeline_backend import PipelineBackend
 
         spec = RuntimeSpec(
-            base_model=str(base_model.resolve()) if base_model else None,
+            base_model=str(base_dir) if base_dir else None,
+            dtype=model_dtype,
             max_active_tenants=max_active_jobs,
             max_staleness=settings.max_staleness,
             engine=EngineSpec(max_rank=settings.max_lora_rank),
@@ -127,7 +136,7 @@ def serve(
             ray=ray or RaySpec(),
         )
         factory = PipelineBackend.factory(ctx.db, spec=spec, options=PipelineOptions(device=device))
-        what = f"pipeline on {base_model or 'the embedded base'} ({device})"
+        what = f"pipeline on {base_model or 'the embedded base'} ({device}, dtype {dtype})"
         if ray is not None:
             # On this (the main) thread, before uvicorn installs its signal handlers:
             # Ray's processes are tied to the thread that joined, and `ray.init` on the

@@ -4,9 +4,15 @@ adapters are kept registered in `service.serving_adapters`).
 
 The engine, bank and tokenizer come from an `InferenceProvider`: the pipeline runtime's
 shared engine when the service runs one (`ServiceContext.inference`, else a backend
-that implements `InferenceSource`), else an engine of the service's own built from
+that implements `InferenceSource`), else, when no backend shares an engine (`marlaas
+serve --backend none`), an engine of the service's own built from
 `settings.serve_base_model` on first use (`open_engine`). Heavy imports (torch,
 transformers) happen only there, so importing the service stays cheap.
+
+Invariant: requests are answered only by the model the service was started for. While
+a sharing backend has no engine yet (its pipeline is still loading the base), requests
+answer 503 with a `Retry-After` hint; if its pipeline failed to start, 503 with the
+reason. Never an engine of the service's own in its place.
 """
 
 from __future__ import annotations
@@ -50,9 +56,22 @@ class BadInferenceRequest(ServiceError, ValueError):
 
 
 class InferenceUnavailable(ServiceError, RuntimeError):
-    """The engine cannot take the request now (closed, or every adapter slot pinned)."""
+    """The engine cannot take the request now (closed, still starting, or every adapter
+    slot pinned). `retry_after_s`: when to try again (the `Retry-After` header)."""
 
     status_code = 503
+
+    def __init__(self, message: str, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+    @property
+    def headers(self) -> dict[str, str] | None:
+        return None if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
+
+
+#: Seconds a request that came while the pipeline was starting is told to wait.
+STARTING_RETRY_S = 5
 
 
 class InferenceProvider(Protocol):
@@ -87,6 +106,29 @@ class InferenceSource(Protocol):
     def inference_provider(self) -> InferenceProvider | None:
         """The provider over the backend's engine; None while it has none."""
         ...
+
+
+@runtime_checkable
+class StartupState(Protocol):
+    """A backend whose engine comes from a start that may fail implements this."""
+
+    def start_failure(self) -> BaseException | None:
+        """Why the start failed; None while it runs or once it succeeded."""
+        ...
+
+
+def unavailable(backend: object) -> InferenceUnavailable:
+    """The answer while a sharing `backend` has no engine: starting, or failed to."""
+    failure = backend.start_failure() if isinstance(backend, StartupState) else None
+    if failure is not None:
+        return InferenceUnavailable(
+            f"the job pipeline failed to start, so no model is served: {failure}; fix the "
+            "cause (see the server log) and restart the server"
+        )
+    return InferenceUnavailable(
+        "the job pipeline is still starting (loading the base model); retry in a few seconds",
+        retry_after_s=STARTING_RETRY_S,
+    )
 
 
 def provider_of(explicit: InferenceProvider | None, backend: object) -> InferenceProvider | None:
@@ -239,6 +281,8 @@ class InferenceHub:
         async with self._lock:
             settings = self._ctx.settings
             provider = provider_of(self._ctx.inference, self._ctx.backend)
+            if provider is None and isinstance(self._ctx.backend, InferenceSource):
+                raise unavailable(self._ctx.backend)  # never another model in its place
             if provider is None:
                 if self._own is None:
                     self._own = await open_engine(

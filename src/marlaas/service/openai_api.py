@@ -54,9 +54,14 @@ if TYPE_CHECKING:
 
 
 def openai_error(
-    status: int, message: str, param: str | None = None, code: str | None = None
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    headers: dict[str, str] | None = None,
 ) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
+    if status == 401:
+        headers = {**(headers or {}), "WWW-Authenticate": "Bearer"}
     return JSONResponse(
         error_body(status, message, param, code), status_code=status, headers=headers
     )
@@ -88,7 +93,7 @@ class OpenAIRoute(APIRoute):
             except BadInferenceRequest as e:
                 return openai_error(e.status_code, str(e), e.param)
             except ServiceError as e:
-                return openai_error(e.status_code, str(e))
+                return openai_error(e.status_code, str(e), headers=getattr(e, "headers", None))
 
         return answer
 

@@ -161,6 +161,14 @@ class PipelineBackend:
 
     # -- what the service reads from the pipeline ------------------------------------
 
+    def start_failure(self) -> BaseException | None:
+        """Why the pipeline did not start (None while it starts, or once it runs); the
+        OpenAI endpoints answer 503 with it instead of serving another model."""
+        ready = self._ready
+        if not ready.done() or ready.cancelled():
+            return None
+        return ready.exception()
+
     def inference_provider(self) -> EngineProvider | None:
         """The OpenAI endpoints serve from the pipeline's own engine (one base per
         process); their requests go through the same fair-share gate as rollouts."""
