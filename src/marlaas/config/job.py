@@ -44,10 +44,20 @@ class DatasetSpec(Spec):
 
     type: Literal["dataset"] = "dataset"
     path: str = Field(..., description="Path of the JSONL file (one JSON object per line).")
-    prompt_field: str = Field("prompt", description="Row field holding the prompt text.")
+    prompt_field: str = Field(
+        "prompt",
+        description="Row field holding the prompt text. Rows may instead carry `messages` "
+        "(OpenAI chat format), rendered with the base's chat template.",
+    )
     reference_field: str = Field("reference", description="Row field holding the reference.")
     grader: GraderSpec = Field(..., description="How a completion is scored against the row.")
     eval_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="Rows held out for eval.")
+    format: Literal["auto", "text", "chat"] = Field(
+        "auto",
+        description="auto: chat rows (`messages`) go through the base's chat template and "
+        "text rows are sent as they are; chat: text rows too, as one user message; text: "
+        "no template (chat rows are refused).",
+    )
     seed: int = Field(0, description="Seed of the train/eval split.")
 
 

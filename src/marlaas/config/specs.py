@@ -173,6 +173,13 @@ class TaskSpec(Spec):
 
     type: Literal["builtin"] = "builtin"
     family: str = Field(..., description="Name of a built-in task family, e.g. 'arithmetic'.")
+    format: Literal["text", "chat"] = Field(
+        "text",
+        description="text: the built-in text protocol (`Q: ...` prompts, one line per turn, "
+        "tool calls as `calc 1+2` lines), what the embedded base knows; chat: every turn "
+        "rendered with the base's chat template, tool calls in the template's own format "
+        "(Qwen-style <tool_call> tags, or JSON function calls), for chat models.",
+    )
     seed: int = Field(0, description="Seed of the train/eval splits.")
     tool_latency_s: tuple[float, float] = Field(
         (0.0, 0.0), description="Uniform range of simulated tool latency, in seconds."

@@ -166,6 +166,8 @@ class RemoteEnv(Env):
         probe = placement.local.make_env(example)  # the episode's static knobs, read here
         self.stop = tuple(probe.stop)
         self.max_turns = probe.max_turns
+        self.tools = tuple(probe.tools)
+        self.chat = probe.chat
         self.episode_id = f"{placement.key[:8]}-{next(_episode_ids)}"
         self._worker: int | None = None
         self._release: weakref.finalize[Any, Any] | None = None

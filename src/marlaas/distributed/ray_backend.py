@@ -204,7 +204,7 @@ def build_ray_context(
     executor = RayExecutor(engine, trainer, gate, recorder)
     placed = dict(tasks or {})
     for job in run.jobs:
-        placed[job.name] = envs.place(placed.get(job.name) or build_task(job))
+        placed[job.name] = envs.place(placed.get(job.name) or build_task(job, tokenizer))
     ctx = PipelineContext(
         run=run,
         out_dir=out_dir,

@@ -13,6 +13,10 @@ Lifecycle of one episode (an `Env` is used once):
 Observation tokens never carry gradient: only the model's own turns are trained.
 Tool calls and verifiers are awaited and never block the event loop.
 
+A chat env (`chat = True`) speaks through the base's chat template instead: its prompt
+and observations are text the template rendered (special tokens included), and a model
+turn ends at the end-of-turn token rather than at a newline (`marlaas.envs.chat`).
+
 A `TaskFamily` builds examples (seeded, disjoint train/eval splits), an `Env` per
 example, and a demonstration for supervised warm-up of the embedded base.
 """
@@ -22,7 +26,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 Split = Literal["train", "eval"]
 
@@ -38,6 +42,42 @@ class Example:
     prompt: str
     reference: str
     meta: Mapping[str, object] = field(default_factory=dict)
+    #: A chat row's conversation up to its last user turn (OpenAI message format), which
+    #: the task renders into `prompt` with the chat template; None for text rows.
+    messages: tuple[Mapping[str, Any], ...] | None = None
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A tool an environment offers, with one string argument. In the text protocol the
+    model calls it with the line `"{name} {argument}"`; a chat episode hands `schema()`
+    to the chat template and passes a call in the model's own format to `step` as that
+    same line."""
+
+    name: str
+    description: str
+    argument: str
+    argument_description: str = ""
+
+    def schema(self) -> dict[str, Any]:
+        """The OpenAI function schema chat templates take in `tools`."""
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        self.argument: {
+                            "type": "string",
+                            "description": self.argument_description or self.argument,
+                        }
+                    },
+                    "required": [self.argument],
+                },
+            },
+        }
 
 
 @dataclass(frozen=True)
@@ -71,6 +111,10 @@ class Env(abc.ABC):
     stop: Sequence[str] = ()
     #: Model turns allowed before the caller ends the episode with reward 0.
     max_turns: int = 1
+    #: Tools the model may call (see `Tool`).
+    tools: Sequence[Tool] = ()
+    #: The episode is a chat rendered with the base's chat template (module docstring).
+    chat: bool = False
 
     @abc.abstractmethod
     async def initial_observation(self) -> str:

@@ -1,12 +1,19 @@
 """User datasets: rows of (prompt, reference) scored by a declarative grader.
 
-Loading is strict. Every row must be an object whose prompt and reference fields are
-non-empty strings; an optional `id` field (a string or an integer) must be unique. The
-first bad row fails the whole load with a `DataError` naming the file and 1-based line
-(JSONL) or the row index (Hugging Face); nothing is ever skipped silently, except blank
-lines of a JSONL file, which are not rows. Rows without an `id` get `row-<n>`, where `n`
-is the JSONL line number or the Hugging Face row index. All other fields go to
-`Example.meta` and reach the grader as its `row` argument.
+Loading is strict. Every row must be an object with a non-empty string reference and
+either a non-empty string prompt or chat `messages` (OpenAI's chat format: a list of
+`{"role", "content"}` objects, roles system, developer, user, assistant or tool, with
+at least one user turn); an optional `id` field (a string or an integer) must be
+unique. The first bad row fails the whole load with a `DataError` naming the file and
+1-based line (JSONL) or the row index (Hugging Face); nothing is ever skipped silently,
+except blank lines of a JSONL file, which are not rows. Rows without an `id` get
+`row-<n>`, where `n` is the JSONL line number or the Hugging Face row index. All other
+fields go to `Example.meta` and reach the grader as its `row` argument.
+
+A chat row's prompt is its conversation up to its last user turn (later turns, e.g. a
+reference answer, are not shown to the model); it is kept in `Example.messages` and
+rendered with the base's chat template by whoever builds the task
+(`marlaas.pipeline.data.build_task`), so `DatasetTask` gets it as `prompt` text.
 
 `split_examples` makes a deterministic, disjoint train/eval split. `DatasetTask` is a
 single-turn `TaskFamily` over such a split: the prompt is the row's prompt, the model
@@ -30,6 +37,9 @@ if TYPE_CHECKING:
     from marlaas.envs.graders import Grader
 
 _ID_FIELD = "id"
+#: The field of a chat row (OpenAI's fine-tuning format).
+MESSAGES_FIELD = "messages"
+_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def _text_field(row: Mapping[str, Any], name: str, where: str) -> str:
@@ -61,17 +71,72 @@ def _row_id(row: Mapping[str, Any], where: str, default: str) -> str:
     return text
 
 
+def _content(message: Mapping[str, Any], where: str) -> str | None:
+    """A message's text: a string, or OpenAI's list of `{"type": "text", "text"}` parts."""
+    content = message.get("content")
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        for p in content
+    ):
+        return "".join(str(p["text"]) for p in content)
+    raise DataError(
+        f"{where}: a message's content must be a string or a list of text parts "
+        '({"type": "text", "text": ...}), got ' + f"{json.dumps(content)[:60]}"
+    )
+
+
+def chat_prompt(value: object, where: str, name: str) -> tuple[dict[str, Any], ...]:
+    """The messages of a chat row up to and including its last user turn."""
+    if not isinstance(value, list) or not value:
+        raise DataError(
+            f"{where}: field {name!r} must be a non-empty list of chat messages "
+            '({"role": ..., "content": ...}), got ' + f"{type(value).__name__}"
+        )
+    messages: list[dict[str, Any]] = []
+    for i, message in enumerate(value):
+        at = f"{where}: {name}[{i}]"
+        if not isinstance(message, Mapping):
+            raise DataError(f"{at} must be an object with a role and a content")
+        role = message.get("role")
+        if role not in _ROLES:
+            raise DataError(f"{at}: role must be one of {', '.join(_ROLES)}, got {role!r}")
+        content = _content(message, at)
+        if content is None and not (role == "assistant" and message.get("tool_calls")):
+            raise DataError(f"{at}: a {role} message needs a content")
+        messages.append({**message, "content": content})
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    if not users:
+        raise DataError(f"{where}: {name} has no user message; the prompt ends at the last one")
+    return tuple(messages[: users[-1] + 1])
+
+
 def _to_example(
     row: object, where: str, default_id: str, prompt_field: str, reference_field: str
 ) -> Example:
     if not isinstance(row, Mapping):
         raise DataError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
-    prompt = _text_field(row, prompt_field, where)
+    # Chat rows carry OpenAI messages, in `messages` or in the prompt field itself.
+    messages: tuple[dict[str, Any], ...] | None = None
+    if isinstance(row.get(prompt_field), list):
+        messages, used = chat_prompt(row[prompt_field], where, prompt_field), prompt_field
+    elif prompt_field not in row and MESSAGES_FIELD in row:
+        messages, used = chat_prompt(row[MESSAGES_FIELD], where, MESSAGES_FIELD), MESSAGES_FIELD
+    else:
+        if prompt_field not in row:
+            present = ", ".join(sorted(map(str, row))) or "none"
+            raise DataError(
+                f"{where}: missing field {prompt_field!r} (or {MESSAGES_FIELD!r} for chat "
+                f"rows; fields present: {present})"
+            )
+        used = prompt_field
+    prompt = "" if messages is not None else _text_field(row, prompt_field, where)
     reference = _text_field(row, reference_field, where)
     example_id = _row_id(row, where, default_id)
-    skip = {prompt_field, reference_field, _ID_FIELD}
+    skip = {used, reference_field, _ID_FIELD}
     meta = {str(k): v for k, v in row.items() if k not in skip}
-    return Example(id=example_id, prompt=prompt, reference=reference, meta=meta)
+    return Example(id=example_id, prompt=prompt, reference=reference, meta=meta, messages=messages)
 
 
 def _collect(
@@ -158,7 +223,10 @@ def from_hf_dataset(
             f"expected a datasets.Dataset, got {type(ds).__name__}; "
             "for a DatasetDict pass one split, e.g. ds['train']"
         )
-    for name in (prompt_field, reference_field):
+    need = [reference_field]
+    if prompt_field not in columns and MESSAGES_FIELD not in columns:
+        need.append(prompt_field)
+    for name in need:
         if name not in columns:
             raise DataError(f"dataset has no column {name!r} (columns: {', '.join(columns)})")
 
@@ -204,9 +272,10 @@ class DatasetEnv(Env):
 
     max_turns = 1
 
-    def __init__(self, example: Example, grader: Grader) -> None:
+    def __init__(self, example: Example, grader: Grader, chat: bool = False) -> None:
         self.example = example
         self.grader = grader
+        self.chat = chat
 
     async def initial_observation(self) -> str:
         return self.example.prompt
@@ -224,6 +293,8 @@ class DatasetTask(TaskFamily):
     split_seed)`), or given explicitly with `eval_examples`. `examples(split, n, seed)`
     draws `n` examples of that split in a seeded order; if `n` exceeds the split, it
     continues with a fresh permutation (another epoch), so ids repeat only across epochs.
+    `chat`: the prompts were rendered with the base's chat template (its episodes are
+    chat episodes); a chat row whose prompt was not rendered is a `DataError`.
     """
 
     max_turns = 1
@@ -237,9 +308,17 @@ class DatasetTask(TaskFamily):
         eval_fraction: float = 0.1,
         split_seed: int = 0,
         eval_examples: Sequence[Example] | None = None,
+        chat: bool = False,
     ) -> None:
         self.name = name
         self.grader = grader
+        self.chat = chat
+        raw = next((ex for ex in [*examples, *(eval_examples or ())] if not ex.prompt), None)
+        if raw is not None:
+            raise DataError(
+                f"task {name!r}: example {raw.id!r} is a chat row whose messages were not "
+                "rendered; build the task with the base's chat template (`build_task`)"
+            )
         if eval_examples is None:
             self.train, self.eval = split_examples(examples, eval_fraction, split_seed)
         else:
@@ -268,7 +347,7 @@ class DatasetTask(TaskFamily):
         return drawn
 
     def make_env(self, example: Example) -> Env:
-        return DatasetEnv(example, self.grader)
+        return DatasetEnv(example, self.grader, self.chat)
 
     def demonstration(self, example: Example) -> list[Segment]:
         return [Segment(example.prompt, False), Segment(example.reference + "\n", True)]

@@ -16,26 +16,32 @@ import hashlib
 import random
 from typing import Any
 
+from transformers import PreTrainedTokenizerBase
+
 from marlaas.config.job import DatasetSpec, JobSpec
 from marlaas.envs.base import Example, TaskFamily
+from marlaas.envs.chat import ChatFamily, render_examples
 from marlaas.envs.datasets import DatasetTask, load_jsonl
 from marlaas.envs.graders import build_grader
 from marlaas.envs.tasks import get_family
-from marlaas.errors import DataError
+from marlaas.errors import ConfigError, DataError
 from marlaas.types import SamplingParams
 
 #: Examples shuffled together by the job seed.
 BLOCK = 256
 
 
-def build_task(job: JobSpec) -> TaskFamily:
-    """The job's task: a built-in family with its knobs, or its dataset and grader.
+def build_task(job: JobSpec, tokenizer: PreTrainedTokenizerBase | None = None) -> TaskFamily:
+    """The job's task: a built-in family with its knobs, or its dataset and grader; in
+    chat format, rendered with `tokenizer`'s chat template (`marlaas.envs.chat`).
 
-    Raises `ConfigError` / `DataError` / `GraderError` for a bad spec or bad data.
+    Raises `ConfigError` / `DataError` / `GraderError` for a bad spec or bad data (a
+    chat task for a tokenizer without a chat template among them).
     """
     task = job.task
     if isinstance(task, DatasetSpec):
         examples = load_jsonl(task.path, task.prompt_field, task.reference_field)
+        examples, chat = render_examples(examples, tokenizer, task.format, task.path)
         grader = build_grader(task.grader)
         return DatasetTask(
             examples,
@@ -43,9 +49,15 @@ def build_task(job: JobSpec) -> TaskFamily:
             name=job.name,
             eval_fraction=task.eval_fraction,
             split_seed=task.seed,
+            chat=chat,
         )
     options: dict[str, Any] = dict(task.options)
-    return get_family(task.family, tool_latency_s=task.tool_latency_s, **options)
+    family = get_family(task.family, tool_latency_s=task.tool_latency_s, **options)
+    if task.format == "chat":
+        if tokenizer is None:
+            raise ConfigError(f"job {job.name!r}: task.format chat needs the base's tokenizer")
+        return ChatFamily(family, tokenizer)
+    return family
 
 
 def _list_seed(job: JobSpec) -> int:

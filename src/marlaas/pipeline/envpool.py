@@ -113,6 +113,8 @@ class PooledEnv(Env):
         self.tenant = tenant
         self.stop = env.stop
         self.max_turns = env.max_turns
+        self.tools = env.tools
+        self.chat = env.chat
 
     async def initial_observation(self) -> str:
         return await self.pool.call(

@@ -90,7 +90,7 @@ class TenantRuntime:
         ctx, job = self.ctx, self.job
         family = ctx.tasks.get(self.name)
         if family is None:
-            family = await asyncio.to_thread(build_task, job)
+            family = await asyncio.to_thread(build_task, job, ctx.tokenizer)
         family = ctx.envs.place(family)  # where its environments run (a backend's choice)
         self._family = family
         self.stream = ExampleStream(family, job)

@@ -2,7 +2,9 @@
 
 Each model turn is one engine request continuing the episode's context; its tokens and
 behaviour log-probs are recorded with loss mask 1. Environment observations (tool
-output) are appended with loss mask 0 and log-prob 0. All turns of an episode but the
+output) are appended with loss mask 0 and log-prob 0. A text prompt gets BOS as the
+tokenizer expects; a chat env's prompt is template-rendered text (its own special
+tokens), and its turns end at the end-of-turn token instead of a newline. All turns of an episode but the
 last one it may take share one engine session, so the engine keeps the episode's KV
 cache between turns (and a single-turn episode keeps none).
 
@@ -18,6 +20,7 @@ from dataclasses import replace
 from transformers import PreTrainedTokenizerBase
 
 from marlaas.envs.base import TURN_END, Env
+from marlaas.model.chat import encode_rendered, encode_text
 from marlaas.types import Completion, FinishReason, RolloutRequest, SamplingParams, Trajectory
 
 #: How the episode reaches the engine: `RolloutEngine.submit`, or anything shaped like it.
@@ -49,9 +52,12 @@ async def run_episode(
     the trajectory records the oldest and newest versions used.
     """
     prompt = await env.initial_observation()
-    prompt_ids = tuple(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    encode = encode_rendered if env.chat else encode_text
+    prompt_ids = tuple(encode(tokenizer, prompt))
     session = f"{tenant}/episode-{next(_episode_ids)}"
-    sampling = turn_sampling(sampling)
+    turn_end = "" if env.chat else TURN_END
+    if not env.chat:
+        sampling = turn_sampling(sampling)
     tokens: list[int] = []
     mask: list[int] = []
     logprobs: list[float] = []
@@ -75,7 +81,7 @@ async def run_episode(
         tokens.extend(completion.token_ids)
         mask.extend([1] * len(completion.token_ids))
         logprobs.extend(completion.logprobs)
-        text.append(completion.text + TURN_END)
+        text.append(completion.text + turn_end)
         finish = completion.finish_reason
         result = await env.step(completion.text)
         if result.done:
@@ -84,7 +90,7 @@ async def run_episode(
         if turns == env.max_turns:
             break  # still talking after the last turn: reward 0
         observation = result.observation or ""
-        obs_ids = tokenizer(observation, add_special_tokens=False)["input_ids"]
+        obs_ids = encode_rendered(tokenizer, observation)
         tokens.extend(obs_ids)
         mask.extend([0] * len(obs_ids))
         logprobs.extend([0.0] * len(obs_ids))

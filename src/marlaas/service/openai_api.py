@@ -108,8 +108,11 @@ PLAIN_TURN_END = "\n"
 
 
 def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
-    """Text to token ids as the pipeline encodes prompts (no special tokens added)."""
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    """Text to token ids as the pipeline encodes text prompts (BOS as the tokenizer
+    expects, no other special tokens)."""
+    from marlaas.model.chat import encode_text  # torch and transformers: on first use
+
+    return encode_text(tokenizer, text)
 
 
 def chat_prompt(
@@ -129,7 +132,9 @@ def chat_prompt(
             tokenize=False,
             add_generation_prompt=True,
         )
-        return encode(tokenizer, str(text)), ()
+        from marlaas.model.chat import encode_rendered
+
+        return encode_rendered(tokenizer, str(text)), ()
     prefix = {"system": "", "developer": "", "user": "Q: ", "assistant": "A: "}
     lines = [f"{prefix[role]}{content}{PLAIN_TURN_END}" for role, content in messages]
     return encode(tokenizer, "".join(lines) + "A: "), (PLAIN_TURN_END,)

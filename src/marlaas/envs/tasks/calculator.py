@@ -23,7 +23,7 @@ import operator
 import random
 from collections.abc import Callable
 
-from marlaas.envs.base import Env, Example, Segment
+from marlaas.envs.base import Env, Example, Segment, Tool
 from marlaas.envs.tasks.arithmetic import random_number
 from marlaas.envs.tasks.common import (
     OBS_SUFFIX,
@@ -85,6 +85,14 @@ def calc_output(expr: str) -> str:
 
 class CalculatorEnv(ToolEnv):
     tool = "calc"
+    tools = (
+        Tool(
+            "calc",
+            "Evaluates an integer expression with + - * and parentheses.",
+            "expression",
+            "The expression, e.g. 347*29+15",
+        ),
+    )
 
     async def call_tool(self, argument: str) -> str:
         return calc_output(argument)

@@ -182,7 +182,7 @@ class ToolEnv(Env):
     the end. The finishing step reports ``tool_calls`` (tools actually run) and ``turns``.
     """
 
-    #: The first word of a tool-call line.
+    #: The first word of a tool-call line (`tools` describes it for chat episodes).
     tool: ClassVar[str]
 
     def __init__(

@@ -22,7 +22,7 @@ import random
 import re
 from collections.abc import Sequence
 
-from marlaas.envs.base import Env, Example, Segment
+from marlaas.envs.base import Env, Example, Segment, Tool
 from marlaas.envs.tasks.common import (
     OBS_SUFFIX,
     Candidate,
@@ -81,6 +81,14 @@ class CorpusIndex:
 
 class SearchEnv(ToolEnv):
     tool = "search"
+    tools = (
+        Tool(
+            "search",
+            "Looks a country up in the encyclopedia by name; returns its entry.",
+            "query",
+            "The country's name, e.g. Zorbia",
+        ),
+    )
 
     def __init__(
         self,
