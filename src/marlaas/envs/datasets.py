@@ -119,7 +119,8 @@ def _to_example(
         raise DataError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
     # Chat rows carry OpenAI messages, in `messages` or in the prompt field itself.
     messages: tuple[dict[str, Any], ...] | None = None
-    if isinstance(row.get(prompt_field), list):
+    value = row.get(prompt_field)
+    if isinstance(value, list) and value and all(isinstance(m, Mapping) for m in value):
         messages, used = chat_prompt(row[prompt_field], where, prompt_field), prompt_field
     elif prompt_field not in row and MESSAGES_FIELD in row:
         messages, used = chat_prompt(row[MESSAGES_FIELD], where, MESSAGES_FIELD), MESSAGES_FIELD
