@@ -4,8 +4,7 @@ Invariants:
 - The returned model is in eval mode and every one of its parameters has
   `requires_grad == False`; nothing in marlaas ever writes to these weights.
 - Loading never touches the network (`local_files_only=True`).
-- `dtype="auto"` is the checkpoint's own dtype (`config.json` `dtype`, formerly
-  `torch_dtype`) on an accelerator and float32 on the CPU, where half-precision matmuls
+- `dtype="auto"` is the checkpoint's own dtype (`config.json` `dtype`) on an accelerator and float32 on the CPU, where half-precision matmuls
   are slow and imprecise; an explicit dtype is used anywhere.
 - A bad path fails with `ModelError` naming the path, never with a bare Hugging Face
   traceback.
@@ -55,7 +54,7 @@ def resolve_dtype(
         raise ConfigError(f"dtype must be auto, {', '.join(_DTYPES)}; got {dtype!r}")
     if torch.device(device).type == "cpu":
         return torch.float32
-    own = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    own = getattr(config, "dtype", None)  # config.json's `dtype` (`torch_dtype` before v5)
     if isinstance(own, str):
         own = _DTYPES.get(own.removeprefix("torch."))
     return own if isinstance(own, torch.dtype) and own in _DTYPES.values() else torch.float32

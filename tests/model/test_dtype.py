@@ -1,0 +1,46 @@
+"""The base's dtype: `auto` is the checkpoint's own on an accelerator and float32 on the
+CPU; an explicit dtype is used anywhere; LoRA slots stay float32."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from arch_support import CONFIGS, char_tokenizer, save_model
+from transformers import AutoConfig
+
+from marlaas.config.specs import check_dtype
+from marlaas.errors import ConfigError
+from marlaas.model.bank import AdapterBank
+from marlaas.model.base import load_base, resolve_dtype
+from marlaas.model.lora import LoRAModel
+
+
+@pytest.fixture(scope="module")
+def bf16_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    config = CONFIGS["llama"]()
+    config.dtype = torch.bfloat16  # as a checkpoint saved in bfloat16 records it
+    return save_model(config, tmp_path_factory.mktemp("bf16"), char_tokenizer())
+
+
+def test_auto_is_the_checkpoints_dtype_on_an_accelerator(bf16_dir: Path) -> None:
+    config = AutoConfig.from_pretrained(bf16_dir)
+    assert resolve_dtype("auto", "cuda", config) == torch.bfloat16
+    assert resolve_dtype("auto", "cpu", config) == torch.float32
+    assert resolve_dtype("float16", "cpu", config) == torch.float16
+    assert resolve_dtype("auto", "cuda", CONFIGS["qwen2"]()) == torch.float32  # none recorded
+    with pytest.raises(ConfigError, match="dtype must be auto"):
+        resolve_dtype("fp8", "cpu")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="--dtype must be auto, float32, bfloat16 or float16"):
+        check_dtype("half")
+
+
+def test_an_explicit_dtype_holds_on_the_cpu_and_slots_stay_float32(bf16_dir: Path) -> None:
+    plain, _ = load_base(bf16_dir)
+    assert {p.dtype for p in plain.parameters()} == {torch.float32}
+    base, _ = load_base(bf16_dir, dtype="bfloat16")
+    assert {p.dtype for p in base.parameters()} == {torch.bfloat16}
+    model = LoRAModel(base, max_rank=4)
+    bank = AdapterBank(model, num_slots=2)
+    assert model.dtype == torch.bfloat16 and bank.dtype == torch.float32
