@@ -5,9 +5,11 @@ change. The two-job training runs over the same matrix are in `test_arch_runs.py
 
 from __future__ import annotations
 
+import asyncio
 import json
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,11 +17,14 @@ from arch_support import ARCHS, CONFIGS, WINDOWED, char_tokenizer, save_model
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import Tensor
 
+from marlaas.config.job import RunSpec
 from marlaas.config.specs import LoRASpec
 from marlaas.errors import ConfigError, ModelError
 from marlaas.model.base import load_base
 from marlaas.model.lora import AdapterTensors, LoRAModel
 from marlaas.model.peft_io import load_peft, model_fan_in_fan_out, save_peft
+from marlaas.pipeline.context import PipelineOptions
+from marlaas.pipeline.runner import run_jobs
 
 IDS = torch.randint(4, 128, (2, 9), generator=torch.Generator().manual_seed(0))
 
@@ -163,3 +168,26 @@ def test_sliding_windows_are_refused_naming_the_option(arch: str, tmp_path: Path
     with pytest.raises(ModelError, match=f"full attention only; set .*{option}") as err:
         LoRAModel(base, max_rank=4)
     assert "config.json" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("job", "message"),
+    [
+        (
+            {"lora": {"rank": 2, "target_modules": ["query_key_value"]}},
+            r"lora\.target_modules: 'query_key_value' matches no linear layer",
+        ),
+        ({"task": {"family": "calculator", "format": "chat"}}, r"task\.format chat needs"),
+    ],
+)
+def test_a_run_refuses_what_the_base_cannot_do_before_any_work(
+    job: dict[str, Any], message: str, tmp_path: Path
+) -> None:
+    """On the embedded base (a Llama, no chat template), before any tenant starts."""
+    fine = {"name": "fine", "task": {"family": "reverse"}, "steps": 1}
+    run = RunSpec.model_validate(
+        {"jobs": [fine, {"name": "bad", "task": {"family": "reverse"}, **job}]}
+    )
+    with pytest.raises(ConfigError, match=message):
+        asyncio.run(run_jobs(run, tmp_path, options=PipelineOptions(device="cpu")))
+    assert not (tmp_path / "tenants").exists() and not (tmp_path / "result.json").exists()

@@ -20,6 +20,7 @@ from marlaas.config.job import JobSpec, RunSpec
 from marlaas.config.specs import Spec
 from marlaas.envs.base import TaskFamily
 from marlaas.model.bank import AdapterBank
+from marlaas.model.chat import require_template
 from marlaas.model.lora import LoRAModel
 from marlaas.obs.recorder import Recorder
 from marlaas.pipeline.envpool import EnvPool
@@ -80,8 +81,11 @@ class PipelineContext:
     def resolve_job(self, job: JobSpec) -> JobSpec:
         """`job` with its LoRA targets named for this base (`lora.target_modules` unset:
         the run's `default_target_modules`); `ConfigError` when the base cannot adapt
-        them. Jobs are resolved once, when submitted, so checkpoints and exported
-        adapters record explicit names."""
+        them, or when the job asks for a chat format and the base has no chat template.
+        Jobs are resolved once, when submitted, so checkpoints and exported adapters
+        record explicit names."""
+        if job.task.format == "chat":
+            require_template(self.tokenizer, f"job {job.name!r}: task.format chat")
         lora = self.model.resolve(job.lora, default=self.run.default_target_modules)
         return job if lora is job.lora else job.model_copy(update={"lora": lora})
 
