@@ -1,8 +1,9 @@
 """Multi-LoRA layers: one frozen base, a different LoRA adapter on every batch row.
 
-Each targeted `nn.Linear` of the base is replaced, once per process, by a
-`MultiLoRALinear` that wraps the original layer (same `nn.Linear` object, same
-parameters, nothing copied). Before a forward the caller sets a `LaneBatch` with
+Each injected linear layer of the base (`nn.Linear`, or GPT-2's `Conv1D`; by default
+all but the output head, see `marlaas.model.arch`) is replaced, once per process, by a
+`MultiLoRALinear` that wraps the original layer (same module object, same parameters,
+nothing copied). Before a forward the caller sets a `LaneBatch` with
 `LoRAModel.lanes(...)`: a set of adapters stacked along a lane axis `L`, and for each
 batch row the lane it uses. Every targeted layer then computes, with batched matmuls
 over all rows (no loop over tenants):
