@@ -40,8 +40,8 @@ def test_chat_jobs_train_on_a_chat_model(tmp_path: Path) -> None:
     tok.save_pretrained(base)
     data = write_rows(tmp_path / "chat.jsonl", CHAT_ROWS * 3)
     common = {
-        "algorithm": {"group_size": 2, "prompts_per_step": 2},
-        "sampling": {"max_new_tokens": 12},
+        "algorithm": {"group_size": 2, "prompts_per_step": 1},
+        "sampling": {"max_new_tokens": 8},
         "steps": 1,
         "eval_episodes": 1,
     }

@@ -87,7 +87,8 @@ def check_run(base_dir: Path, out: Path, dtype: torch.dtype, tol: float) -> dict
         adapter = out / "tenants" / job / "adapter"
         ours = marlaas_logits(model, adapter)
         theirs = peft_logits(base_dir, adapter, dtype)
-        assert (ours - plain).abs().max() > 10 * tol, f"{job}: the adapter did not train"
+        # Trained well past the tolerance, so that the comparison below can fail.
+        assert (ours - plain).abs().max() > 3 * tol, f"{job}: the adapter did not train"
         torch.testing.assert_close(ours, theirs, rtol=tol, atol=tol)
         logits[job] = ours
     return logits
