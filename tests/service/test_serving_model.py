@@ -48,6 +48,7 @@ def _hub(client: TestClient) -> InferenceHub:
     return client.app.state.inference_hub  # type: ignore[attr-defined,no-any-return]
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # no database at stake
 def test_a_starting_pipeline_answers_503_with_retry_after(settings: ServiceSettings) -> None:
     backend = _Starting()
     ctx, _ = open_context(settings)
@@ -82,6 +83,7 @@ def test_a_starting_pipeline_answers_503_with_retry_after(settings: ServiceSetti
             backend.engine.shutdown()
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)  # no database at stake
 def test_a_pipeline_that_failed_to_start_serves_nothing(
     settings: ServiceSettings, tmp_path: Path
 ) -> None:
