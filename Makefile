@@ -21,6 +21,13 @@ system-deps:
 	  if [ "$$(id -u)" = 0 ]; then (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql) >/dev/null; \
 	  else sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; fi; \
 	fi
+	@# WordNet 3.0 for the meteor metric of OpenAI text_similarity graders (never downloaded
+	@# at run time).
+	@if [ ! -f /usr/share/wordnet/data.noun ]; then \
+	  echo "installing wordnet-base (meteor metric)"; \
+	  if [ "$$(id -u)" = 0 ]; then (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wordnet-base) >/dev/null; \
+	  else sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wordnet-base >/dev/null; fi; \
+	fi
 	@# Debian's Chromium (it pulls the libraries it needs) for the `browser` tests, which
 	@# drive it with Playwright; Playwright's own browser downloads are never used.
 	@if ! command -v chromium >/dev/null 2>&1; then \

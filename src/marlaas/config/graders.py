@@ -10,6 +10,8 @@ A grader spec is a union keyed on `type`:
 - `python`: user code `def grade(completion, reference, row) -> float`, run only in
   the sandbox.
 - `weighted`: a weighted mean of child graders (nesting allowed).
+- `openai`: a grader in OpenAI's schema (`marlaas.config.openai_graders`), as the
+  OpenAI-compatible fine-tuning API receives it.
 
 Every spec is checked when it is parsed, not when it first scores: a regex compiles,
 Python code parses and defines a top-level `grade`, weights are positive. `parse_grader`
@@ -27,6 +29,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, TypeAdapter, ValidationError, ValidationInfo, field_validator
 
+from marlaas.config.openai_graders import OPENAI_GRADER_TYPES, OpenAIGrader
 from marlaas.config.specs import Spec
 from marlaas.errors import GraderError
 
@@ -212,20 +215,38 @@ class WeightedGraderSpec(Spec):
         return tuple(child.weight / total for child in self.graders)
 
 
+class OpenAIGraderSpec(Spec):
+    """An OpenAI grader (string_check, text_similarity, python, score_model, label_model,
+    multi): the item its templates see is the row, the sample is the completion. Its
+    reward must lie in [0, 1]."""
+
+    type: Literal["openai"] = Field(description="Selects this grader.")
+    grader: OpenAIGrader = Field(..., description="The grader, in OpenAI's schema.")
+
+
 GraderSpec = Annotated[
     ExactGraderSpec
     | NumericGraderSpec
     | RegexGraderSpec
     | MathGraderSpec
     | PythonGraderSpec
-    | WeightedGraderSpec,
+    | WeightedGraderSpec
+    | OpenAIGraderSpec,
     Field(discriminator="type"),
 ]
 
 WeightedChild.model_rebuild()
 WeightedGraderSpec.model_rebuild()
 
-GRADER_TYPES: tuple[str, ...] = ("exact", "numeric", "regex", "math", "python", "weighted")
+GRADER_TYPES: tuple[str, ...] = (
+    "exact",
+    "numeric",
+    "regex",
+    "math",
+    "python",
+    "weighted",
+    "openai",
+)
 
 _ADAPTER: TypeAdapter[GraderSpec] = TypeAdapter(GraderSpec)
 
@@ -249,7 +270,8 @@ def parse_grader(obj: Mapping[str, Any]) -> GraderSpec:
 def _describe(err: Mapping[str, Any]) -> str:
     """One pydantic error as 'at `path`: what is wrong (what to do)'."""
     # Drop the union's tag names from the location: they are not fields the user wrote.
-    parts = [str(p) for p in err["loc"] if not (isinstance(p, str) and p in GRADER_TYPES)]
+    tags = set(GRADER_TYPES) | set(OPENAI_GRADER_TYPES)
+    parts = [str(p) for p in err["loc"] if not (isinstance(p, str) and p in tags)]
     path = ".".join(parts) or "<root>"
     kind = err["type"]
     msg = str(err["msg"])

@@ -16,6 +16,8 @@ Contract of a `Grader`: `await grader(completion, reference, row)` returns a flo
   with the user's prints redirected to stderr, and writes one marked JSON line with the
   result to stdout.
 - `weighted` awaits its children concurrently and returns their normalised weighted mean.
+- `openai` evaluates an OpenAI grader (`marlaas.envs.openai_graders`); its python graders
+  run in the same sandbox. It has no judge here, so it cannot score with model graders.
 
 Any failure to score (a user grader that raises, hangs, exits or returns a non-number
 or a value outside [0, 1]; a reference the grader cannot read; a math timeout) raises
@@ -40,6 +42,7 @@ from marlaas.config.graders import (
     GraderSpec,
     MathGraderSpec,
     NumericGraderSpec,
+    OpenAIGraderSpec,
     PythonGraderSpec,
     RegexGraderSpec,
     WeightedGraderSpec,
@@ -83,6 +86,10 @@ def build_grader(spec: GraderSpec | Mapping[str, Any], *, sandbox: Sandbox | Non
     if isinstance(spec, WeightedGraderSpec):
         children = [build_grader(child.grader, sandbox=sandbox) for child in spec.graders]
         return WeightedGrader(spec, children)
+    if isinstance(spec, OpenAIGraderSpec):
+        from marlaas.envs.openai_graders import OpenAIRewardGrader
+
+        return OpenAIRewardGrader(spec.grader, sandbox=sandbox)
     raise GraderError(f"unknown grader spec {type(spec).__name__}")
 
 
