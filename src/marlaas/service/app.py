@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from marlaas import __version__
-from marlaas.service import openai_api, web
+from marlaas.service import openai_api, openai_ft, web
 from marlaas.service.api import admin, datasets, jobs, ops, usage
 from marlaas.service.auth import PrincipalCache, bootstrap_admin_key
 from marlaas.service.backend import BackendFactory
@@ -113,6 +113,8 @@ def create_app(ctx: ServiceContext, backend_factory: BackendFactory | None = Non
     app.add_exception_handler(RequestValidationError, _validation_error)
     for module in (ops, admin, jobs, datasets, usage, openai_api, web):
         app.include_router(module.router)
+    for router in openai_ft.routers():  # OpenAI-compatible fine-tuning (files, jobs, graders)
+        app.include_router(router)
     # Added last = outermost: the timer sees the 413s that BodyLimit answers.
     app.add_middleware(
         BodyLimit,

@@ -25,7 +25,7 @@ def _too_large(limit: int, upload: bool) -> str:
 class BodyLimit:
     """Answers 413 for a body above the limit: at once when Content-Length says so,
     otherwise as soon as the streamed bytes pass it. Dataset uploads
-    (`PUT /v1/datasets/...`) get the larger upload limit."""
+    (`PUT /v1/datasets/...`, `POST /v1/files`) get the larger upload limit."""
 
     def __init__(self, app: ASGIApp, *, max_body: int, max_upload: int) -> None:
         self.app = app
@@ -36,7 +36,9 @@ class BodyLimit:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        upload = scope["method"] == "PUT" and scope["path"].startswith("/v1/datasets/")
+        upload = (scope["method"] == "PUT" and scope["path"].startswith("/v1/datasets/")) or (
+            scope["method"] == "POST" and scope["path"] == "/v1/files"
+        )
         limit = self.max_upload if upload else self.max_body
         headers = dict(scope["headers"])
         declared = headers.get(b"content-length", b"")

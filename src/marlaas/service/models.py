@@ -171,3 +171,44 @@ class Dataset(Base):
     rows: Mapped[int] = mapped_column(Integer)
     sha256: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class File(Base):
+    """A file uploaded through the OpenAI-compatible Files API. Its bytes are the
+    tenant's dataset named by the file's id (`Dataset.name == File.id`), so quotas, the
+    in-use check and jobs treat it like any upload; this row holds OpenAI's view of it."""
+
+    __tablename__ = "files"
+    __table_args__ = (Index("ix_files_tenant_created", "tenant_id", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    filename: Mapped[str] = mapped_column(String(256))
+    purpose: Mapped[str] = mapped_column(String(32))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    rows: Mapped[int] = mapped_column(Integer)
+    #: `processed` (valid) or `error` (`status_details` says which line and why).
+    status: Mapped[str] = mapped_column(String(16))
+    status_details: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class FineTuningJob(Base):
+    """What an OpenAI fine-tuning request said of a job beyond its `JobSpec`: the job
+    itself is an ordinary row of `jobs` with the same id."""
+
+    __tablename__ = "fine_tuning_jobs"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    model: Mapped[str] = mapped_column(String(200))
+    training_file: Mapped[str] = mapped_column(String(40))
+    validation_file: Mapped[str | None] = mapped_column(String(40))
+    suffix: Mapped[str | None] = mapped_column(String(64))
+    seed: Mapped[int] = mapped_column(BigInteger)
+    #: The method with every hyperparameter resolved (`auto` replaced by its value).
+    method: Mapped[dict[str, Any]] = mapped_column(JSON)
+    #: OpenAI's `metadata` (the attribute name `metadata` is SQLAlchemy's own).
+    tags: Mapped[dict[str, str] | None] = mapped_column("metadata", JSON)
+    #: `ft:BASE:TENANT:SUFFIX:JOB`, the name the trained model answers to.
+    fine_tuned_model: Mapped[str] = mapped_column(String(400))

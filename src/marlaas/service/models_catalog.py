@@ -6,7 +6,9 @@ Model names (what `model` says in a request, and what `/v1/models` lists):
   while the job trains in the shared engine (the bank tenant named by the job id), else
   its newest checkpoint whose adapter is on disk;
 - `<job id>:ckpt-<step>` -- the job's checkpoint at optimizer step `step` (the adapter
-  version written at that step).
+  version written at that step);
+- `ft:BASE:TENANT:SUFFIX:<job id>[:ckpt-step-<step>]` -- the same, for a job created
+  through the OpenAI fine-tuning API (`service.openai_ft.names`).
 
 Invariants:
 - A name resolves through the database with the caller's tenant id in the query, so
@@ -29,6 +31,7 @@ from sqlalchemy import select
 from marlaas.service.db import Database
 from marlaas.service.errors import NotFound
 from marlaas.service.models import Checkpoint, Job
+from marlaas.service.openai_ft.names import FT_PREFIX, job_model_name
 
 BASE_MODEL = "base"
 BASE_KEY = "serve:base"
@@ -104,7 +107,10 @@ def resolve_model(
     engine trains it now. Blocking (database and file system)."""
     if name == BASE_MODEL:
         return ServedModel(BASE_MODEL, None)
-    match = _NAME.match(name)
+    plain = name
+    if name.startswith(FT_PREFIX):
+        plain = job_model_name(db, tenant_id, name) or ""
+    match = _NAME.match(plain)
     if match is None:
         raise ModelNotFound(name)
     with db.transaction() as session:

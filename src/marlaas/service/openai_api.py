@@ -165,7 +165,8 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute, lifespan=lifespan)
 
 
-def _hub(request: Request) -> InferenceHub:
+def inference_hub(request: Request) -> InferenceHub:
+    """The app's serving state (also the OpenAI fine-tuning routes' judge models)."""
     hub: InferenceHub | None = getattr(request.app.state, "inference_hub", None)
     if hub is None:  # the app runs without its lifespan: an engine it never closes
         hub = request.app.state.inference_hub = InferenceHub(request.app.state.context)
@@ -173,14 +174,14 @@ def _hub(request: Request) -> InferenceHub:
 
 
 async def _server(request: Request) -> InferenceServer:
-    return await _hub(request).server()
+    return await inference_hub(request).server()
 
 
 @router.get("/models")
 async def list_models(request: Request, caller: TenantCaller) -> dict[str, Any]:
     """The caller's models: `base`, and per job with a checkpoint (or training now) its
     latest adapter (`<job id>`) and each checkpoint (`<job id>:ckpt-<step>`)."""
-    models = await _hub(request).models(tenant_id(caller))
+    models = await inference_hub(request).models(tenant_id(caller))
     owner = caller.tenant_name or "tenant"
     return {
         "object": "list",
@@ -190,7 +191,7 @@ async def list_models(request: Request, caller: TenantCaller) -> dict[str, Any]:
 
 @router.get("/models/{model:path}")
 async def get_model(model: str, request: Request, caller: TenantCaller) -> dict[str, Any]:
-    found = await _hub(request).resolve(tenant_id(caller), model)
+    found = await inference_hub(request).resolve(tenant_id(caller), model)
     owner = "marlaas" if found.job_id is None else caller.tenant_name or "tenant"
     return _model_card(found, owner)
 

@@ -22,9 +22,19 @@ from marlaas.service.schemas import NAME_PATTERN, NAME_RULE, DatasetList, Datase
 router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
 
 
+#: Datasets named so are the files of the OpenAI-compatible Files API (`/v1/files`).
+FILE_PREFIX = "file-"
+
+
 def _check_name(name: str) -> None:
     if not NAME_PATTERN.match(name):
         raise InvalidField(("path", "name"), f"invalid dataset name {name!r}: {NAME_RULE}")
+    if name.startswith(FILE_PREFIX):
+        raise InvalidField(
+            ("path", "name"),
+            f"dataset names starting with {FILE_PREFIX!r} belong to the Files API; manage "
+            "that file with /v1/files or pick another name",
+        )
 
 
 @router.put(
@@ -97,6 +107,7 @@ def list_datasets(ctx: Context, caller: TenantCaller) -> DatasetList:
 )
 def delete_dataset(name: str, ctx: Context, caller: TenantCaller) -> Response:
     """Delete a dataset no active job uses; its bytes stop counting against the quota."""
+    _check_name(name)
     with ctx.db.transaction() as session:
         path = store.delete(session, tenant_id(caller), name, ctx.settings.artifact_dir)
     path.unlink(missing_ok=True)

@@ -129,7 +129,10 @@ def get_job(job_id: str, ctx: Context, caller: TenantCaller) -> JobOut:
     return _get(ctx, tenant_id(caller), job_id)
 
 
-async def _act(ctx: ServiceContext, caller: TenantCaller, job_id: str, action: Action) -> JobOut:
+async def act(ctx: ServiceContext, caller: TenantCaller, job_id: str, action: Action) -> JobOut:
+    """Record the tenant's `action` on the job, then tell the backend (also the OpenAI
+    fine-tuning routes' cancel, pause and resume)."""
+
     def apply() -> JobOut:
         with ctx.db.transaction() as session:
             return job_out(ops.apply_action(session, tenant_id(caller), job_id, action))
@@ -156,19 +159,19 @@ _ACTION_ERRORS = {**_ERRORS, 409: {"description": "The job's status does not all
 @router.post("/jobs/{job_id}/cancel", response_model=JobOut, responses=_ACTION_ERRORS)
 async def cancel_job(job_id: str, ctx: Context, caller: TenantCaller) -> JobOut:
     """Stop a queued, running or paused job for good."""
-    return await _act(ctx, caller, job_id, Action.CANCEL)
+    return await act(ctx, caller, job_id, Action.CANCEL)
 
 
 @router.post("/jobs/{job_id}/pause", response_model=JobOut, responses=_ACTION_ERRORS)
 async def pause_job(job_id: str, ctx: Context, caller: TenantCaller) -> JobOut:
     """Pause a queued or running job; it keeps its state and its quota slot."""
-    return await _act(ctx, caller, job_id, Action.PAUSE)
+    return await act(ctx, caller, job_id, Action.PAUSE)
 
 
 @router.post("/jobs/{job_id}/resume", response_model=JobOut, responses=_ACTION_ERRORS)
 async def resume_job(job_id: str, ctx: Context, caller: TenantCaller) -> JobOut:
     """Queue a paused job again; it becomes running when the backend picks it up."""
-    return await _act(ctx, caller, job_id, Action.RESUME)
+    return await act(ctx, caller, job_id, Action.RESUME)
 
 
 @router.delete(

@@ -1,0 +1,529 @@
+"""OpenAI-compatible fine-tuning driven by the official `openai` client against a real
+uvicorn server on a loopback port: the Files API, RFT jobs (created as ordinary marlaas
+jobs, followed through their events and checkpoints, their `ft:` models answering chat
+completions), pause / resume / cancel, `alpha/graders` for every grader type, OpenAI's
+error shape for bad input, and tenant isolation.
+
+The jobs run on a scripted backend whose checkpoints hold real PEFT adapters (see
+`live_support`), so what is tested here is the API and its mapping onto marlaas jobs;
+a real pipeline trains such a job in `test_openai_rft_serve.py`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from live_support import AdapterBackend, LiveServer, make_tenant_key
+from service_support import ADMIN_KEY
+
+from marlaas.config.graders import OpenAIGraderSpec
+from marlaas.config.job import DatasetSpec, JobSpec
+from marlaas.service.app import create_app, open_context
+from marlaas.service.lifecycle import JobStatus
+from marlaas.service.settings import QuotaSpec, ServiceSettings
+
+ROWS = [
+    {"messages": [{"role": "user", "content": f"Q: {a}+{b}"}], "answer": str(a + b)}
+    for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (2, 2), (9, 1), (4, 4), (6, 3), (8, 1), (5, 5)]
+]
+PYTHON_SOURCE = (
+    "def grade(sample, item):\n    return 1.0 if item['answer'] in sample['output_text'] else 0.0\n"
+)
+MULTI = {
+    "type": "multi",
+    "name": "arith",
+    "graders": {
+        "exact": {
+            "type": "string_check",
+            "name": "exact",
+            "input": "{{sample.output_text}}",
+            "reference": "{{item.answer}}",
+            "operation": "eq",
+        },
+        "contains": {"type": "python", "name": "contains", "source": PYTHON_SOURCE},
+    },
+    "calculate_output": "0.5 * exact + 0.5 * contains",
+}
+
+
+class HoldingBackend(AdapterBackend):
+    """The scripted backend; `hold_at` holds new jobs at that step, and a resumed job
+    runs again without finishing, so a job can be paused, resumed and cancelled."""
+
+    async def resume(self, job_id: str) -> None:
+        self.calls.append(("resume", job_id))
+        await self._reporter.status(job_id, JobStatus.RUNNING)
+
+
+@dataclass
+class Served:
+    url: str
+    acme: openai.OpenAI
+    globex: openai.OpenAI
+    backend: HoldingBackend
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    settings = ServiceSettings(
+        data_dir=tmp_path_factory.mktemp("rft"),
+        admin_key=ADMIN_KEY,
+        default_quotas=QuotaSpec(max_concurrent_jobs=8, max_total_steps=1000),
+    )
+    ctx, _ = open_context(settings)
+    backend = HoldingBackend()
+    with LiveServer(create_app(ctx, backend.attach)) as server:
+
+        def client(name: str) -> openai.OpenAI:
+            key = make_tenant_key(server.url, name)
+            return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0)
+
+        yield Served(server.url, client("acme"), client("globex"), backend)
+
+
+def jsonl(rows: list[Any]) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+def upload(client: openai.OpenAI, data: bytes, name: str = "train.jsonl") -> Any:
+    return client.files.create(file=(name, io.BytesIO(data)), purpose="fine-tune")
+
+
+def rft(grader: dict[str, Any] = MULTI, **hyperparameters: Any) -> dict[str, Any]:
+    return {
+        "type": "reinforcement",
+        "reinforcement": {"grader": grader, "hyperparameters": hyperparameters},
+    }
+
+
+def test_rft_job_runs_as_a_marlaas_job_and_serves_its_model(served: Served) -> None:
+    client = served.acme
+    train = upload(client, jsonl(ROWS))
+    assert (train.status, train.bytes, train.purpose) == (
+        "processed",
+        len(jsonl(ROWS)),
+        "fine-tune",
+    )
+    assert client.files.content(train.id).content == jsonl(ROWS)
+    served.backend.hold_at = None
+    job = client.fine_tuning.jobs.create(
+        model="base",
+        training_file=train.id,
+        method=rft(
+            n_epochs=2,
+            batch_size=3,
+            learning_rate_multiplier=0.5,
+            compute_multiplier=0.5,
+            eval_interval=2,
+        ),  # type: ignore[arg-type]
+        seed=7,
+        suffix="arith",
+        metadata={"team": "math"},
+    )
+    # The scripted backend ran it while the job was created.
+    assert job.status == "succeeded"
+    assert job.fine_tuned_model == f"ft:base:acme:arith:{job.id}"
+    assert (job.seed, job.training_file, job.metadata) == (7, train.id, {"team": "math"})
+    hp = job.method.reinforcement.hyperparameters  # type: ignore[union-attr]
+    # 10 rows: 9 train, 1 held out; 2 epochs of 9 rows in batches of 3.
+    assert (hp.n_epochs, hp.batch_size, hp.eval_interval, hp.eval_samples) == (2, 3, 2, 1)
+    assert job.hyperparameters.n_epochs == 2 and job.trained_tokens is not None
+
+    spec = served.backend.specs[job.id]
+    assert isinstance(spec, JobSpec) and isinstance(spec.task, DatasetSpec)
+    assert spec.steps == 6 and spec.eval_every == 2 and spec.checkpoint_every == 2
+    assert spec.algorithm.prompts_per_step == 3 and spec.algorithm.group_size == 4
+    assert spec.algorithm.learning_rate == pytest.approx(1.5e-4)
+    assert spec.seed == 7 and Path(spec.task.path).is_file()
+    assert isinstance(spec.task.grader, OpenAIGraderSpec)
+    assert spec.task.grader.grader.type == "multi"
+    # The same job through the native API.
+    native = httpx.get(
+        f"{served.url}/v1/jobs/{job.id}", headers={"Authorization": f"Bearer {client.api_key}"}
+    )
+    assert native.status_code == 200 and native.json()["status"] == "done"
+
+    events = list(client.fine_tuning.jobs.list_events(job.id, limit=100))
+    assert events[0].message == "The job has successfully completed"
+    assert [e.created_at for e in events] == sorted((e.created_at for e in events), reverse=True)
+    metrics = [e for e in events if e.type == "metrics"]
+    assert sorted(e.data["step"] for e in metrics) == [1, 2, 3, 4, 5, 6]  # type: ignore[index]
+    assert all(e.data["total_steps"] == 6 for e in metrics)  # type: ignore[index]
+    older = client.fine_tuning.jobs.list_events(job.id, limit=2, after=events[1].id)
+    assert [e.id for e in older.data] == [events[2].id, events[3].id]
+
+    checkpoints = list(client.fine_tuning.jobs.checkpoints.list(job.id))
+    assert [c.step_number for c in checkpoints] == [6, 4, 2]
+    assert checkpoints[0].fine_tuned_model_checkpoint == f"{job.fine_tuned_model}:ckpt-step-6"
+    assert checkpoints[0].metrics.step == 6 and checkpoints[0].fine_tuning_job_id == job.id
+
+    question = [{"role": "user", "content": "Q: 3+4"}]
+    final = client.chat.completions.create(
+        model=job.fine_tuned_model, messages=question, max_tokens=6, temperature=0
+    )  # type: ignore[arg-type]
+    step2 = client.chat.completions.create(
+        model=checkpoints[2].fine_tuned_model_checkpoint,
+        messages=question,
+        max_tokens=6,
+        temperature=0,
+    )  # type: ignore[arg-type]
+    by_id = client.chat.completions.create(
+        model=job.id, messages=question, max_tokens=6, temperature=0
+    )  # type: ignore[arg-type]
+    assert final.model == job.fine_tuned_model
+    assert final.choices[0].message.content == by_id.choices[0].message.content
+    assert step2.choices[0].message.content is not None
+    text = client.completions.create(model=job.fine_tuned_model, prompt="Q: 3+4\nA: ", max_tokens=4)  # type: ignore[arg-type]
+    assert text.model == job.fine_tuned_model
+
+    listed = client.fine_tuning.jobs.list(metadata={"team": "math"})
+    assert job.id in [j.id for j in listed.data]
+    assert job.id not in [
+        j.id for j in client.fine_tuning.jobs.list(metadata={"team": "other"}).data
+    ]
+
+
+def test_pause_resume_and_cancel_a_second_job(served: Served) -> None:
+    client = served.acme
+    train = upload(client, jsonl(ROWS))
+    served.backend.hold_at = 1
+    job = client.fine_tuning.jobs.create(model="base", training_file=train.id, method=rft())  # type: ignore[arg-type]
+    assert job.status == "running" and job.fine_tuned_model is None and job.finished_at is None
+    assert client.fine_tuning.jobs.pause(job.id).status == "paused"
+    with pytest.raises(openai.ConflictError) as conflict:
+        client.fine_tuning.jobs.pause(job.id)
+    assert "cannot pause" in conflict.value.message
+    assert client.fine_tuning.jobs.resume(job.id).status == "running"
+    with pytest.raises(openai.ConflictError):  # an active job trains on it
+        client.files.delete(train.id)
+    cancelled = client.fine_tuning.jobs.cancel(job.id)
+    assert cancelled.status == "cancelled" and cancelled.finished_at is not None
+    messages = [e.message for e in client.fine_tuning.jobs.list_events(job.id)]
+    assert messages[:4] == [
+        "Fine-tuning job cancelled",
+        "Fine-tuning job started",
+        "Fine-tuning job resumed",
+        "Fine-tuning job paused",
+    ]
+    assert [c for c, j in served.backend.calls if j == job.id] == [
+        "submit",
+        "pause",
+        "resume",
+        "cancel",
+    ]
+    deleted = client.files.delete(train.id)
+    assert deleted.deleted and deleted.id == train.id
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(train.id)
+
+
+def run(client: openai.OpenAI, grader: dict[str, Any], sample: str, item: dict[str, Any]) -> Any:
+    return client.fine_tuning.alpha.graders.run(grader=grader, model_sample=sample, item=item)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("grader", "sample", "reward"),
+    [
+        (
+            {
+                "type": "string_check",
+                "name": "s",
+                "input": "{{sample.output_text}}",
+                "reference": "{{item.answer}}",
+                "operation": "ilike",
+            },
+            "It is PARIS",
+            1.0,
+        ),
+        (
+            {
+                "type": "text_similarity",
+                "name": "t",
+                "input": "{{sample.output_text}}",
+                "reference": "{{item.answer}}",
+                "evaluation_metric": "rouge_1",
+            },
+            "paris",
+            1.0,
+        ),
+        (
+            {
+                "type": "text_similarity",
+                "name": "t",
+                "input": "{{sample.output_text}}",
+                "reference": "{{item.answer}}",
+                "evaluation_metric": "fuzzy_match",
+            },
+            "Paris!",
+            1.0,
+        ),
+        (
+            {
+                "type": "python",
+                "name": "p",
+                "source": "def grade(sample, item):\n    return len(item['answer']) / 10\n",
+            },
+            "x",
+            0.5,
+        ),
+        (
+            {
+                "type": "string_check",
+                "name": "j",
+                "input": "{{sample.output_json.city}}",
+                "reference": "{{item.answer}}",
+                "operation": "eq",
+            },
+            '{"city": "Paris"}',
+            1.0,
+        ),
+    ],
+)
+def test_graders_run_the_simple_types(
+    served: Served, grader: dict[str, Any], sample: str, reward: float
+) -> None:
+    result = run(served.acme, grader, sample, {"answer": "Paris"})
+    assert result.reward == pytest.approx(reward)
+    assert result.metadata.type == grader["type"] and result.metadata.name == grader["name"]
+    assert not any(v for k, v in result.metadata.errors.model_dump().items() if isinstance(v, bool))
+    assert (
+        served.acme.fine_tuning.alpha.graders.validate(grader=grader).grader.type == grader["type"]
+    )  # type: ignore[arg-type,union-attr]
+
+
+def test_graders_run_multi_with_sub_rewards(served: Served) -> None:
+    result = run(served.acme, MULTI, "the sum is 19", {"answer": "19"})
+    assert result.reward == 0.5 and result.sub_rewards == {"exact": 0.0, "contains": 1.0}
+    assert result.metadata.scores == {"exact": 0.0, "contains": 1.0}
+
+
+def test_graders_run_model_judges_on_the_base(served: Served) -> None:
+    judge_input = [{"role": "user", "content": "Q: 2+2\nIs {{sample.output_text}} right?"}]
+    score = run(
+        served.acme,
+        {
+            "type": "score_model",
+            "name": "judge",
+            "model": "base",
+            "input": judge_input,
+            "range": [0, 100],
+            "sampling_params": {"temperature": 0, "max_completions_tokens": 8},
+        },
+        "4",
+        {},
+    )
+    # The embedded base answers arithmetic with a number: a score or a parse error, both
+    # reported, with the judge's token usage.
+    usage = score.model_grader_token_usage_per_model["base"]
+    assert usage["prompt_tokens"] > 0 and usage["completion_tokens"] > 0  # type: ignore[index]
+    errors = score.metadata.errors
+    assert errors.api_model_grader_parse_error or 0.0 <= score.reward <= 100.0
+    assert not errors.api_model_grader_server_error
+    label = run(
+        served.acme,
+        {
+            "type": "label_model",
+            "name": "lab",
+            "model": "base",
+            "input": judge_input,
+            "labels": ["4", "5"],
+            "passing_labels": ["4"],
+        },
+        "4",
+        {},
+    )
+    assert label.reward in (0.0, 1.0) and label.metadata.token_usage
+    with pytest.raises(openai.BadRequestError) as missing:
+        run(
+            served.acme,
+            {"type": "score_model", "name": "judge", "model": "nope", "input": judge_input},
+            "4",
+            {},
+        )
+    assert missing.value.param == "grader.model" and missing.value.code == "model_not_found"
+
+
+def test_errors_answer_in_openais_shape(served: Served) -> None:
+    client = served.acme
+    bad = upload(
+        client, b'{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": 3}\n', "bad.jsonl"
+    )
+    assert bad.status == "error"
+    assert bad.status_details == "line 2: 'messages' must be a non-empty list of chat messages"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.fine_tuning.jobs.create(model="base", training_file=bad.id, method=rft())  # type: ignore[arg-type]
+    assert caught.value.param == "training_file" and "line 2" in caught.value.message
+    assert caught.value.type == "invalid_request_error"
+    good = upload(client, jsonl(ROWS))
+    answered = upload(
+        client,
+        jsonl(
+            [
+                {
+                    "messages": [
+                        {"role": "user", "content": "a"},
+                        {"role": "assistant", "content": "b"},
+                    ]
+                }
+            ]
+        ),
+    )
+    cases: list[tuple[dict[str, Any], str, str]] = [
+        (
+            {"method": rft({"type": "exact_match", "name": "x"})},
+            "method.reinforcement.grader.type",
+            "unknown grader type 'exact_match'",
+        ),
+        (
+            {"method": rft({**MULTI["graders"]["exact"], "reference": "{{item.answer"})},
+            "method.reinforcement.grader.reference",
+            "unclosed '{{'",
+        ),
+        (
+            {"method": rft({**MULTI["graders"]["exact"], "reference": "{{row.answer}}"})},
+            "method.reinforcement.grader.reference",
+            "namespace 'row'",
+        ),
+        ({"model": "gpt-4o-mini-2024-07-18"}, "model", "not available for fine-tuning"),
+        (
+            {"method": rft(reasoning_effort="high")},
+            "method.reinforcement.hyperparameters.reasoning_effort",
+            "cannot be honoured",
+        ),
+        (
+            {"method": rft(n_epochs=0)},
+            "method.reinforcement.hyperparameters.n_epochs",
+            "greater than or equal to 1",
+        ),
+        (
+            {"method": {"type": "supervised", "supervised": {}}},
+            "method.type",
+            "supervised method is not supported",
+        ),
+        ({"training_file": "file-nope"}, "training_file", "no file 'file-nope'"),
+        ({"training_file": answered.id}, "training_file", "must end with the user"),
+        ({"suffix": "a:b"}, "suffix", "pattern"),
+        (
+            {"integrations": [{"type": "wandb", "wandb": {"project": "p"}}]},
+            "integrations",
+            "not supported",
+        ),
+        (
+            {
+                "method": rft(
+                    {
+                        "type": "score_model",
+                        "name": "j",
+                        "model": "base",
+                        "input": [{"role": "user", "content": "x"}],
+                    }
+                )
+            },
+            "method.reinforcement.grader",
+            "cannot call a judge",
+        ),
+    ]
+    for change, param, fragment in cases:
+        body: dict[str, Any] = {
+            "model": "base",
+            "training_file": good.id,
+            "method": rft(),
+            **change,
+        }
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.fine_tuning.jobs.create(**body)
+        assert caught.value.param == param, (change, caught.value.message)
+        assert fragment in caught.value.message, (change, caught.value.message)
+    with pytest.raises(openai.BadRequestError) as unknown:
+        client.fine_tuning.jobs.create(
+            model="base", training_file=good.id, method=rft(), extra_body={"learning_rate": 1}
+        )  # type: ignore[arg-type]
+    assert unknown.value.param == "learning_rate" and "never ignores" in unknown.value.message
+    with pytest.raises(openai.NotFoundError) as model:
+        client.chat.completions.create(
+            model="ft:base:acme::job_0123456789abcdef", messages=[{"role": "user", "content": "x"}]
+        )
+    assert model.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as purpose:
+        client.files.create(file=("x.jsonl", io.BytesIO(jsonl(ROWS))), purpose="batch")
+    assert purpose.value.param == "purpose"
+    http = httpx.post(
+        f"{served.url}/v1/fine_tuning/alpha/graders/validate",
+        json={"grader": {"type": "nope", "name": "x"}},
+        headers={"Authorization": f"Bearer {client.api_key}"},
+    )
+    assert http.status_code == 400
+    assert http.json() == {
+        "error": {
+            "message": "grader.type: unknown grader type 'nope'; use one of string_check, text_similarity, python, score_model, label_model, multi",
+            "type": "invalid_request_error",
+            "param": "grader.type",
+            "code": None,
+        }
+    }
+
+
+def test_another_tenants_files_jobs_and_models_are_not_found(served: Served) -> None:
+    acme, globex = served.acme, served.globex
+    train = upload(acme, jsonl(ROWS))
+    served.backend.hold_at = None
+    job = acme.fine_tuning.jobs.create(
+        model="base", training_file=train.id, method=rft(), suffix="iso"
+    )  # type: ignore[arg-type]
+    assert job.fine_tuned_model is not None
+    for call in (
+        lambda: globex.files.retrieve(train.id),
+        lambda: globex.files.content(train.id),
+        lambda: globex.files.delete(train.id),
+        lambda: globex.fine_tuning.jobs.retrieve(job.id),
+        lambda: globex.fine_tuning.jobs.cancel(job.id),
+        lambda: globex.fine_tuning.jobs.list_events(job.id),
+        lambda: globex.fine_tuning.jobs.checkpoints.list(job.id),
+        lambda: globex.chat.completions.create(
+            model=job.fine_tuned_model, messages=[{"role": "user", "content": "x"}]
+        ),  # type: ignore[arg-type]
+        lambda: globex.models.retrieve(job.fine_tuned_model),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(openai.NotFoundError):
+            call()
+    # The tenant's own name with another tenant spelled in it is not found either.
+    spoofed = job.fine_tuned_model.replace(":acme:", ":globex:")
+    with pytest.raises(openai.NotFoundError):
+        acme.chat.completions.create(model=spoofed, messages=[{"role": "user", "content": "x"}])
+    assert train.id not in [f.id for f in globex.files.list()]
+    assert job.id not in [j.id for j in globex.fine_tuning.jobs.list()]
+    with pytest.raises(openai.BadRequestError) as caught:
+        globex.fine_tuning.jobs.create(model="base", training_file=train.id, method=rft())  # type: ignore[arg-type]
+    assert caught.value.param == "training_file"
+
+
+def test_files_list_pages_and_expire(served: Served) -> None:
+    client = served.globex
+    ids = [upload(client, jsonl(ROWS[:2]), f"f{i}.jsonl").id for i in range(3)]
+    newest_first = [f.id for f in client.files.list(purpose="fine-tune")]
+    assert newest_first[:3] == ids[::-1]
+    page = client.files.list(limit=1, after=ids[2])
+    assert [f.id for f in page.data] == [ids[1]] and page.has_more
+    oldest_first = [f.id for f in client.files.list(order="asc")]
+    assert oldest_first.index(ids[0]) < oldest_first.index(ids[2])
+    expiring = client.files.create(
+        file=("e.jsonl", io.BytesIO(jsonl(ROWS[:2]))),
+        purpose="fine-tune",
+        expires_after={"anchor": "created_at", "seconds": 3600},
+    )
+    assert expiring.expires_at == expiring.created_at + 3600
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.files.create(
+            file=("e.jsonl", io.BytesIO(b"{}")),
+            purpose="fine-tune",
+            expires_after={"anchor": "created_at", "seconds": 5},
+        )
+    assert caught.value.param == "expires_after.seconds"
