@@ -64,6 +64,24 @@ def test_dataset_jobs_use_their_rows_and_grader(tmp_path: Path) -> None:
     assert {stream[i].id for i in range(30)} == {e.id for e in task.train}  # epochs repeat
 
 
+def test_a_dataset_job_may_take_its_eval_rows_from_a_second_file(tmp_path: Path) -> None:
+    train, held = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    train.write_text(
+        "".join(json.dumps({"prompt": f"t{i}", "reference": "r"}) + "\n" for i in range(6))
+    )
+    held.write_text(
+        "".join(json.dumps({"prompt": f"e{i}", "reference": "r"}) + "\n" for i in range(3))
+    )
+    task_spec = {"type": "dataset", "path": str(train), "grader": {"type": "exact"}}
+    spec = job("d", task={**task_spec, "eval_path": str(held), "eval_fraction": 0.0})
+    task = build_task(spec)
+    assert isinstance(task, DatasetTask)
+    assert [e.prompt for e in task.train] == [f"t{i}" for i in range(6)]  # none held out
+    assert sorted(e.prompt for e in eval_examples(task, spec)) == ["e0", "e1", "e2"]
+    with pytest.raises(ValueError, match="eval_fraction must be 0"):
+        job("d", task={**task_spec, "eval_path": str(held)})
+
+
 def test_bad_data_fails_when_the_task_is_built(tmp_path: Path) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "x"}\n')

@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import Engine, func, insert, select, update
+from sqlalchemy import Engine, func, insert, inspect, select, update
 
 from marlaas.service.db import (
     Database,
@@ -18,7 +18,7 @@ from marlaas.service.db import (
     head_revision,
     migrate,
 )
-from marlaas.service.models import Base, Job, Metric, Tenant
+from marlaas.service.models import Base, Dataset, File, Job, Metric, Tenant
 
 
 def test_migrated_schema_matches_models(db_url: str) -> None:
@@ -99,5 +99,43 @@ def test_deleted_at_downgrades_and_upgrades(db_url: str) -> None:
             assert conn.execute(select(Job.id, Job.deleted_at)).all() == [("job_kept", None)]
             diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
         assert diff == []
+    finally:
+        db.close()
+
+
+def test_openai_files_downgrade_and_upgrade(db_url: str) -> None:
+    """0003 -> 0002 drops OpenAI's view of files and jobs but keeps the files' bytes as
+    the tenant's datasets; upgrading again brings the (empty) tables back."""
+    db = Database(db_url)
+    now = datetime.now(UTC)
+    try:
+        with db.engine.begin() as conn:
+            conn.execute(
+                insert(Tenant).values(
+                    id="ten_1", name="acme", max_concurrent_jobs=1, max_total_steps=10,
+                    max_dataset_bytes=10, created_at=now,
+                )
+            )  # fmt: skip
+            conn.execute(
+                insert(Dataset).values(
+                    id="ds_1", tenant_id="ten_1", name="file-1", path="datasets/x.jsonl",
+                    size_bytes=3, rows=1, sha256="0" * 64, created_at=now,
+                )
+            )  # fmt: skip
+            conn.execute(
+                insert(File).values(
+                    id="file-1", tenant_id="ten_1", filename="t.jsonl", purpose="fine-tune",
+                    size_bytes=3, rows=1, status="processed", created_at=now,
+                )
+            )  # fmt: skip
+        _downgrade(db.engine, "0002")
+        with db.engine.connect() as conn:
+            assert not inspect(conn).has_table("files")
+            assert not inspect(conn).has_table("fine_tuning_jobs")
+            assert conn.execute(select(Dataset.name)).scalars().all() == ["file-1"]
+        migrate(db.engine)
+        with db.engine.connect() as conn:
+            assert conn.scalar(select(func.count()).select_from(File)) == 0
+            assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
     finally:
         db.close()

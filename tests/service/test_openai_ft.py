@@ -401,7 +401,7 @@ def test_errors_answer_in_openais_shape(served: Served) -> None:
         (
             {"method": rft(n_epochs=0)},
             "method.reinforcement.hyperparameters.n_epochs",
-            "greater than or equal to 1",
+            "must be 'auto' or an integer from 1 to 1000, got 0",
         ),
         (
             {"method": {"type": "supervised", "supervised": {}}},
@@ -527,3 +527,24 @@ def test_files_list_pages_and_expire(served: Served) -> None:
             expires_after={"anchor": "created_at", "seconds": 5},
         )
     assert caught.value.param == "expires_after.seconds"
+
+
+def test_a_validation_file_is_the_jobs_eval_set(served: Served) -> None:
+    client = served.acme
+    train, held = upload(client, jsonl(ROWS)), upload(client, jsonl(ROWS[:3]), "valid.jsonl")
+    served.backend.hold_at = 1
+    job = client.fine_tuning.jobs.create(
+        model="base",
+        training_file=train.id,
+        validation_file=held.id,
+        method=rft(eval_samples=50),  # type: ignore[arg-type]
+    )
+    assert job.validation_file == held.id
+    assert job.method.reinforcement.hyperparameters.eval_samples == 3  # type: ignore[union-attr]
+    task = served.backend.specs[job.id].task
+    assert isinstance(task, DatasetSpec) and task.eval_fraction == 0.0
+    assert task.eval_path is not None and Path(task.eval_path).read_bytes() == jsonl(ROWS[:3])
+    with pytest.raises(openai.ConflictError):  # the active job evaluates on it
+        client.files.delete(held.id)
+    client.fine_tuning.jobs.cancel(job.id)
+    assert client.files.delete(held.id).deleted

@@ -52,6 +52,11 @@ class DatasetSpec(Spec):
     reference_field: str = Field("reference", description="Row field holding the reference.")
     grader: GraderSpec = Field(..., description="How a completion is scored against the row.")
     eval_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="Rows held out for eval.")
+    eval_path: str | None = Field(
+        None,
+        description="A second JSONL file (same fields) whose rows are the eval set; "
+        "eval_fraction must then be 0.",
+    )
     format: Literal["auto", "text", "chat"] = Field(
         "auto",
         description="auto: chat rows (`messages`) go through the base's chat template and "
@@ -59,6 +64,15 @@ class DatasetSpec(Spec):
         "no template (chat rows are refused).",
     )
     seed: int = Field(0, description="Seed of the train/eval split.")
+
+    @model_validator(mode="after")
+    def _eval_set(self) -> DatasetSpec:
+        if self.eval_path is not None and self.eval_fraction > 0:
+            raise ValueError(
+                "eval_path gives the eval rows, so eval_fraction must be 0 (no rows of "
+                "the training file are held out)"
+            )
+        return self
 
 
 def _data_kind(value: Any) -> str:

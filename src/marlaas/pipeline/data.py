@@ -12,6 +12,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 from typing import Any
@@ -43,12 +44,21 @@ def build_task(job: JobSpec, tokenizer: PreTrainedTokenizerBase | None = None) -
         examples = load_jsonl(task.path, task.prompt_field, task.reference_field)
         examples, chat = render_examples(examples, tokenizer, task.format, task.path)
         grader = build_grader(task.grader)
+        held_out = None
+        if task.eval_path is not None:
+            # Ids only need to be unique within a file: the eval file's get a prefix.
+            held_out = [
+                dataclasses.replace(e, id=f"eval:{e.id}")
+                for e in load_jsonl(task.eval_path, task.prompt_field, task.reference_field)
+            ]
+            held_out, _ = render_examples(held_out, tokenizer, task.format, task.eval_path)
         return DatasetTask(
             examples,
             grader,
             name=job.name,
             eval_fraction=task.eval_fraction,
             split_seed=task.seed,
+            eval_examples=held_out,
             chat=chat,
         )
     options: dict[str, Any] = dict(task.options)

@@ -107,7 +107,8 @@ def _check_unused(session: Session, tenant_id: str, name: str, doing: str) -> No
     users = [
         j.name
         for j in active
-        if j.spec.get("task", {}).get("type") == "dataset" and j.spec["task"].get("path") == name
+        if j.spec.get("task", {}).get("type") == "dataset"
+        and name in (j.spec["task"].get("path"), j.spec["task"].get("eval_path"))
     ]
     if users:
         raise Conflict(
@@ -185,9 +186,16 @@ def delete(session: Session, tenant_id: str, name: str, artifact_dir: Path) -> P
 
 
 def resolve_spec(session: Session, tenant_id: str, spec: JobSpec, artifact_dir: Path) -> JobSpec:
-    """The spec a backend runs: a dataset name replaced by the absolute path of its file."""
+    """The spec a backend runs: dataset names (`path`, `eval_path`) replaced by the
+    absolute paths of their files."""
     task = spec.task
     if not isinstance(task, DatasetSpec):
         return spec
-    path = (artifact_dir / get(session, tenant_id, task.path).path).resolve()
-    return spec.model_copy(update={"task": task.model_copy(update={"path": str(path)})})
+
+    def where(name: str) -> str:
+        return str((artifact_dir / get(session, tenant_id, name).path).resolve())
+
+    paths = {"path": where(task.path)}
+    if task.eval_path is not None:
+        paths["eval_path"] = where(task.eval_path)
+    return spec.model_copy(update={"task": task.model_copy(update=paths)})

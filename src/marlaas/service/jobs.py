@@ -52,15 +52,18 @@ def _check_task(session: Session, tenant_id: str, spec: JobSpec) -> None:
                 f"its options are: {', '.join(sorted(knobs))}",
             )
     elif isinstance(task, DatasetSpec):
-        found = session.scalar(
-            select(Dataset.id).where(Dataset.tenant_id == tenant_id, Dataset.name == task.path)
-        )
-        if found is None:
-            raise InvalidField(
-                ("body", "task", "path"),
-                f"no uploaded dataset named {task.path!r}; upload it first with "
-                "PUT /v1/datasets/{name}, then give its name as task.path",
+        for field, name in (("path", task.path), ("eval_path", task.eval_path)):
+            if name is None:
+                continue
+            found = session.scalar(
+                select(Dataset.id).where(Dataset.tenant_id == tenant_id, Dataset.name == name)
             )
+            if found is None:
+                raise InvalidField(
+                    ("body", "task", field),
+                    f"no uploaded dataset named {name!r}; upload it first with "
+                    f"PUT /v1/datasets/{{name}}, then give its name as task.{field}",
+                )
 
 
 def _check_limits(spec: JobSpec, max_rank: int, max_staleness: int) -> None:

@@ -24,9 +24,9 @@ from __future__ import annotations
 import math
 import secrets
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, TypeAdapter, ValidationError
 
 from marlaas.config.job import JobSpec
 from marlaas.config.openai_graders import (
@@ -52,16 +52,32 @@ class _Wire(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-Auto = Literal["auto"]
+def _auto_or(kind: type[int] | type[float], low: float, high: float) -> Any:
+    """A hyperparameter: 'auto', None, or a number of `kind` in [low, high] (a float's
+    low end excluded), with one message naming the allowed values."""
+    what = f"'auto' or {'an integer' if kind is int else 'a number'} from {low:g} to {high:g}"
+
+    def check(value: Any) -> Any:
+        if value is None or value == "auto":
+            return value
+        number = value if isinstance(value, int | float) and not isinstance(value, bool) else None
+        if number is None or (kind is int and not float(number).is_integer()):
+            raise ValueError(f"must be {what}, got {value!r}")
+        inside = (low < number if kind is float else low <= number) and number <= high
+        if not inside:
+            raise ValueError(f"must be {what}, got {value!r}")
+        return kind(number)
+
+    return Annotated[Any, PlainValidator(check)]
 
 
 class Hyperparameters(_Wire):
-    batch_size: Auto | int | None = Field(None, ge=1, le=1024)
-    compute_multiplier: Auto | float | None = Field(None, gt=0, le=8)
-    eval_interval: Auto | int | None = Field(None, ge=1, le=1_000_000)
-    eval_samples: Auto | int | None = Field(None, ge=1, le=100_000)
-    learning_rate_multiplier: Auto | float | None = Field(None, gt=0, le=100)
-    n_epochs: Auto | int | None = Field(None, ge=1, le=1000)
+    batch_size: _auto_or(int, 1, 1024) = None  # type: ignore[valid-type]
+    compute_multiplier: _auto_or(float, 0, 8) = None  # type: ignore[valid-type]
+    eval_interval: _auto_or(int, 1, 1_000_000) = None  # type: ignore[valid-type]
+    eval_samples: _auto_or(int, 1, 100_000) = None  # type: ignore[valid-type]
+    learning_rate_multiplier: _auto_or(float, 0, 100) = None  # type: ignore[valid-type]
+    n_epochs: _auto_or(int, 1, 1000) = None  # type: ignore[valid-type]
     reasoning_effort: str | None = None
 
 
@@ -225,6 +241,7 @@ def job_spec(body: CreateJob, resolved: Resolved) -> JobSpec:
         "path": body.training_file,
         "grader": {"type": "openai", "grader": _GRADER.dump_python(resolved.grader, mode="json")},
         "eval_fraction": 0.0 if body.validation_file else EVAL_FRACTION,
+        "eval_path": body.validation_file,
         "seed": resolved.seed,
     }
     try:

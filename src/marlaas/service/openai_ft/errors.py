@@ -58,7 +58,7 @@ def _validation(exc: RequestValidationError) -> JSONResponse:
     elif kind == "missing":
         what = "required field is missing; add it"
     else:
-        what = str(first.get("msg", "invalid request"))
+        what = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     return answer(400, f"{param or 'body'}: {what}", param, None)
 
 
