@@ -184,6 +184,11 @@ def test_rft_job_runs_as_a_marlaas_job_and_serves_its_model(served: Served) -> N
     text = client.completions.create(model=job.fine_tuned_model, prompt="Q: 3+4\nA: ", max_tokens=4)  # type: ignore[arg-type]
     assert text.model == job.fine_tuned_model
 
+    models = [m.id for m in client.models.list()]
+    assert models.index(job.fine_tuned_model) == models.index(job.id) + 1
+    assert f"{job.fine_tuned_model}:ckpt-step-2" in models
+    assert client.models.retrieve(job.fine_tuned_model).id == job.fine_tuned_model  # type: ignore[arg-type]
+
     listed = client.fine_tuning.jobs.list(metadata={"team": "math"})
     assert job.id in [j.id for j in listed.data]
     assert job.id not in [

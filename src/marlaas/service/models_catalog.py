@@ -31,7 +31,7 @@ from sqlalchemy import select
 from marlaas.service.db import Database
 from marlaas.service.errors import NotFound
 from marlaas.service.models import Checkpoint, Job
-from marlaas.service.openai_ft.names import FT_PREFIX, job_model_name
+from marlaas.service.openai_ft.names import FT_PREFIX, alias_of, aliases, job_model_name
 
 BASE_MODEL = "base"
 BASE_KEY = "serve:base"
@@ -139,7 +139,8 @@ def list_models(
     db: Database, tenant_id: str, artifact_dir: Path, live: Callable[[str], bool] = never_live
 ) -> list[ServedModel]:
     """`base`, then per job of the tenant (oldest first) that has a servable checkpoint
-    or trains live: the job's name (its latest adapter) and each checkpoint by step."""
+    or trains live: the job's name (its latest adapter) and each checkpoint by step,
+    each followed by its `ft:` name for an OpenAI fine-tuning job."""
     out = [ServedModel(BASE_MODEL, None)]
     with db.transaction() as session:
         jobs = session.execute(
@@ -158,11 +159,18 @@ def list_models(
             served = _checkpoint_model(f"{ckpt.job_id}:ckpt-{ckpt.step}", ckpt, artifact_dir)
             if served is not None:
                 by_job.setdefault(ckpt.job_id, []).append(served)
+        ft_names = aliases(session, tenant_id)
     for job_id, updated in jobs:
         checkpoints = by_job.get(job_id, [])
+        mine: list[ServedModel] = []
         if live(job_id):
-            out.append(ServedModel(job_id, updated, job_id, live=True))
+            mine.append(ServedModel(job_id, updated, job_id, live=True))
         elif checkpoints:
-            out.append(replace(checkpoints[-1], name=job_id))
-        out.extend(checkpoints)
+            mine.append(replace(checkpoints[-1], name=job_id))
+        mine.extend(checkpoints)
+        ft_name = ft_names.get(job_id)
+        for m in mine:
+            out.append(m)
+            if ft_name is not None:
+                out.append(replace(m, name=alias_of(m.name, job_id, ft_name)))
     return out

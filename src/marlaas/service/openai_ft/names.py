@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 
 from sqlalchemy import select
+from sqlalchemy.orm import Session
 
 from marlaas.service.db import Database
 from marlaas.service.models import FineTuningJob, Job
@@ -48,3 +49,19 @@ def job_model_name(db: Database, tenant_id: str, name: str) -> str | None:
     if exists is None:
         return None
     return job_id if step is None else f"{job_id}:ckpt-{step}"
+
+
+def aliases(session: Session, tenant_id: str) -> dict[str, str]:
+    """The `ft:` name of each of the tenant's OpenAI fine-tuning jobs, by job id."""
+    rows = session.execute(
+        select(FineTuningJob.job_id, FineTuningJob.fine_tuned_model)
+        .join(Job, Job.id == FineTuningJob.job_id)
+        .where(Job.tenant_id == tenant_id, Job.deleted_at.is_(None))
+    ).all()
+    return {job_id: name for job_id, name in rows}
+
+
+def alias_of(name: str, job_id: str, ft_name: str) -> str:
+    """The `ft:` name of the marlaas model `name` (`JOB` or `JOB:ckpt-N`) of a job."""
+    step = name[len(job_id) + len(":ckpt-") :] if name != job_id else None
+    return ft_name if step is None else checkpoint_model(ft_name, int(step))
