@@ -1,107 +1,34 @@
 """OpenAI-compatible fine-tuning driven by the official `openai` client against a real
 uvicorn server on a loopback port: the Files API, RFT jobs (created as ordinary marlaas
 jobs, followed through their events and checkpoints, their `ft:` models answering chat
-completions), pause / resume / cancel, `alpha/graders` for every grader type, OpenAI's
-error shape for bad input, and tenant isolation.
+completions), pause / resume / cancel, OpenAI's error shape for bad input, and tenant
+isolation.
 
 The jobs run on a scripted backend whose checkpoints hold real PEFT adapters (see
 `live_support`), so what is tested here is the API and its mapping onto marlaas jobs;
-a real pipeline trains such a job in `test_openai_rft_serve.py`.
+`test_openai_rft_serve.py` drives a real `marlaas serve`.
 """
 
 from __future__ import annotations
 
 import io
-import json
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
-from live_support import AdapterBackend, LiveServer, make_tenant_key
-from service_support import ADMIN_KEY
+from openai_ft_support import MULTI, ROWS, Served, jsonl, rft, serving, upload
 
 from marlaas.config.graders import OpenAIGraderSpec
 from marlaas.config.job import DatasetSpec, JobSpec
-from marlaas.service.app import create_app, open_context
-from marlaas.service.lifecycle import JobStatus
-from marlaas.service.settings import QuotaSpec, ServiceSettings
-
-ROWS = [
-    {"messages": [{"role": "user", "content": f"Q: {a}+{b}"}], "answer": str(a + b)}
-    for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (2, 2), (9, 1), (4, 4), (6, 3), (8, 1), (5, 5)]
-]
-PYTHON_SOURCE = (
-    "def grade(sample, item):\n    return 1.0 if item['answer'] in sample['output_text'] else 0.0\n"
-)
-MULTI = {
-    "type": "multi",
-    "name": "arith",
-    "graders": {
-        "exact": {
-            "type": "string_check",
-            "name": "exact",
-            "input": "{{sample.output_text}}",
-            "reference": "{{item.answer}}",
-            "operation": "eq",
-        },
-        "contains": {"type": "python", "name": "contains", "source": PYTHON_SOURCE},
-    },
-    "calculate_output": "0.5 * exact + 0.5 * contains",
-}
-
-
-class HoldingBackend(AdapterBackend):
-    """The scripted backend; `hold_at` holds new jobs at that step, and a resumed job
-    runs again without finishing, so a job can be paused, resumed and cancelled."""
-
-    async def resume(self, job_id: str) -> None:
-        self.calls.append(("resume", job_id))
-        await self._reporter.status(job_id, JobStatus.RUNNING)
-
-
-@dataclass
-class Served:
-    url: str
-    acme: openai.OpenAI
-    globex: openai.OpenAI
-    backend: HoldingBackend
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    settings = ServiceSettings(
-        data_dir=tmp_path_factory.mktemp("rft"),
-        admin_key=ADMIN_KEY,
-        default_quotas=QuotaSpec(max_concurrent_jobs=8, max_total_steps=1000),
-    )
-    ctx, _ = open_context(settings)
-    backend = HoldingBackend()
-    with LiveServer(create_app(ctx, backend.attach)) as server:
-
-        def client(name: str) -> openai.OpenAI:
-            key = make_tenant_key(server.url, name)
-            return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0)
-
-        yield Served(server.url, client("acme"), client("globex"), backend)
-
-
-def jsonl(rows: list[Any]) -> bytes:
-    return "".join(json.dumps(r) + "\n" for r in rows).encode()
-
-
-def upload(client: openai.OpenAI, data: bytes, name: str = "train.jsonl") -> Any:
-    return client.files.create(file=(name, io.BytesIO(data)), purpose="fine-tune")
-
-
-def rft(grader: dict[str, Any] = MULTI, **hyperparameters: Any) -> dict[str, Any]:
-    return {
-        "type": "reinforcement",
-        "reinforcement": {"grader": grader, "hyperparameters": hyperparameters},
-    }
+    with serving(tmp_path_factory.mktemp("rft")) as s:
+        yield s
 
 
 def test_rft_job_runs_as_a_marlaas_job_and_serves_its_model(served: Served) -> None:
@@ -228,132 +155,6 @@ def test_pause_resume_and_cancel_a_second_job(served: Served) -> None:
     assert deleted.deleted and deleted.id == train.id
     with pytest.raises(openai.NotFoundError):
         client.files.retrieve(train.id)
-
-
-def run(client: openai.OpenAI, grader: dict[str, Any], sample: str, item: dict[str, Any]) -> Any:
-    return client.fine_tuning.alpha.graders.run(grader=grader, model_sample=sample, item=item)  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize(
-    ("grader", "sample", "reward"),
-    [
-        (
-            {
-                "type": "string_check",
-                "name": "s",
-                "input": "{{sample.output_text}}",
-                "reference": "{{item.answer}}",
-                "operation": "ilike",
-            },
-            "It is PARIS",
-            1.0,
-        ),
-        (
-            {
-                "type": "text_similarity",
-                "name": "t",
-                "input": "{{sample.output_text}}",
-                "reference": "{{item.answer}}",
-                "evaluation_metric": "rouge_1",
-            },
-            "paris",
-            1.0,
-        ),
-        (
-            {
-                "type": "text_similarity",
-                "name": "t",
-                "input": "{{sample.output_text}}",
-                "reference": "{{item.answer}}",
-                "evaluation_metric": "fuzzy_match",
-            },
-            "Paris!",
-            1.0,
-        ),
-        (
-            {
-                "type": "python",
-                "name": "p",
-                "source": "def grade(sample, item):\n    return len(item['answer']) / 10\n",
-            },
-            "x",
-            0.5,
-        ),
-        (
-            {
-                "type": "string_check",
-                "name": "j",
-                "input": "{{sample.output_json.city}}",
-                "reference": "{{item.answer}}",
-                "operation": "eq",
-            },
-            '{"city": "Paris"}',
-            1.0,
-        ),
-    ],
-)
-def test_graders_run_the_simple_types(
-    served: Served, grader: dict[str, Any], sample: str, reward: float
-) -> None:
-    result = run(served.acme, grader, sample, {"answer": "Paris"})
-    assert result.reward == pytest.approx(reward)
-    assert result.metadata.type == grader["type"] and result.metadata.name == grader["name"]
-    assert not any(v for k, v in result.metadata.errors.model_dump().items() if isinstance(v, bool))
-    assert (
-        served.acme.fine_tuning.alpha.graders.validate(grader=grader).grader.type == grader["type"]
-    )  # type: ignore[arg-type,union-attr]
-
-
-def test_graders_run_multi_with_sub_rewards(served: Served) -> None:
-    result = run(served.acme, MULTI, "the sum is 19", {"answer": "19"})
-    assert result.reward == 0.5 and result.sub_rewards == {"exact": 0.0, "contains": 1.0}
-    assert result.metadata.scores == {"exact": 0.0, "contains": 1.0}
-
-
-def test_graders_run_model_judges_on_the_base(served: Served) -> None:
-    judge_input = [{"role": "user", "content": "Q: 2+2\nIs {{sample.output_text}} right?"}]
-    score = run(
-        served.acme,
-        {
-            "type": "score_model",
-            "name": "judge",
-            "model": "base",
-            "input": judge_input,
-            "range": [0, 100],
-            "sampling_params": {"temperature": 0, "max_completions_tokens": 8},
-        },
-        "4",
-        {},
-    )
-    # The embedded base answers arithmetic with a number: a score or a parse error, both
-    # reported, with the judge's token usage.
-    usage = score.model_grader_token_usage_per_model["base"]
-    assert usage["prompt_tokens"] > 0 and usage["completion_tokens"] > 0  # type: ignore[index]
-    errors = score.metadata.errors
-    assert errors.api_model_grader_parse_error or 0.0 <= score.reward <= 100.0
-    assert not errors.api_model_grader_server_error
-    label = run(
-        served.acme,
-        {
-            "type": "label_model",
-            "name": "lab",
-            "model": "base",
-            "input": judge_input,
-            "labels": ["4", "5"],
-            "passing_labels": ["4"],
-        },
-        "4",
-        {},
-    )
-    assert label.reward in (0.0, 1.0) and label.metadata.token_usage
-    with pytest.raises(openai.BadRequestError) as missing:
-        run(
-            served.acme,
-            {"type": "score_model", "name": "judge", "model": "nope", "input": judge_input},
-            "4",
-            {},
-        )
-    assert missing.value.param == "grader.model" and missing.value.code == "model_not_found"
 
 
 def test_errors_answer_in_openais_shape(served: Served) -> None:

@@ -1,0 +1,95 @@
+"""Helpers of the OpenAI fine-tuning tests: a live service whose scripted backend can
+hold jobs (so they can be paused, resumed and cancelled), two tenants' `openai`
+clients, and RFT files, graders and methods."""
+
+from __future__ import annotations
+
+import io
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+from live_support import AdapterBackend, LiveServer, make_tenant_key
+from service_support import ADMIN_KEY
+
+from marlaas.service.app import create_app, open_context
+from marlaas.service.lifecycle import JobStatus
+from marlaas.service.settings import QuotaSpec, ServiceSettings
+
+ROWS = [
+    {"messages": [{"role": "user", "content": f"Q: {a}+{b}"}], "answer": str(a + b)}
+    for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (2, 2), (9, 1), (4, 4), (6, 3), (8, 1), (5, 5)]
+]
+PYTHON_SOURCE = (
+    "def grade(sample, item):\n    return 1.0 if item['answer'] in sample['output_text'] else 0.0\n"
+)
+MULTI = {
+    "type": "multi",
+    "name": "arith",
+    "graders": {
+        "exact": {
+            "type": "string_check",
+            "name": "exact",
+            "input": "{{sample.output_text}}",
+            "reference": "{{item.answer}}",
+            "operation": "eq",
+        },
+        "contains": {"type": "python", "name": "contains", "source": PYTHON_SOURCE},
+    },
+    "calculate_output": "0.5 * exact + 0.5 * contains",
+}
+
+
+class HoldingBackend(AdapterBackend):
+    """The scripted backend; `hold_at` holds new jobs at that step, and a resumed job
+    runs again without finishing, so a job can be paused, resumed and cancelled."""
+
+    async def resume(self, job_id: str) -> None:
+        self.calls.append(("resume", job_id))
+        await self._reporter.status(job_id, JobStatus.RUNNING)
+
+
+@dataclass
+class Served:
+    url: str
+    acme: openai.OpenAI
+    globex: openai.OpenAI
+    backend: HoldingBackend
+
+
+@contextmanager
+def serving(data_dir: Path) -> Iterator[Served]:
+    """The service on `data_dir` with tenants acme and globex."""
+    settings = ServiceSettings(
+        data_dir=data_dir,
+        admin_key=ADMIN_KEY,
+        default_quotas=QuotaSpec(max_concurrent_jobs=8, max_total_steps=1000),
+    )
+    ctx, _ = open_context(settings)
+    backend = HoldingBackend()
+    with LiveServer(create_app(ctx, backend.attach)) as server:
+
+        def client(name: str) -> openai.OpenAI:
+            key = make_tenant_key(server.url, name)
+            return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0)
+
+        yield Served(server.url, client("acme"), client("globex"), backend)
+
+
+def jsonl(rows: list[Any]) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in rows).encode()
+
+
+def upload(client: openai.OpenAI, data: bytes, name: str = "train.jsonl") -> Any:
+    return client.files.create(file=(name, io.BytesIO(data)), purpose="fine-tune")
+
+
+def rft(grader: dict[str, Any] = MULTI, **hyperparameters: Any) -> dict[str, Any]:
+    return {
+        "type": "reinforcement",
+        "reinforcement": {"grader": grader, "hyperparameters": hyperparameters},
+    }
