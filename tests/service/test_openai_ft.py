@@ -277,6 +277,14 @@ def test_errors_answer_in_openais_shape(served: Served) -> None:
     }
 
 
+def test_a_bad_key_is_an_authentication_error(served: Served) -> None:
+    stranger = openai.OpenAI(base_url=f"{served.url}/v1", api_key="mk_wrong", max_retries=0)
+    for call in (stranger.files.list, stranger.fine_tuning.jobs.list):
+        with pytest.raises(openai.AuthenticationError) as caught:
+            call()
+        assert caught.value.code == "invalid_api_key"
+
+
 def test_another_tenants_files_jobs_and_models_are_not_found(served: Served) -> None:
     acme, globex = served.acme, served.globex
     train = upload(acme, jsonl(ROWS))
