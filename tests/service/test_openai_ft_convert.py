@@ -129,6 +129,7 @@ def test_chat_files_are_checked_line_by_line(
 
 
 def test_rft_prompts_end_with_the_turn_the_model_answers(tmp_path: Path) -> None:
-    assert check_prompts(write(tmp_path, [ok(), ok(role="developer")])) is None
-    problem = check_prompts(write(tmp_path, [ok(), ok(role="assistant")]))
-    assert problem is not None and problem.startswith("line 2: the last message is a assistant")
+    assert check_prompts(write(tmp_path, [ok(), ok()])) is None
+    for role in ("assistant", "developer"):
+        problem = check_prompts(write(tmp_path, [ok(), ok(role=role)]))
+        assert problem is not None and problem.startswith(f"line 2: the last message is a {role}")

@@ -5,8 +5,8 @@ list of chat messages (`role` one of system, developer, user, assistant, tool;
 `content` a string or a list of text parts); any other field is kept (graders see it
 as `item`). `check_chat_file` reads the whole file and returns the number of rows, or
 the first problem as `line N: what is wrong`. `check_prompts` adds what reinforcement
-fine-tuning needs: each conversation ends with the turn the model answers (a user or
-developer message). Both are blocking: callers run them in a worker thread.
+fine-tuning needs: each conversation ends with the user turn the model answers (the
+prompt is the whole conversation, nothing of it is dropped). Both are blocking: callers run them in a worker thread.
 """
 
 from __future__ import annotations
@@ -101,13 +101,13 @@ def check_chat_file(path: Path) -> FileCheck:
 
 def check_prompts(path: Path) -> str | None:
     """The first row (of a file that passed `check_chat_file`) whose conversation does
-    not end with a user or developer turn, as `line N: ...`; None when all do."""
+    not end with a user turn, as `line N: ...`; None when all do."""
     for lineno, row in _rows(path):
         last = row["messages"][-1]["role"]
-        if last not in ("user", "developer"):
+        if last != "user":
             return (
                 f"line {lineno}: the last message is a {last} message; for reinforcement "
-                "fine-tuning the messages are the prompt and must end with the user (or "
-                "developer) turn the model answers"
+                "fine-tuning the messages are the prompt and must end with the user turn "
+                "the model answers"
             )
     return None
