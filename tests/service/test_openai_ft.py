@@ -116,6 +116,7 @@ def test_rft_job_runs_as_a_marlaas_job_and_serves_its_model(served: Served) -> N
     assert f"{job.fine_tuned_model}:ckpt-step-2" in models
     assert client.models.retrieve(job.fine_tuned_model).id == job.fine_tuned_model  # type: ignore[arg-type]
 
+    assert client.fine_tuning.jobs.list(limit=1).data[0].id == job.id  # newest first
     listed = client.fine_tuning.jobs.list(metadata={"team": "math"})
     assert job.id in [j.id for j in listed.data]
     assert job.id not in [
@@ -362,3 +363,7 @@ def test_a_validation_file_is_the_jobs_eval_set(served: Served) -> None:
         client.files.delete(held.id)
     client.fine_tuning.jobs.cancel(job.id)
     assert client.files.delete(held.id).deleted
+    # Iterating a page of one follows the cursor through every job, newest first.
+    everything = [j.id for j in client.fine_tuning.jobs.list(limit=100).data]
+    assert len(everything) >= 3 and everything[0] == job.id
+    assert [j.id for j in client.fine_tuning.jobs.list(limit=1)] == everything

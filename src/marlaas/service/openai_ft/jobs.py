@@ -31,7 +31,7 @@ from marlaas.service.models import Checkpoint, FineTuningJob, Job, JobEvent, Met
 from marlaas.service.openai_ft import convert, wire
 from marlaas.service.openai_ft.errors import FineTuningRoute, bad_request, not_found
 from marlaas.service.openai_ft.file_check import check_prompts
-from marlaas.service.openai_ft.files import file_path, find_file, page
+from marlaas.service.openai_ft.files import file_path, find_file
 from marlaas.service.openai_ft.names import fine_tuned_model
 
 log = logging.getLogger(__name__)
@@ -192,8 +192,17 @@ def list_jobs(
                 else all((ft.tags or {}).get(k) == v for k, v in wanted.items())
             )
         ]
-        items = [_object(session, job, ft) for job, ft in picked]
-    return page(items, after, limit)
+        ids = [job.id for job, _ in picked]
+        start = ids.index(after) + 1 if after in ids else (0 if after is None else len(ids))
+        shown = picked[start : start + limit]
+        data = [_object(session, job, ft) for job, ft in shown]  # only this page's
+    return {
+        "object": "list",
+        "data": data,
+        "has_more": start + limit < len(picked),
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+    }
 
 
 @router.get("/{job_id}")
