@@ -6,7 +6,8 @@ same script runs against either service:
     # OpenAI (while it still takes fine-tuning jobs)
     OPENAI_API_KEY=sk-... RFT_MODEL=o4-mini-2025-04-16 python examples/openai_rft.py
 
-    # marlaas: its URL and a tenant's API key; `base` is the model marlaas serves
+    # marlaas (serving a chat model: marlaas serve --base-model DIR): its URL and a
+    # tenant's API key; `base` is the model marlaas serves
     OPENAI_BASE_URL=http://127.0.0.1:8321/v1 OPENAI_API_KEY=mk_... python examples/openai_rft.py
 
 It uploads a small training file in OpenAI's RFT format (chat `messages` plus an

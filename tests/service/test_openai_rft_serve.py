@@ -158,6 +158,22 @@ def test_graders_run_on_a_real_server(client: openai.OpenAI, kind: str) -> None:
         assert result.reward == pytest.approx(1.0)
 
 
+def test_rft_needs_a_base_with_a_chat_template(client: openai.OpenAI) -> None:
+    """The embedded base has no chat template, and RFT prompts are chat messages."""
+    rows = [{"messages": [{"role": "user", "content": "12+7"}], "answer": "19"}] * 4
+    data = "".join(json.dumps(r) + "\n" for r in rows).encode()
+    training = client.files.create(file=("t.jsonl", io.BytesIO(data)), purpose="fine-tune")
+    grader = sample_grader("string_check")
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.fine_tuning.jobs.create(
+            model="base",
+            training_file=training.id,
+            method={"type": "reinforcement", "reinforcement": {"grader": grader}},  # type: ignore[typeddict-item]
+        )
+    assert caught.value.param == "model" and "no chat template" in caught.value.message
+    assert client.fine_tuning.jobs.list().data == []
+
+
 def test_files_round_trip_on_a_real_server(client: openai.OpenAI, tmp_path: Path) -> None:
     rows = [{"messages": [{"role": "user", "content": "12+7"}], "answer": "19"}] * 3
     data = "".join(json.dumps(r) + "\n" for r in rows).encode()

@@ -26,6 +26,7 @@ from marlaas.service import jobs as ops
 from marlaas.service.api.deps import Context, TenantCaller, tenant_id
 from marlaas.service.api.jobs import act
 from marlaas.service.context import ServiceContext
+from marlaas.service.inference import provider_of
 from marlaas.service.lifecycle import Action, JobStatus
 from marlaas.service.models import Checkpoint, FineTuningJob, Job, JobEvent, Metric, Tenant
 from marlaas.service.openai_ft import convert, wire
@@ -94,12 +95,27 @@ def _prompt_problem(ctx: ServiceContext, tenant: str, file_id: str) -> str | Non
     return check_prompts(path)
 
 
+def _check_chat_model(ctx: ServiceContext) -> None:
+    """RFT prompts are chat messages, rendered with the base's chat template: a base
+    without one is refused here, when the serving engine is up to tell (else the
+    pipeline fails the job with the same reason)."""
+    provider = provider_of(ctx.inference, ctx.backend)
+    if provider is not None and not getattr(provider.tokenizer, "chat_template", None):
+        raise bad_request(
+            "model base cannot be fine-tuned on chat messages: its tokenizer has no chat "
+            "template; serve a chat model (marlaas serve --base-model DIR)",
+            "model",
+            "model_not_available",
+        )
+
+
 @router.post("")
 async def create_job(body: convert.CreateJob, ctx: Context, caller: TenantCaller) -> dict[str, Any]:
     """Create a reinforcement fine-tuning job; it is queued at once (files are
     validated when they are uploaded)."""
     tenant = tenant_id(caller)
     grader = convert.check_request(body)
+    _check_chat_model(ctx)
     files = [("training_file", body.training_file)]
     if body.validation_file is not None:
         files.append(("validation_file", body.validation_file))
