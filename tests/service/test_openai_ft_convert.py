@@ -133,3 +133,34 @@ def test_rft_prompts_end_with_the_turn_the_model_answers(tmp_path: Path) -> None
     for role in ("assistant", "developer"):
         problem = check_prompts(write(tmp_path, [ok(), ok(role=role)]))
         assert problem is not None and problem.startswith(f"line 2: the last message is a {role}")
+
+
+def test_step_and_eval_events_read_as_openai_events() -> None:
+    from datetime import UTC, datetime
+
+    from marlaas.service.models import FineTuningJob, JobEvent
+    from marlaas.service.openai_ft.wire import event_object
+
+    ft = FineTuningJob(job_id="job_1", fine_tuned_model="ft:base:acme::job_1", method={})
+    now = datetime.now(UTC)
+
+    def event(kind: str, data: dict[str, Any], row: int = 5) -> dict[str, Any]:
+        return event_object(
+            JobEvent(id=row, job_id="job_1", kind=kind, data=data, time=now), 1, 4, ft
+        )
+
+    step = event("step", {"step": 2, "metrics": {"reward_mean": 0.25, "loss": 0.5}})
+    assert step["type"] == "metrics" and step["id"] == "ftevent-5"
+    assert step["message"] == "Step 2/4: loss=0.5, reward_mean=0.25"
+    assert step["data"] == {"step": 2, "total_steps": 4, "reward_mean": 0.25, "loss": 0.5}
+    assert (
+        event("step", {"step": 2, "metrics": {"eval_accuracy": 0.5}})["message"]
+        == "Eval at step 2/4: eval_accuracy=0.5"
+    )
+    ckpt = event("checkpoint", {"step": 4, "metrics": {}})
+    assert ckpt["data"]["fine_tuned_model_checkpoint"] == "ft:base:acme::job_1:ckpt-step-4"
+    failed = event("status", {"status": "failed", "reason": "grader broke"})
+    assert (failed["level"], failed["message"]) == ("error", "Fine-tuning job failed: grader broke")
+    assert event("status", {"status": "queued"}, row=1)["message"].startswith(
+        "Created fine-tuning job"
+    )

@@ -104,7 +104,9 @@ def event_object(row: JobEvent, first_id: int, steps: int, ft: FineTuningJob) ->
         kind, level = "metrics", "info"
         metrics = {k: v for k, v in (data.get("metrics") or {}).items()}
         shown = ", ".join(f"{k}={_number(v)}" for k, v in sorted(metrics.items()))
-        message = f"Step {data.get('step')}/{steps}: {shown}"
+        # An eval is reported at the adapter version (= step) it evaluated.
+        what = "Eval at step" if set(metrics) == {"eval_accuracy"} else "Step"
+        message = f"{what} {data.get('step')}/{steps}: {shown}"
         data = {"step": data.get("step"), "total_steps": steps, **metrics}
     elif row.kind == "checkpoint":
         level = "info"
