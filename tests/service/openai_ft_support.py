@@ -17,6 +17,7 @@ from live_support import AdapterBackend, LiveServer, make_tenant_key
 from service_support import ADMIN_KEY
 
 from marlaas.service.app import create_app, open_context
+from marlaas.service.db import Database
 from marlaas.service.lifecycle import JobStatus
 from marlaas.service.settings import QuotaSpec, ServiceSettings
 
@@ -59,6 +60,8 @@ class Served:
     acme: openai.OpenAI
     globex: openai.OpenAI
     backend: HoldingBackend
+    db: Database
+    data_dir: Path
 
 
 @contextmanager
@@ -77,7 +80,7 @@ def serving(data_dir: Path) -> Iterator[Served]:
             key = make_tenant_key(server.url, name)
             return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0)
 
-        yield Served(server.url, client("acme"), client("globex"), backend)
+        yield Served(server.url, client("acme"), client("globex"), backend, ctx.db, data_dir)
 
 
 def jsonl(rows: list[Any]) -> bytes:

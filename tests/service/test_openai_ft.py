@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +21,11 @@ import httpx
 import openai
 import pytest
 from openai_ft_support import MULTI, ROWS, Served, jsonl, rft, serving, upload
+from sqlalchemy import select
 
 from marlaas.config.graders import OpenAIGraderSpec
 from marlaas.config.job import DatasetSpec, JobSpec
+from marlaas.service.models import Dataset, File
 
 
 @pytest.fixture(scope="module")
@@ -335,6 +338,19 @@ def test_files_list_pages_and_expire(served: Served) -> None:
         expires_after={"anchor": "created_at", "seconds": 3600},
     )
     assert expiring.expires_at == expiring.created_at + 3600
+    with served.db.transaction() as session:  # an hour later
+        row = session.get(File, expiring.id)
+        assert row is not None
+        row.expires_at = datetime.now(UTC) - timedelta(seconds=1)
+        stored = session.scalars(select(Dataset.path).where(Dataset.name == expiring.id)).one()
+    assert (served.data_dir / "artifacts" / stored).is_file()
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(expiring.id)
+    assert expiring.id not in [f.id for f in client.files.list()]  # and its bytes are gone
+    with served.db.transaction() as session:
+        assert session.get(File, expiring.id) is None
+        assert session.scalars(select(Dataset).where(Dataset.name == expiring.id)).all() == []
+    assert not (served.data_dir / "artifacts" / stored).exists()
     with pytest.raises(openai.BadRequestError) as caught:
         client.files.create(
             file=("e.jsonl", io.BytesIO(b"{}")),

@@ -163,8 +163,10 @@ async def create_file(request: Request, ctx: Context, caller: TenantCaller) -> d
         try:
             check = await asyncio.to_thread(check_chat_file, tmp)
 
-            def save() -> dict[str, Any]:
+            def save() -> tuple[dict[str, Any], list[Path]]:
                 with ctx.db.transaction() as session:
+                    # Expired files give their bytes back before this one is counted.
+                    removed = purge_expired(ctx.settings.artifact_dir, session, tenant)
                     received = store.Upload(tmp, size, check.rows, sha)
                     store.store(session, tenant, file_id, received, ctx.settings.artifact_dir)
                     row = File(
@@ -181,9 +183,12 @@ async def create_file(request: Request, ctx: Context, caller: TenantCaller) -> d
                     )
                     session.add(row)
                     session.flush()
-                    return file_object(row)
+                    return file_object(row), removed
 
-            return await asyncio.to_thread(save)
+            answer, removed = await asyncio.to_thread(save)
+            for path in removed:
+                path.unlink(missing_ok=True)
+            return answer
         finally:
             tmp.unlink(missing_ok=True)
     finally:
