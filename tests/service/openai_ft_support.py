@@ -17,6 +17,7 @@ from live_support import AdapterBackend, LiveServer, make_tenant_key
 from service_support import ADMIN_KEY
 
 from marlaas.service.app import create_app, open_context
+from marlaas.service.context import ServiceContext
 from marlaas.service.db import Database
 from marlaas.service.lifecycle import JobStatus
 from marlaas.service.settings import QuotaSpec, ServiceSettings
@@ -62,6 +63,7 @@ class Served:
     backend: HoldingBackend
     db: Database
     data_dir: Path
+    ctx: ServiceContext
 
 
 @contextmanager
@@ -80,7 +82,7 @@ def serving(data_dir: Path) -> Iterator[Served]:
             key = make_tenant_key(server.url, name)
             return openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0)
 
-        yield Served(server.url, client("acme"), client("globex"), backend, ctx.db, data_dir)
+        yield Served(server.url, client("acme"), client("globex"), backend, ctx.db, data_dir, ctx)
 
 
 def jsonl(rows: list[Any]) -> bytes:

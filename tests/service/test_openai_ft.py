@@ -15,6 +15,7 @@ import io
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -279,6 +280,21 @@ def test_errors_answer_in_openais_shape(served: Served) -> None:
             "code": None,
         }
     }
+
+
+def test_rft_needs_a_base_with_a_chat_template(served: Served) -> None:
+    """RFT prompts are chat messages: a served base whose tokenizer has no chat template
+    (the embedded base's) is refused when the job is created, naming `model`."""
+    client = served.acme
+    train = upload(client, jsonl(ROWS))
+    plain = SimpleNamespace(tokenizer=SimpleNamespace(chat_template=None))
+    served.ctx.inference = plain  # type: ignore[assignment]
+    try:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.fine_tuning.jobs.create(model="base", training_file=train.id, method=rft())  # type: ignore[arg-type]
+    finally:
+        served.ctx.inference = None
+    assert caught.value.param == "model" and "no chat template" in caught.value.message
 
 
 def test_a_bad_key_is_an_authentication_error(served: Served) -> None:

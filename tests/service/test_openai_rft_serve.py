@@ -1,7 +1,11 @@
 """OpenAI-compatible fine-tuning on a real `marlaas serve` process (the in-process
-pipeline backend on the embedded base, SQLite, a loopback port), driven by the official
-`openai` client only: files, and `alpha/graders/run` on every grader type, the model
-judges running on the pipeline's own engine."""
+pipeline backend, SQLite, a loopback port), driven by the official `openai` client only:
+an RFT job trained to the end (events, checkpoints, its `ft:` model answering), a second
+job paused, resumed and cancelled, files, and `alpha/graders/run` on every grader type
+with the model judges on the pipeline's own engine.
+
+The base is the embedded one with a chat template added (its own plain `Q: ... / A: `
+turns, written as a template), since RFT prompts are chat messages."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import io
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -21,14 +26,38 @@ import httpx
 import openai
 import pytest
 
+from marlaas.model.base import default_base_path
+
 pytestmark = pytest.mark.slow
 
 ADMIN_KEY = "rft-serve-admin-key-0123456789"
 
 
+#: The embedded base's prompt format as a chat template: system text as it is, user
+#: turns `Q: ...`, assistant turns `A: ...`, one line each.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'user' %}Q: {% elif m['role'] == 'assistant' %}A: {% endif %}"
+    "{{ m['content'] }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}A: {% endif %}"
+)
+
+
+def chat_base(where: Path) -> Path:
+    """A copy of the embedded base whose tokenizer has `CHAT_TEMPLATE`."""
+    shutil.copytree(default_base_path(), where)
+    config = where / "tokenizer_config.json"
+    config.write_text(
+        json.dumps({**json.loads(config.read_text()), "chat_template": CHAT_TEMPLATE})
+    )
+    return where
+
+
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     root = tmp_path_factory.mktemp("serve")
+    base_model = chat_base(root / "base")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
@@ -37,6 +66,7 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     env.update(MARLAAS_ADMIN_KEY=ADMIN_KEY, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     argv = [sys.executable, "-m", "marlaas.cli", "serve", "--port", str(port)]
     argv += ["--data-dir", str(root / "data"), "--device", "cpu"]
+    argv += ["--base-model", str(base_model)]
     log = root / "serve.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -158,22 +188,6 @@ def test_graders_run_on_a_real_server(client: openai.OpenAI, kind: str) -> None:
         assert result.reward == pytest.approx(1.0)
 
 
-def test_rft_needs_a_base_with_a_chat_template(client: openai.OpenAI) -> None:
-    """The embedded base has no chat template, and RFT prompts are chat messages."""
-    rows = [{"messages": [{"role": "user", "content": "12+7"}], "answer": "19"}] * 4
-    data = "".join(json.dumps(r) + "\n" for r in rows).encode()
-    training = client.files.create(file=("t.jsonl", io.BytesIO(data)), purpose="fine-tune")
-    grader = sample_grader("string_check")
-    with pytest.raises(openai.BadRequestError) as caught:
-        client.fine_tuning.jobs.create(
-            model="base",
-            training_file=training.id,
-            method={"type": "reinforcement", "reinforcement": {"grader": grader}},  # type: ignore[typeddict-item]
-        )
-    assert caught.value.param == "model" and "no chat template" in caught.value.message
-    assert client.fine_tuning.jobs.list().data == []
-
-
 def test_files_round_trip_on_a_real_server(client: openai.OpenAI, tmp_path: Path) -> None:
     rows = [{"messages": [{"role": "user", "content": "12+7"}], "answer": "19"}] * 3
     data = "".join(json.dumps(r) + "\n" for r in rows).encode()
@@ -181,3 +195,113 @@ def test_files_round_trip_on_a_real_server(client: openai.OpenAI, tmp_path: Path
     assert uploaded.status == "processed"
     assert client.files.content(uploaded.id).content == data
     assert client.files.delete(uploaded.id).deleted
+
+
+ROWS = [
+    {"messages": [{"role": "user", "content": f"{a}+{b}"}], "answer": str(a + b)}
+    for a, b in [(12, 7), (3, 4), (25, 30), (8, 8), (41, 2), (6, 60), (9, 9), (15, 5)]
+]
+MULTI = {
+    "type": "multi",
+    "name": "arith",
+    "graders": {
+        "exact": {
+            "type": "string_check",
+            "name": "exact",
+            "input": "{{sample.output_text}}",
+            "reference": "{{item.answer}}",
+            "operation": "eq",
+        },
+        "contains": {
+            "type": "python",
+            "name": "contains",
+            "source": "def grade(sample, item):\n    return 1.0 if item['answer'] in sample['output_text'] else 0.0\n",
+        },
+    },
+    "calculate_output": "0.5 * exact + 0.5 * contains",
+}
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+def wait_for(client: openai.OpenAI, job_id: str, statuses: tuple[str, ...]) -> Any:
+    """The job once its status is one of `statuses` (bounded: ~5 minutes)."""
+    for _ in range(1500):
+        job = client.fine_tuning.jobs.retrieve(job_id)
+        if job.status in statuses:
+            return job
+        assert job.status not in TERMINAL, (job.status, job.error)
+        time.sleep(0.2)
+    pytest.fail(f"job {job_id} is still {job.status}")
+
+
+def method(**hyperparameters: Any) -> Any:
+    return {
+        "type": "reinforcement",
+        "reinforcement": {"grader": MULTI, "hyperparameters": hyperparameters},
+    }
+
+
+def test_an_rft_job_trains_to_the_end_and_answers(client: openai.OpenAI) -> None:
+    data = "".join(json.dumps(r) + "\n" for r in ROWS).encode()
+    training = client.files.create(file=("train.jsonl", io.BytesIO(data)), purpose="fine-tune")
+    job = client.fine_tuning.jobs.create(
+        model="base",
+        training_file=training.id,
+        method=method(n_epochs=1, batch_size=2, compute_multiplier=0.25, eval_interval=2),
+        suffix="arith",
+        seed=3,
+    )
+    assert job.status in ("queued", "running")
+    # Follow the events as a client would, until the job has finished.
+    seen: dict[str, Any] = {}
+    for _ in range(1500):  # bounded: ~5 minutes
+        for event in client.fine_tuning.jobs.list_events(job.id, limit=100):
+            seen.setdefault(event.id, event)
+        if any(e.message == "The job has successfully completed" for e in seen.values()):
+            break
+        failed = [e.message for e in seen.values() if e.level == "error"]
+        assert not failed, failed
+        time.sleep(0.2)
+    done = client.fine_tuning.jobs.retrieve(job.id)
+    assert done.status == "succeeded" and done.fine_tuned_model == f"ft:base:acme:arith:{job.id}"
+    assert done.trained_tokens and done.finished_at is not None
+    metrics = sorted(
+        (e for e in seen.values() if e.type == "metrics"), key=lambda e: e.data["step"]
+    )  # type: ignore[index]
+    # 8 rows: 7 trained on in batches of 2 (4 steps), 1 held out for the evals.
+    train_steps = [e.data for e in metrics if "reward_mean" in e.data]  # type: ignore[operator]
+    assert [d["step"] for d in train_steps] == [1, 2, 3, 4]  # type: ignore[index]
+    assert all(0.0 <= d["reward_mean"] <= 1.0 for d in train_steps)  # type: ignore[index]
+    checkpoints = client.fine_tuning.jobs.checkpoints.list(job.id).data
+    assert [c.step_number for c in checkpoints] == [4, 2]
+    assert checkpoints[1].fine_tuned_model_checkpoint == f"{done.fine_tuned_model}:ckpt-step-2"
+    assert done.fine_tuned_model is not None
+    for model in (done.fine_tuned_model, checkpoints[1].fine_tuned_model_checkpoint):
+        answer = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "12+7"}], max_tokens=6, temperature=0
+        )
+        assert answer.model == model and answer.choices[0].message.content is not None
+
+
+def test_a_second_job_pauses_resumes_and_cancels(client: openai.OpenAI) -> None:
+    data = "".join(json.dumps(r) + "\n" for r in ROWS).encode()
+    training = client.files.create(file=("train.jsonl", io.BytesIO(data)), purpose="fine-tune")
+    job = client.fine_tuning.jobs.create(
+        model="base",
+        training_file=training.id,
+        method=method(n_epochs=100, batch_size=2, compute_multiplier=0.25),
+    )
+    wait_for(client, job.id, ("running",))
+    assert client.fine_tuning.jobs.pause(job.id).status == "paused"
+    resumed = client.fine_tuning.jobs.resume(job.id)
+    assert resumed.status in ("queued", "running")
+    wait_for(client, job.id, ("running",))
+    cancelled = client.fine_tuning.jobs.cancel(job.id)
+    assert cancelled.status == "cancelled" and cancelled.fine_tuned_model is None
+    messages = [
+        e.message
+        for e in client.fine_tuning.jobs.list_events(job.id, limit=100)
+        if e.type == "message"
+    ]
+    assert messages[0] == "Fine-tuning job cancelled"
+    assert "Fine-tuning job paused" in messages and "Fine-tuning job resumed" in messages

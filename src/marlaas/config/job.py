@@ -49,7 +49,11 @@ class DatasetSpec(Spec):
         description="Row field holding the prompt text. Rows may instead carry `messages` "
         "(OpenAI chat format), rendered with the base's chat template.",
     )
-    reference_field: str = Field("reference", description="Row field holding the reference.")
+    reference_field: str | None = Field(
+        "reference",
+        description="Row field holding the reference; None: rows have none (the grader "
+        "gets '' and reads the row's own fields, as an OpenAI grader does).",
+    )
     grader: GraderSpec = Field(..., description="How a completion is scored against the row.")
     eval_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="Rows held out for eval.")
     eval_path: str | None = Field(

@@ -113,7 +113,7 @@ def chat_prompt(value: object, where: str, name: str) -> tuple[dict[str, Any], .
 
 
 def _to_example(
-    row: object, where: str, default_id: str, prompt_field: str, reference_field: str
+    row: object, where: str, default_id: str, prompt_field: str, reference_field: str | None
 ) -> Example:
     if not isinstance(row, Mapping):
         raise DataError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
@@ -133,7 +133,7 @@ def _to_example(
             )
         used = prompt_field
     prompt = "" if messages is not None else _text_field(row, prompt_field, where)
-    reference = _text_field(row, reference_field, where)
+    reference = "" if reference_field is None else _text_field(row, reference_field, where)
     example_id = _row_id(row, where, default_id)
     skip = {used, reference_field, _ID_FIELD}
     meta = {str(k): v for k, v in row.items() if k not in skip}
@@ -141,7 +141,7 @@ def _to_example(
 
 
 def _collect(
-    rows: Iterable[tuple[str, str, object]], prompt_field: str, reference_field: str
+    rows: Iterable[tuple[str, str, object]], prompt_field: str, reference_field: str | None
 ) -> list[Example]:
     """(where, default id, raw row) triples to examples; ids must be unique."""
     examples: list[Example] = []
@@ -166,7 +166,7 @@ def _check_max_rows(max_rows: int | None) -> None:
 def load_jsonl(
     path: str | os.PathLike[str],
     prompt_field: str = "prompt",
-    reference_field: str = "reference",
+    reference_field: str | None = "reference",
     max_rows: int | None = None,
 ) -> list[Example]:
     """Examples from a JSON Lines file (one object per line), at most `max_rows` of them.

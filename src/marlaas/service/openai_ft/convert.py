@@ -239,6 +239,10 @@ def job_spec(body: CreateJob, resolved: Resolved) -> JobSpec:
     task: dict[str, Any] = {
         "type": "dataset",
         "path": body.training_file,
+        # OpenAI's rows: chat messages through the base's chat template, no reference
+        # (the grader reads the row's own fields).
+        "format": "chat",
+        "reference_field": None,
         "grader": {"type": "openai", "grader": _GRADER.dump_python(resolved.grader, mode="json")},
         "eval_fraction": 0.0 if body.validation_file else EVAL_FRACTION,
         "eval_path": body.validation_file,
