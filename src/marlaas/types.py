@@ -25,7 +25,8 @@ def next_request_id() -> str:
 class SamplingParams:
     """Per-request sampling. `temperature == 0` is greedy. Log-probs are always those of
     `log_softmax(logits / temperature)` (1.0 when greedy), before top-k/top-p: the same
-    quantity the trainer recomputes, so importance ratios are exact."""
+    quantity the trainer recomputes, so importance ratios are exact. `prompt_logprobs`
+    also asks for the prompt's own log-probs (`Completion.prompt_logprobs`)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -33,6 +34,7 @@ class SamplingParams:
     max_new_tokens: int = 48
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    prompt_logprobs: bool = False
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -67,7 +69,11 @@ class RolloutRequest:
 
 @dataclass(frozen=True)
 class Completion:
-    """The engine's answer: the new tokens, their behaviour log-probs and the policy used."""
+    """The engine's answer: the new tokens, their behaviour log-probs and the policy used.
+
+    `prompt_logprobs[i]` is log p(prompt[i] | prompt[:i]) at temperature 1 (entry 0 is
+    0.0), when the request asked for it (`SamplingParams.prompt_logprobs`); else None.
+    """
 
     request_id: str
     tenant: str
@@ -77,6 +83,7 @@ class Completion:
     logprobs: tuple[float, ...]
     text: str
     finish_reason: FinishReason
+    prompt_logprobs: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)

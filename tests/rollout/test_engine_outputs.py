@@ -197,3 +197,38 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(
         ),
     )  # type: ignore[operator]
     assert reseeded.token_ids != alone.token_ids
+
+
+def test_prompt_logprobs_equal_a_full_forward_cached_shared_or_not(
+    make_engine: Callable[..., RolloutEngine],
+    bank: AdapterBank,
+    tokenizer: PreTrainedTokenizerBase,
+    fresh_base: Callable[[], PreTrainedModel],
+) -> None:
+    engine = make_engine()
+    text, tenant = PROMPTS[5], "t1"
+    plain = SamplingParams(temperature=1.0, max_new_tokens=4, seed=5)
+    asking = SamplingParams(temperature=1.0, max_new_tokens=4, seed=5, prompt_logprobs=True)
+    first = _solo(engine, _req(tokenizer, tenant, text, sampling=plain))  # fills the cache
+    assert first.prompt_logprobs is None
+    # A cached prompt still answers, and so does one that shares a prefill this iteration.
+    together = engine.generate(
+        [
+            _req(tokenizer, tenant, text, sampling=asking),
+            _req(tokenizer, tenant, text, sampling=plain),
+            _req(tokenizer, "t0", PROMPTS[2], sampling=asking),
+        ]
+    )
+    assert together[1].prompt_logprobs is None
+    assert_same_completion(together[0], first)  # asking changes nothing else
+    for tenant_, text_, out in [(tenant, text, together[0]), ("t0", PROMPTS[2], together[2])]:
+        prompt = tokenizer.encode(text_)
+        model = merged(fresh_base(), bank.tensors(tenant_), SPEC)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt])).logits[0, :-1]
+        want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(prompt[1:])[:, None])
+        assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompt)
+        assert out.prompt_logprobs[0] == 0.0
+        torch.testing.assert_close(
+            torch.tensor(out.prompt_logprobs[1:]), want.squeeze(-1), atol=1e-4, rtol=0
+        )

@@ -13,11 +13,12 @@ import torch
 from rollout_support import SPEC, assert_same_completion, random_adapter
 from transformers import PreTrainedTokenizerBase
 
-import marlaas.rollout.core as core
+import marlaas.rollout.prefill as prefill
 from marlaas.model.bank import AdapterBank
 from marlaas.model.lora import LoRAModel
 from marlaas.packing import MIN_FILL
 from marlaas.rollout import RolloutEngine
+from marlaas.rollout.prefill import plan_prefill
 from marlaas.types import Completion, RolloutRequest, SamplingParams
 
 
@@ -76,13 +77,13 @@ def test_short_and_long_prompts_use_separate_forwards(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     widths: list[list[int]] = []
-    real = core.prefill_logits
+    real = prefill.prefill_logits
 
-    def spy(*args: Any) -> Any:
-        widths.append([len(t) for t in args[4]])
-        return real(*args)
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        widths.append([len(t) for t in args[6]])
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(core, "prefill_logits", spy)
+    monkeypatch.setattr(prefill, "prefill_logits", spy)
     long_text = "a much longer prompt that goes on and on"
     requests = [
         _sampled(tokenizer, "t0", "hi", seed=1),
@@ -98,7 +99,7 @@ def test_short_and_long_prompts_use_separate_forwards(
     assert sorted(len(r.prompt_ids) for r in requests) == sorted(
         n for forward in widths for n in forward
     )
-    monkeypatch.setattr(core, "prefill_logits", real)
+    monkeypatch.setattr(prefill, "prefill_logits", real)
     for request, out in zip(requests, outs, strict=True):
         assert_same_completion(out, _alone(make_engine, request))
 
@@ -133,7 +134,12 @@ def test_a_prompt_prefilled_earlier_comes_from_the_prompt_cache(
 
 def _fake(tenant: str, version: int, tokens: tuple[int, ...], past: object = None) -> Any:
     handle = SimpleNamespace(adapter_id=hash((tenant, version)))
-    return SimpleNamespace(row=SimpleNamespace(handle=handle), past=past, new_tokens=tokens)
+    return SimpleNamespace(
+        row=SimpleNamespace(handle=handle),
+        past=past,
+        new_tokens=tokens,
+        wants_prompt_logprobs=False,
+    )
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -147,7 +153,7 @@ def test_plan_prefill_covers_every_prompt_once_with_bounded_padding(seed: int) -
         past = object() if bool(torch.rand(1, generator=gen) < 0.2) else None
         admitted.append(_fake(tenant, 0, tokens, past))
     cached = {j for j in set(range(0, 40, 7)) if admitted[j].past is None}
-    source, forwards = core._plan_prefill(admitted, cached)
+    source, forwards = plan_prefill(admitted, cached)
     planned = sorted(i for forward in forwards for i in forward)
     assert planned == sorted(set(source) - cached)  # every other distinct prompt once
     for i, j in enumerate(source):

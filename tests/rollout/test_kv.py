@@ -1,63 +1,89 @@
-"""The ragged KV batch: right-aligned rows, trimming, merging, compaction."""
+"""The slot cache: writes land in place at their positions, padding goes to the scratch
+column, rows move and round-trip exactly, growth keeps what was there."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from marlaas.rollout.kv import KVBatch
+from marlaas.errors import ModelError
+from marlaas.rollout.kv import KVGeometry, SlotKV, kv_geometry
 
-H, D, LAYERS = 2, 3, 2
-
-
-def _row(n: int, tag: float) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A row whose entry j holds `tag + j` everywhere (keys) and its negation (values)."""
-    vals = (tag + torch.arange(n, dtype=torch.float32))[None, :, None].expand(H, n, D)
-    return [(vals.clone(), -vals.clone()) for _ in range(LAYERS)]
+GEOMETRY = KVGeometry(num_layers=2, kv_heads=2, head_dim=3, windows=(None, None))
 
 
-def _empty() -> KVBatch:
-    return KVBatch.empty(LAYERS, H, D, torch.float32, torch.device("cpu"))
+def _kv(max_rows: int = 8, max_positions: int | None = 40) -> SlotKV:
+    return SlotKV(GEOMETRY, torch.float32, torch.device("cpu"), max_rows, max_positions)
 
 
-def _valid(kv: KVBatch, b: int) -> list[float]:
-    return kv.row(b)[0][0][0, :, 0].tolist()
+def _states(R: int, N: int, base: float) -> torch.Tensor:
+    """Distinct values `[R, H, N, D]`: base + 100 r + 10 n + h."""
+    r = torch.arange(R).view(R, 1, 1, 1) * 100.0
+    n = torch.arange(N).view(1, 1, N, 1) * 10.0
+    h = torch.arange(2).view(1, 2, 1, 1).float()
+    return (base + r + n + h).expand(R, 2, N, 3).clone()
 
 
-def test_from_rows_right_aligns_and_row_round_trips() -> None:
-    kv = KVBatch.from_rows([_row(3, 10), None, _row(1, 20)], _empty())
-    assert kv.width == 3 and kv.lengths_B.tolist() == [3, 0, 1]
-    assert kv.mask_BS().tolist() == [[1, 1, 1], [0, 0, 0], [0, 0, 1]]
-    assert kv.mask_BS(extra=1)[:, -1].tolist() == [1, 1, 1]
-    assert _valid(kv, 0) == [10, 11, 12] and _valid(kv, 2) == [20]
-    k, v = kv.row(0)[1]
-    assert torch.equal(v, -k)
+def test_a_forward_writes_each_token_at_its_position_and_pads_to_scratch() -> None:
+    kv = _kv()
+    kv.reserve(3, 10)
+    positions = torch.tensor([[-1, 0, 1], [4, 5, 6]])  # row 1's first 4 tokens exist
+    cache = kv.cache(1, positions, columns=7)
+    new_k = _states(2, 3, 1000.0)
+    keys, values = cache.update(new_k, -new_k, 0)
+    assert keys.shape == (2, 2, 7, 3) and values.shape == keys.shape
+    assert torch.equal(kv.keys[0][1, :, 0], new_k[0, :, 1])
+    assert torch.equal(kv.keys[0][1, :, 1], new_k[0, :, 2])
+    assert torch.equal(kv.keys[0][2, :, 4:7], new_k[1])
+    assert torch.equal(kv.values[0][2, :, 4:7], -new_k[1])
+    scratch = kv.keys[0].shape[2] - 1
+    assert torch.equal(kv.keys[0][1, :, scratch], new_k[0, :, 0])  # the padding token
+    assert not kv.keys[0][0].any() and not kv.keys[1].any()  # other rows, other layers
 
 
-def test_select_trims_all_padding_columns() -> None:
-    kv = KVBatch.from_rows([_row(5, 0), _row(2, 10), _row(3, 20)], _empty())
-    sub = kv.select(torch.tensor([2, 1]))
-    assert sub.width == 3 and sub.lengths_B.tolist() == [3, 2]
-    assert _valid(sub, 0) == [20, 21, 22] and _valid(sub, 1) == [10, 11]
-    assert kv.select(torch.tensor([], dtype=torch.long)).width == 0
+def test_rows_move_round_trip_and_survive_growth() -> None:
+    kv = _kv()
+    kv.reserve(4, 5)
+    rows = [
+        [
+            (torch.full((2, n, 3), 10.0 * b + layer), torch.full((2, n, 3), -10.0 * b))
+            for layer in range(2)
+        ]
+        for b, n in enumerate([5, 2, 4, 1])
+    ]
+    for b, row in enumerate(rows):
+        assert kv.import_row(b, row) == row[0][0].shape[1]
+    kv.move_rows([0, 1], [3, 0], columns=5)  # sources are read before writing
+    for layer in range(2):
+        assert torch.equal(kv.export_row(0, 1)[layer][0], rows[3][layer][0])
+        assert torch.equal(kv.export_row(1, 5)[layer][0], rows[0][layer][0])
+    kv.reserve(8, 70 // 2)  # grows rows and columns, keeps the contents
+    assert kv.rows == 8 and kv.usable_columns >= 35
+    assert torch.equal(kv.export_row(1, 5)[1][1], rows[0][1][1])
+    assert torch.equal(kv.export_row(2, 4)[0][0], rows[2][0][0])
 
 
-def test_concat_left_pads_the_narrower_batch() -> None:
-    a = KVBatch.from_rows([_row(2, 0)], _empty())
-    b = KVBatch.from_rows([_row(4, 10), _row(1, 20)], _empty())
-    for first, second in ((a, b), (b, a)):
-        kv = KVBatch.concat(first, second)
-        assert kv.width == 4 and kv.size == 3
-        got = sorted(_valid(kv, i) for i in range(3))
-        assert got == [[0, 1], [10, 11, 12, 13], [20]]
-    assert KVBatch.concat(_empty(), a) is a
+def test_limits_are_checked() -> None:
+    kv = _kv(max_rows=4, max_positions=16)
+    with pytest.raises(ModelError, match="at most 4 rows"):
+        kv.reserve(5, 1)
+    with pytest.raises(ModelError, match="16 positions"):
+        kv.reserve(1, 17)
 
 
-def test_compact_removes_holes_keeping_token_order() -> None:
-    S = 6
-    mask = torch.tensor([[0, 1, 1, 0, 1, 0], [1, 0, 0, 0, 0, 1], [0, 0, 0, 1, 1, 1]])
-    col = torch.arange(S, dtype=torch.float32)[None, None, :, None].expand(3, H, S, D)
-    kv = KVBatch.compact([col.clone()] * LAYERS, [(-col).clone()] * LAYERS, mask)
-    assert kv.lengths_B.tolist() == [3, 2, 3] and kv.width == 3
-    assert _valid(kv, 0) == [1, 2, 4]
-    assert _valid(kv, 1) == [0, 5]
-    assert _valid(kv, 2) == [3, 4, 5]
+def test_geometry_reads_windows_and_refuses_unknown_layer_types() -> None:
+    from transformers import Gemma2Config, LlamaConfig, MistralConfig, Qwen2Config
+
+    assert kv_geometry(LlamaConfig(num_hidden_layers=2)).windows == (None, None)
+    assert kv_geometry(MistralConfig(num_hidden_layers=2, sliding_window=8)).windows == (8, 8)
+    qwen = Qwen2Config(
+        num_hidden_layers=3, use_sliding_window=True, sliding_window=5, max_window_layers=2
+    )
+    assert kv_geometry(qwen).windows == (None, None, 5)
+    assert kv_geometry(Qwen2Config(num_hidden_layers=2)).windows == (None, None)
+    gemma = Gemma2Config(num_hidden_layers=2, sliding_window=7)
+    assert kv_geometry(gemma).windows == (7, None)
+    odd = LlamaConfig(num_hidden_layers=2)
+    odd.layer_types = ["full_attention", "chunked_attention"]
+    with pytest.raises(ModelError, match="chunked_attention"):
+        kv_geometry(odd)

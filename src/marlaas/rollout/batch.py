@@ -1,14 +1,16 @@
-"""The decode batch: row-aligned state of every running sequence, and its two forwards.
+"""The decode batch: row-aligned state of every running sequence.
 
 `RowBatch` keeps, for the `B` running rows, a Python `Row` (request, adapter handle,
-result callback) and one tensor per per-row quantity (pending token, slot, sampling
-knobs, token counts, output buffers), all aligned on the batch axis with the KV cache.
-Rows join by `concat` and leave by `select`; nothing is done per row in between.
+result callback) and one tensor per per-row quantity (cache length, pending token, slot,
+sampling knobs, token counts, output buffers), all aligned on the batch axis; batch row
+`b` is row `b` of the engine's KV cache (`marlaas.rollout.kv.SlotKV`). Rows join by
+`concat` and leave by `select` (the scheduler moves their cache rows alongside);
+nothing is done per row in between.
 
 Invariants:
-- Every tensor field has first dimension `B == len(rows) == kv.size`.
+- Every tensor field has first dimension `B == len(rows)`.
 - `next_B[b]` is row b's newest sampled token; it is not in the KV cache yet, so
-  `kv.lengths_B[b] == prompt_len + n_gen_B[b] - 1` and its position is `kv.lengths_B[b]`.
+  `lengths_B[b] == prompt_len + n_gen_B[b] - 1` and its position is `lengths_B[b]`.
 - `tokens_BN[b, :n_gen_B[b]]` / `logprobs_BN[b, :n_gen_B[b]]` are row b's output so far.
 - `n_sampling`, `n_filter` and `n_stop` count the rows that sample (temperature > 0),
   use top-k/top-p, and have stop strings (`stop_rows`); `listen_rows` are the rows with
@@ -24,9 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from marlaas.model.bank import AdapterBank, AdapterHandle
-from marlaas.model.lora import LoRAModel
-from marlaas.rollout.kv import KVBatch, RowKV
+from marlaas.model.bank import AdapterHandle
 from marlaas.types import Completion, RolloutRequest
 
 Deliver = Callable[[Completion | BaseException], None]
@@ -52,9 +52,12 @@ class Row:
     reused: int = 0
     #: Gets each sampled token as it is recorded (None: nobody streams this row).
     listener: TokenListener | None = None
+    #: log p(prompt[i] | prompt[:i]) at temperature 1 (entry 0 is 0.0), when asked for.
+    prompt_logprobs: tuple[float, ...] | None = None
 
 
 _ROW_TENSORS = (
+    "lengths_B",
     "next_B",
     "slot_B",
     "temperature_B",
@@ -71,7 +74,7 @@ _ROW_TENSORS = (
 @dataclass
 class RowBatch:
     rows: list[Row]
-    kv: KVBatch
+    lengths_B: Tensor
     next_B: Tensor
     slot_B: Tensor
     temperature_B: Tensor
@@ -90,10 +93,15 @@ class RowBatch:
 
     @staticmethod
     def build(
-        rows: list[Row], kv: KVBatch, seeds: Sequence[int], max_new: Sequence[int]
+        rows: list[Row],
+        lengths: Sequence[int],
+        seeds: Sequence[int],
+        max_new: Sequence[int],
+        device: torch.device,
     ) -> RowBatch:
-        """New rows with nothing generated yet (`next_B` is set by the first `record`)."""
-        dev = kv.lengths_B.device
+        """New rows with `lengths` tokens cached and nothing generated yet (`next_B` is
+        set by the first `record`)."""
+        dev = device
         params = [r.request.sampling for r in rows]
         R, N = len(rows), max(max_new, default=1)
 
@@ -102,7 +110,7 @@ class RowBatch:
 
         batch = RowBatch(
             rows=rows,
-            kv=kv,
+            lengths_B=t(lengths, torch.long),
             next_B=torch.zeros(R, dtype=torch.long, device=dev),
             slot_B=t([r.handle.slot for r in rows], torch.long),
             temperature_B=t([p.temperature for p in params], torch.float32),
@@ -121,6 +129,11 @@ class RowBatch:
     def size(self) -> int:
         return len(self.rows)
 
+    @property
+    def max_length(self) -> int:
+        """The longest row's cache length (0 for an empty batch)."""
+        return int(self.lengths_B.max()) if self.rows else 0
+
     def _count(self) -> None:
         params = [r.request.sampling for r in self.rows]
         self.n_sampling = sum(p.temperature > 0 for p in params)
@@ -138,9 +151,10 @@ class RowBatch:
         self.next_B = tokens_B
 
     def select(self, keep: Sequence[int]) -> RowBatch:
-        idx = torch.tensor(list(keep), dtype=torch.long, device=self.kv.lengths_B.device)
+        """Rows `keep`, in that order (the caller moves their cache rows alongside)."""
+        idx = torch.tensor(list(keep), dtype=torch.long, device=self.lengths_B.device)
         fields = {name: getattr(self, name)[idx] for name in _ROW_TENSORS}
-        return RowBatch._of([self.rows[i] for i in keep], self.kv.select(idx), fields)
+        return RowBatch._of([self.rows[i] for i in keep], fields)
 
     @staticmethod
     def concat(a: RowBatch, b: RowBatch) -> RowBatch:
@@ -158,13 +172,13 @@ class RowBatch:
             return torch.cat([x, y])
 
         fields = {name: cat(name) for name in _ROW_TENSORS}
-        return RowBatch._of(a.rows + b.rows, KVBatch.concat(a.kv, b.kv), fields)
+        return RowBatch._of(a.rows + b.rows, fields)
 
     @staticmethod
-    def _of(rows: list[Row], kv: KVBatch, t: dict[str, Tensor]) -> RowBatch:
+    def _of(rows: list[Row], t: dict[str, Tensor]) -> RowBatch:
         out = RowBatch(
             rows,
-            kv,
+            lengths_B=t["lengths_B"],
             next_B=t["next_B"],
             slot_B=t["slot_B"],
             temperature_B=t["temperature_B"],
@@ -178,74 +192,3 @@ class RowBatch:
         )
         out._count()
         return out
-
-
-def _forward_last(
-    model: LoRAModel,
-    bank: AdapterBank,
-    slot_B: Tensor,
-    ids_BT: Tensor,
-    mask_BS: Tensor,
-    pos_BT: Tensor,
-    kv: KVBatch,
-) -> tuple[Tensor, list[Tensor], list[Tensor]]:
-    """One forward of the base with each row's adapter; the last position's logits and
-    the grown per-layer keys/values."""
-    cache = kv.forward_cache()
-    with torch.no_grad(), model.lanes(bank.slot_lanes(slot_B)):
-        out = model.base(
-            input_ids=ids_BT,
-            attention_mask=mask_BS,
-            position_ids=pos_BT,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-    keys, values = KVBatch.grown(cache)
-    return out.logits[:, -1], keys, values
-
-
-def decode_logits(model: LoRAModel, bank: AdapterBank, batch: RowBatch) -> Tensor:
-    """Feed every row's pending token; grow the cache by one column; `logits_BV`."""
-    kv = batch.kv
-    logits_BV, keys, values = _forward_last(
-        model,
-        bank,
-        batch.slot_B,
-        batch.next_B.unsqueeze(-1),
-        kv.mask_BS(extra=1),
-        kv.lengths_B.unsqueeze(-1),
-        kv,
-    )
-    batch.kv = KVBatch(keys, values, kv.lengths_B + 1)
-    return logits_BV
-
-
-def prefill_logits(
-    model: LoRAModel,
-    bank: AdapterBank,
-    slot_R: Tensor,
-    past: Sequence[RowKV | None],
-    new_tokens: Sequence[Sequence[int]],
-    empty: KVBatch,
-    pad_id: int,
-) -> tuple[Tensor, KVBatch]:
-    """Prefill new rows: `past[i]` is row i's reused session cache (or None) and
-    `new_tokens[i]` the prompt tokens after it. Returns the last position's logits and
-    the rows' compacted cache.
-
-    Layout of row i: [pad | past_i | pad | new_i]; each row's new tokens are left-padded
-    so the last column holds every row's last prompt token.
-    """
-    past_kv = KVBatch.from_rows(past, empty)
-    dev = past_kv.lengths_B.device
-    R, N = len(new_tokens), max(len(t) for t in new_tokens)
-    ids_RN = torch.full((R, N), pad_id, dtype=torch.long, device=dev)
-    new_mask_RN = torch.zeros(R, N, dtype=torch.long, device=dev)
-    for i, toks in enumerate(new_tokens):
-        ids_RN[i, N - len(toks) :] = torch.tensor(toks, dtype=torch.long)
-        new_mask_RN[i, N - len(toks) :] = 1
-    mask_RS = torch.cat([past_kv.mask_BS(), new_mask_RN], dim=1)
-    pos_RN = past_kv.lengths_B.unsqueeze(-1) + (new_mask_RN.cumsum(-1) - 1).clamp_(min=0)
-    logits_RV, keys, values = _forward_last(model, bank, slot_R, ids_RN, mask_RS, pos_RN, past_kv)
-    return logits_RV, KVBatch.compact(keys, values, mask_RS)

@@ -31,7 +31,6 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
-import functools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,20 +39,15 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from marlaas.errors import CapacityError, InvalidRequest, MarlaasError
+from marlaas.model.attention import install_attention
 from marlaas.model.bank import AdapterBank
 from marlaas.model.lora import LoRAModel
-from marlaas.packing import pack_longest_first
-from marlaas.rollout.batch import (
-    Deliver,
-    Row,
-    RowBatch,
-    TokenListener,
-    decode_logits,
-    prefill_logits,
-)
+from marlaas.rollout.batch import Deliver, Row, RowBatch, TokenListener
 from marlaas.rollout.finish import FinishPolicy
-from marlaas.rollout.kv import KVBatch, RowKV, kv_geometry
-from marlaas.rollout.prompts import PromptCache, PromptEntry
+from marlaas.rollout.forward import decode_logits
+from marlaas.rollout.kv import SlotKV, kv_geometry
+from marlaas.rollout.prefill import Admitted, run_prefill
+from marlaas.rollout.prompts import PromptCache
 from marlaas.rollout.sampling import sample_B, uniform_B
 from marlaas.rollout.sessions import SessionCache, SessionEntry
 from marlaas.types import Completion, RolloutRequest
@@ -91,15 +85,6 @@ class Pending:
     listener: TokenListener | None = None
 
 
-@dataclass
-class _Admitted:
-    row: Row
-    past: RowKV | None
-    new_tokens: tuple[int, ...]
-    seed: int
-    max_new: int
-
-
 class Scheduler:
     """Admission, prefill, decode and completion over one `RowBatch` (not thread-safe)."""
 
@@ -126,12 +111,13 @@ class Scheduler:
         self.prompts = prompts
         self.stats = EngineStats()
         config = model.base.config
-        num_layers, kv_heads, head_dim = kv_geometry(config)
-        self._empty = KVBatch.empty(num_layers, kv_heads, head_dim, model.dtype, model.device)
-        self.batch = RowBatch.build([], self._empty, [], [])
+        geometry = kv_geometry(config)
+        install_attention(model.base)
         self._vocab = int(config.get_text_config(decoder=True).vocab_size)
-        max_pos = getattr(config, "max_position_embeddings", None)
+        max_pos = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
         self._max_positions: int | None = int(max_pos) if max_pos else None
+        self.kv = SlotKV(geometry, model.dtype, model.device, max_batch_size, self._max_positions)
+        self.batch = self._empty_batch()
         pad = tokenizer.pad_token_id
         self._pad_id = int(pad) if isinstance(pad, int) else 0
         self._finisher = FinishPolicy(tokenizer, _eos_ids(model, tokenizer, eos_token_ids))
@@ -155,9 +141,12 @@ class Scheduler:
             self.stats.iterations += 1
         return advanced, back
 
+    def _empty_batch(self) -> RowBatch:
+        return RowBatch.build([], [], [], [], self.model.device)
+
     def fail_all(self, exc: BaseException) -> None:
         """Fail every running row with `exc` and empty the batch."""
-        batch, self.batch = self.batch, RowBatch.build([], self._empty, [], [])
+        batch, self.batch = self.batch, self._empty_batch()
         for row in batch.rows:
             self._release(row)
             self.fail(row.deliver, exc)
@@ -168,9 +157,9 @@ class Scheduler:
 
     # -- admission and prefill ------------------------------------------------------------
 
-    def _admit(self, candidates: list[Pending]) -> tuple[list[_Admitted], list[Pending]]:
+    def _admit(self, candidates: list[Pending]) -> tuple[list[Admitted], list[Pending]]:
         room = self.room
-        taken: list[_Admitted] = []
+        taken: list[Admitted] = []
         back: list[Pending] = []
         budget = self.max_prefill_tokens
         charged: set[tuple[str, int | None, tuple[int, ...]]] = set()  # shared prefills
@@ -194,7 +183,8 @@ class Scheduler:
                 self.fail(pending.deliver, exc)
                 continue
             reused, past = 0, None
-            if request.session is not None:
+            # Prompt log-probs need the whole prompt run: no session cache for those.
+            if request.session is not None and not request.sampling.prompt_logprobs:
                 reused, past = self.sessions.take(
                     request.session, request.tenant, handle.version, request.prompt_ids
                 )
@@ -204,7 +194,7 @@ class Scheduler:
             row.stop_window = self._finisher.window(request.sampling.stop)
             seed = request.sampling.seed
             taken.append(
-                _Admitted(
+                Admitted(
                     row=row,
                     past=past,
                     new_tokens=request.prompt_ids[reused:],
@@ -234,76 +224,34 @@ class Scheduler:
             limit = min(limit, self._max_positions - len(prompt) + 1)
         return limit
 
-    def _prefill(self, admitted: list[_Admitted]) -> int:
-        """Prefill the admitted rows: each distinct prompt once, taken from the prompt
-        cache when it was prefilled before, else in forwards of rows of similar length
-        (`_plan_prefill`); a failed forward fails its rows only."""
-        hits: dict[int, PromptEntry] = {}
-        for i, a in enumerate(admitted):
-            if a.past is None:
-                entry = self.prompts.get(a.row.handle.adapter_id, a.new_tokens)
-                if entry is not None:
-                    hits[i] = entry
-        source, forwards = _plan_prefill(admitted, set(hits))
-        logits: list[torch.Tensor] = []
-        kvs: list[KVBatch] = []
-        at: dict[int, int] = {}  # admitted index of a prefilled prompt -> its output row
-        for forward in forwards:
-            firsts = [admitted[i] for i in forward]
-            slot_R = torch.tensor(
-                [a.row.handle.slot for a in firsts], device=self._empty.lengths_B.device
-            )
-            try:
-                logits_RV, kv = prefill_logits(
-                    self.model,
-                    self.bank,
-                    slot_R,
-                    [a.past for a in firsts],
-                    [a.new_tokens for a in firsts],
-                    self._empty,
-                    self._pad_id,
-                )
-            except Exception as exc:
-                for i, a in enumerate(admitted):
-                    if source[i] in forward:
-                        self._release(a.row)
-                        self.fail(a.row.deliver, exc)
-                continue
-            for j, (i, a) in enumerate(zip(forward, firsts, strict=True)):
-                at[i] = len(at)
-                if a.past is None:
-                    entry = PromptEntry(kv.row(j), logits_RV[j].clone())
-                    self.prompts.put(a.row.handle.adapter_id, a.new_tokens, entry)
-            logits.append(logits_RV)
-            kvs.append(kv)
-            self.stats.prefill_tokens += sum(len(a.new_tokens) for a in firsts)
-        cached = sorted(i for i in hits if source[i] == i)
-        if cached:
-            for i in cached:
-                at[i] = len(at)
-            logits.append(torch.stack([hits[i].logits_V for i in cached]))
-            kvs.append(KVBatch.from_rows([hits[i].kv for i in cached], self._empty))
-        # Rows in the order of their prefill rows: a prompt's sharers sit together.
-        ok = sorted(
-            (i for i in range(len(admitted)) if source[i] in at), key=lambda i: at[source[i]]
+    def _prefill(self, admitted: list[Admitted]) -> int:
+        """Prefill the admitted rows into the cache rows after the running ones
+        (`marlaas.rollout.prefill`) and sample their first tokens; a failed forward
+        fails its rows only."""
+        B0 = self.batch.size
+        result = run_prefill(
+            self.model, self.bank, self.kv, self.prompts, admitted, B0, self._pad_id
         )
-        if not ok:
+        for a, exc in result.failed:
+            self._release(a.row)
+            self.fail(a.row.deliver, exc)
+        self.stats.prefill_tokens += result.prefill_tokens
+        self.stats.shared_prefill_tokens += result.shared_tokens
+        if not result.ok or result.logits_RV is None:
             return 0
-        rows_R = [at[source[i]] for i in ok]
-        logits_RV = torch.cat(logits) if len(logits) > 1 else logits[0]
-        kv = functools.reduce(KVBatch.concat, kvs)
-        if rows_R != list(range(len(at))):  # shared prompts: copy their rows out
-            index_R = torch.tensor(rows_R, dtype=torch.long, device=logits_RV.device)
-            logits_RV, kv = logits_RV[index_R], kv.select(index_R)
-        done = [admitted[i] for i in ok]
+        done = result.ok
         rows = [a.row for a in done]
-        self.stats.shared_prefill_tokens += sum(
-            len(admitted[i].new_tokens) for i in ok if source[i] != i or i in hits
-        )
         self.stats.reused_tokens += sum(r.reused for r in rows)
-        new = RowBatch.build(rows, kv, [a.seed for a in done], [a.max_new for a in done])
-        new = self._sample_and_finish(new, logits_RV)
+        new = RowBatch.build(
+            rows,
+            [len(r.request.prompt_ids) for r in rows],
+            [a.seed for a in done],
+            [a.max_new for a in done],
+            self.model.device,
+        )
+        finished = self._sample_and_finish(new, result.logits_RV)
         self.batch = RowBatch.concat(self.batch, new)
+        self._drop([B0 + i for i in finished])
         self.stats.max_batch = max(self.stats.max_batch, self.batch.size)
         return len(rows)
 
@@ -312,16 +260,17 @@ class Scheduler:
     def _decode(self) -> int:
         batch = self.batch
         try:
-            logits_BV = decode_logits(self.model, self.bank, batch)
+            logits_BV = decode_logits(self.model, self.bank, self.kv, batch)
         except Exception as exc:
             self.fail_all(exc)
             return 0
         self.stats.decode_tokens += batch.size
-        self.batch = self._sample_and_finish(batch, logits_BV)
+        self._drop(self._sample_and_finish(batch, logits_BV))
         return batch.size
 
-    def _sample_and_finish(self, batch: RowBatch, logits_BV: torch.Tensor) -> RowBatch:
-        """Sample one token per row, record it, and let finished rows leave."""
+    def _sample_and_finish(self, batch: RowBatch, logits_BV: torch.Tensor) -> list[int]:
+        """Sample one token per row, record it, and complete the rows it finished; their
+        positions in `batch` (still there: `_drop` removes them)."""
         # Greedy-only batches draw nothing; any float tensor of the right shape will do.
         u_B = uniform_B(batch.seed_B, batch.n_gen_B) if batch.n_sampling else batch.top_p_B
         tokens_B, logprobs_B = sample_B(
@@ -339,18 +288,34 @@ class Scheduler:
             _stream_tokens(batch, tokens_B)
         done_B, eos_B = self._finisher.done_B(batch, tokens_B)
         if not bool(done_B.any()):
-            return batch
-        finished = done_B.nonzero().squeeze(-1).tolist()
+            return []
+        finished: list[int] = done_B.nonzero().squeeze(-1).tolist()
         self._complete(batch, finished, eos_B[finished].tolist(), aborted=False)
-        return batch.select((~done_B).nonzero().squeeze(-1).tolist())
+        return finished
+
+    def _drop(self, gone: Sequence[int]) -> None:
+        """Remove rows `gone` from the batch: the last surviving rows move into their
+        cache rows, so the batch stays rows `0 .. B-1` and nothing else moves."""
+        if not gone:
+            return
+        batch, out = self.batch, set(gone)
+        n = batch.size - len(out)
+        holes = [i for i in range(n) if i in out]
+        movers = [i for i in range(n, batch.size) if i not in out]
+        order = list(range(n))
+        for hole, mover in zip(holes, movers, strict=True):
+            order[hole] = mover
+        if movers:
+            columns = int(batch.lengths_B[movers].max())
+            self.kv.move_rows(holes, movers, columns)
+        self.batch = batch.select(order)
 
     def _abort_rows(self, ids: set[str]) -> None:
         batch = self.batch
         hit = [i for i, row in enumerate(batch.rows) if row.request.request_id in ids]
         if hit:
             self._complete(batch, hit, [False] * len(hit), aborted=True)
-            gone = set(hit)
-            self.batch = batch.select([i for i in range(batch.size) if i not in gone])
+            self._drop(hit)
 
     def _complete(self, batch: RowBatch, rows: list[int], eos: list[bool], aborted: bool) -> None:
         """Build the rows' completions, keep session KV, release the pins, deliver."""
@@ -370,9 +335,10 @@ class Scheduler:
         request = batch.rows[i].request
         assert request.session is not None
         tokens = request.prompt_ids + completion.token_ids[:-1]
-        kv = batch.kv.row(i)
-        if int(kv[0][0].shape[1]) != len(tokens):  # a broken invariant must not poison reuse
+        length = int(batch.lengths_B[i])
+        if length != len(tokens):  # a broken invariant must not poison reuse
             return
+        kv = self.kv.export_row(i, length)
         self.sessions.put(
             request.session, SessionEntry(request.tenant, completion.version, tokens, kv)
         )
@@ -380,29 +346,6 @@ class Scheduler:
     def _release(self, row: Row) -> None:
         with contextlib.suppress(MarlaasError):  # already released: nothing left to undo
             self.bank.release(row.handle)
-
-
-def _plan_prefill(
-    admitted: Sequence[_Admitted], cached: set[int]
-) -> tuple[list[int], list[list[int]]]:
-    """Which prompts to prefill, and in which forwards: `(source, forwards)`.
-
-    `source[i]` is the admitted index whose prefill row `i` shares: the first row with
-    the same adapter (`adapter_id`) and prompt and no session cache (the samples of a
-    GRPO group), else `i` itself. `forwards` splits the distinct prompts, except the
-    `cached` ones (found in the prompt cache), longest first, into forwards padded at
-    most a quarter (`marlaas.packing`).
-    """
-    first: dict[tuple[int, tuple[int, ...]], int] = {}
-    source: list[int] = []
-    for i, a in enumerate(admitted):
-        if a.past is None:
-            source.append(first.setdefault((a.row.handle.adapter_id, a.new_tokens), i))
-        else:
-            source.append(i)
-    order = sorted(set(source) - cached, key=lambda i: -len(admitted[i].new_tokens))
-    spans = pack_longest_first([len(admitted[i].new_tokens) for i in order])
-    return source, [order[start:end] for start, end in spans]
 
 
 def _stream_tokens(batch: RowBatch, tokens_B: torch.Tensor) -> None:

@@ -109,6 +109,7 @@ class FinishPolicy:
                     logprobs=tuple(logprobs[j][:n]),
                     text=text,
                     finish_reason=reason,
+                    prompt_logprobs=row.prompt_logprobs,
                 )
             )
         return out

@@ -1,20 +1,24 @@
-"""The batched key/value cache of the decode batch, with a different length on every row.
+"""The decode batch's key/value cache: buffers allocated once, written in place.
 
-Layout: per layer, keys and values are `[B, H, S, D]` (batch, kv heads, columns, head
-dim). Row `b` holds `lengths_B[b]` valid tokens, right-aligned: its valid columns are
-`[S - lengths_B[b], S)`, the columns before are padding (masked out, never read).
+Layout: per layer, keys and values are `[rows, H, columns, D]` buffers (kv heads, head
+dim). Batch row `b` is buffer row `b`, and its token at position `j` sits in column `j`:
+row `b` holds `lengths_B[b]` valid columns `[0, lengths_B[b])`. A forward writes its new
+tokens' entries straight into their columns (`SlotCache`), so decoding never
+concatenates or copies the cache; the last column is a scratch column where left padding
+of a prefill writes what nobody reads.
 
-Invariants (hold between operations; `KVBatch` methods restore them):
-- right-aligned: every row's valid entries are a suffix of the columns, in token order,
-  so the padding mask is a function of `lengths_B` alone;
-- trimmed: `S == max(lengths_B)` (no all-padding column), `S == 0` for an empty batch;
-- the token in valid column `j` of row `b` has position `j - (S - lengths_B[b])`: rotary
-  embeddings are applied before caching, so moving an entry to another column (merging,
-  compacting) never changes what attention computes.
+The buffers grow geometrically (rows and columns doubled, up to `max_rows` and the
+model's positions) when a batch needs more, which happens a logarithmic number of times;
+rows that leave are replaced by moving the last rows into their place (`move_rows`), so
+the batch's rows stay `0 .. B-1` and a view of them is all attention reads.
 
-A forward wraps the tensors in a transformers `DynamicCache` (no copy), lets the model
-append its new columns, and takes the grown tensors back (`forward_cache` /
-`grown`). Only plain full-attention layers are supported (no sliding window).
+Invariants:
+- Columns at or beyond a row's length hold finite values (zeros, or an earlier
+  occupant's entries), never read as valid: attention masks them.
+- A row's entries do not depend on the other rows: moving or sharing a row copies
+  exactly its valid columns.
+- Sliding windows never drop entries: every token of a row stays, the attention mask
+  applies the window (so a session or prompt cache entry serves any window).
 """
 
 from __future__ import annotations
@@ -25,156 +29,163 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from transformers.cache_utils import DynamicCache
 
 from marlaas.errors import ModelError
-from marlaas.model.cache import cache_tensors, wrap_cache
+from marlaas.model.cache import SlotCache, SlotLayer
 
 #: One sequence's cache: per layer `(keys [H, L, D], values [H, L, D])`.
 RowKV = list[tuple[Tensor, Tensor]]
 
 
-def _suffix_mask(lengths_B: Tensor, S: int, extra: int = 0) -> Tensor:
-    """`[B, S + extra]` bool: the last `lengths_B[b]` of S columns, plus `extra` columns."""
-    col_S = torch.arange(S + extra, device=lengths_B.device)
-    return col_S.unsqueeze(0) >= (S - lengths_B).unsqueeze(-1)
+@dataclass(frozen=True)
+class KVGeometry:
+    """What the cache must hold per token: layers, kv heads, head dim, each layer's window."""
+
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    #: Per layer: its sliding window (None = full attention).
+    windows: tuple[int | None, ...]
 
 
-@dataclass
-class KVBatch:
-    """Per-layer `[B, H, S, D]` keys/values, right-aligned and trimmed (see module doc)."""
-
-    keys: list[Tensor]
-    values: list[Tensor]
-    lengths_B: Tensor
-
-    @staticmethod
-    def empty(
-        num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
-    ) -> KVBatch:
-        z = torch.zeros(0, kv_heads, 0, head_dim, dtype=dtype, device=device)
-        return KVBatch(
-            [z] * num_layers,
-            [z] * num_layers,
-            torch.zeros(0, dtype=torch.long, device=device),
-        )
-
-    @property
-    def size(self) -> int:
-        return int(self.lengths_B.shape[0])
-
-    @property
-    def width(self) -> int:
-        return int(self.keys[0].shape[2])
-
-    def mask_BS(self, extra: int = 0) -> Tensor:
-        """The padding mask `[B, S + extra]` (1 = valid), `extra` valid columns appended."""
-        return _suffix_mask(self.lengths_B, self.width, extra).long()
-
-    def forward_cache(self) -> DynamicCache:
-        """A `DynamicCache` over these tensors for one model forward (no copy)."""
-        return wrap_cache(self.keys, self.values)
-
-    @staticmethod
-    def grown(cache: DynamicCache) -> tuple[list[Tensor], list[Tensor]]:
-        """The per-layer keys and values a forward left in a `forward_cache()` cache."""
-        return cache_tensors(cache)
-
-    def select(self, rows_R: Tensor) -> KVBatch:
-        """The rows `rows_R` (int64 indices), trimmed."""
-        lengths_R = self.lengths_B[rows_R]
-        S = self.width
-        keep = int(lengths_R.max()) if lengths_R.numel() else 0
-        keys = [k[rows_R, :, S - keep :] for k in self.keys]
-        values = [v[rows_R, :, S - keep :] for v in self.values]
-        return KVBatch(keys, values, lengths_R)
-
-    @staticmethod
-    def concat(a: KVBatch, b: KVBatch) -> KVBatch:
-        """Rows of `a` then rows of `b`; the narrower one is left-padded with zeros."""
-        if a.size == 0:
-            return b
-        if b.size == 0:
-            return a
-        S = max(a.width, b.width)
-
-        def pad(t: Tensor) -> Tensor:
-            missing = S - t.shape[2]
-            return t if missing == 0 else torch.nn.functional.pad(t, (0, 0, missing, 0))
-
-        keys = [torch.cat([pad(x), pad(y)]) for x, y in zip(a.keys, b.keys, strict=True)]
-        values = [torch.cat([pad(x), pad(y)]) for x, y in zip(a.values, b.values, strict=True)]
-        return KVBatch(keys, values, torch.cat([a.lengths_B, b.lengths_B]))
-
-    @staticmethod
-    def compact(keys: list[Tensor], values: list[Tensor], mask_BS: Tensor) -> KVBatch:
-        """Right-align rows whose valid columns (`mask_BS` = 1) have holes, then trim.
-
-        A stable sort of the mask moves every row's padding to the front while keeping
-        its valid entries in token order: one gather per layer, no loop over rows.
-        """
-        mask_BS = mask_BS.bool()
-        lengths_B = mask_BS.sum(-1)
-        S = mask_BS.shape[1]
-        keep = int(lengths_B.max()) if lengths_B.numel() else 0
-        aligned = bool(torch.equal(mask_BS, KVBatch([keys[0]], [values[0]], lengths_B).mask_BS()))
-        if not aligned:
-            order_BS = torch.sort(mask_BS.to(torch.uint8), dim=-1, stable=True).indices
-            order_BS = order_BS[:, S - keep :]
-            H, D = keys[0].shape[1], keys[0].shape[3]
-            index = order_BS[:, None, :, None].expand(-1, H, -1, D)
-            keys = [k.gather(2, index) for k in keys]
-            values = [v.gather(2, index) for v in values]
-        else:
-            keys = [k[:, :, S - keep :] for k in keys]
-            values = [v[:, :, S - keep :] for v in values]
-        return KVBatch(keys, values, lengths_B)
-
-    def row(self, b: int) -> RowKV:
-        """A contiguous copy of row `b`'s valid entries (to keep after the row leaves)."""
-        n, S = int(self.lengths_B[b]), self.width
-        return [
-            (k[b, :, S - n :].clone(), v[b, :, S - n :].clone())
-            for k, v in zip(self.keys, self.values, strict=True)
-        ]
-
-    @staticmethod
-    def from_rows(rows: Sequence[RowKV | None], like: KVBatch) -> KVBatch:
-        """Left-pad per-sequence caches into a batch (None = an empty row)."""
-        lengths = [0 if r is None else int(r[0][0].shape[1]) for r in rows]
-        S = max(lengths, default=0)
-        ref = like.keys[0]
-        H, D = ref.shape[1], ref.shape[3]
-        keys: list[Tensor] = []
-        values: list[Tensor] = []
-        for layer in range(len(like.keys)):
-            k = ref.new_zeros(len(rows), H, S, D)
-            v = ref.new_zeros(len(rows), H, S, D)
-            for i, r in enumerate(rows):
-                if r is not None and lengths[i]:
-                    k[i, :, S - lengths[i] :] = r[layer][0]
-                    v[i, :, S - lengths[i] :] = r[layer][1]
-            keys.append(k)
-            values.append(v)
-        return KVBatch(keys, values, torch.tensor(lengths, dtype=torch.long, device=ref.device))
-
-
-def kv_geometry(config: object) -> tuple[int, int, int]:
-    """`(num_layers, kv_heads, head_dim)` of a decoder config; `ModelError` if unsupported."""
+def kv_geometry(config: object) -> KVGeometry:
+    """The cache geometry of a decoder config; `ModelError` for layers it cannot hold."""
     text: Any = (
         config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     )
+    num_layers = int(text.num_hidden_layers)
+    window = getattr(text, "sliding_window", None)
     layer_types = getattr(text, "layer_types", None)
     if layer_types:
-        if any(t != "full_attention" for t in layer_types):
+        unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+        if unknown:
             raise ModelError(
-                "the rollout engine supports full-attention decoders only; this model has "
-                f"layer types {sorted(set(layer_types))}"
+                f"the rollout engine supports full and sliding-window attention layers; this "
+                f"model also has {unknown}; use a decoder with only those layer types"
             )
-    elif getattr(text, "sliding_window", None) and getattr(text, "use_sliding_window", True):
-        raise ModelError("the rollout engine does not support sliding-window attention")
-    num_layers = int(text.num_hidden_layers)
+        windows = tuple(
+            int(window) if t == "sliding_attention" and window else None for t in layer_types
+        )
+    elif window and getattr(text, "use_sliding_window", True):
+        windows = (int(window),) * num_layers
+    else:
+        windows = (None,) * num_layers
     heads = int(text.num_attention_heads)
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
-    return num_layers, kv_heads, head_dim
+    return KVGeometry(num_layers, kv_heads, head_dim, windows)
+
+
+def _grown(needed: int, have: int, limit: int, floor: int) -> int:
+    size = max(have, floor)
+    while size < needed:
+        size *= 2
+    return max(min(size, limit), needed)
+
+
+class SlotKV:
+    """Per-layer `[rows, H, columns, D]` key and value buffers (see the module doc)."""
+
+    def __init__(
+        self,
+        geometry: KVGeometry,
+        dtype: torch.dtype,
+        device: torch.device,
+        max_rows: int,
+        max_positions: int | None,
+    ) -> None:
+        self.geometry = geometry
+        self.dtype = dtype
+        self.device = device
+        self.max_rows = max_rows
+        # A row needs at most max_positions columns; one more is the scratch column.
+        self._col_limit = (max_positions + 1) if max_positions else 1 << 30
+        self.keys: list[Tensor] = []
+        self.values: list[Tensor] = []
+        self._alloc(0, 0)
+
+    @property
+    def rows(self) -> int:
+        return int(self.keys[0].shape[0])
+
+    @property
+    def usable_columns(self) -> int:
+        """Columns a row may fill (the last one is the scratch column)."""
+        return max(int(self.keys[0].shape[2]) - 1, 0)
+
+    def _alloc(self, rows: int, columns: int) -> None:
+        g = self.geometry
+        shape = (rows, g.kv_heads, columns, g.head_dim)
+        old = self.keys + self.values
+        # Zeros, not empty: masked columns are multiplied by probability 0, and 0 * NaN
+        # (uninitialised memory) would still be NaN.
+        fresh = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device)
+            for _ in range(2 * g.num_layers)
+        ]
+        if old and old[0].numel():
+            # Everything but the old scratch column, which becomes an ordinary one.
+            r, c = min(rows, old[0].shape[0]), min(columns, old[0].shape[2]) - 1
+            for new, prev in zip(fresh, old, strict=True):
+                new[:r, :, :c].copy_(prev[:r, :, :c])
+        self.keys, self.values = fresh[: g.num_layers], fresh[g.num_layers :]
+
+    def reserve(self, rows: int, columns: int) -> None:
+        """Make room for `rows` rows of `columns` valid columns each (grows geometrically)."""
+        if rows > self.max_rows:
+            raise ModelError(f"the cache holds at most {self.max_rows} rows, asked for {rows}")
+        if columns + 1 > self._col_limit:
+            raise ModelError(
+                f"a row of {columns} tokens exceeds the model's {self._col_limit - 1} positions"
+            )
+        have_rows, have_cols = self.rows, int(self.keys[0].shape[2])
+        if rows <= have_rows and columns + 1 <= have_cols:
+            return
+        self._alloc(
+            _grown(rows, have_rows, self.max_rows, 8),
+            _grown(columns + 1, have_cols, self._col_limit, 64),
+        )
+
+    def cache(self, row0: int, positions_RN: Tensor, columns: int) -> SlotCache:
+        """The `SlotCache` of a forward over rows `row0 ..` with new tokens at
+        `positions_RN` (-1: padding, written to the scratch column), reading `columns`."""
+        R = int(positions_RN.shape[0])
+        H, cap = self.geometry.kv_heads, int(self.keys[0].shape[2])
+        col_RN = torch.where(positions_RN >= 0, positions_RN, cap - 1)
+        row_R = torch.arange(row0, row0 + R, device=positions_RN.device)
+        head_H = torch.arange(H, device=positions_RN.device)
+        # Flat index of (row, token, head) in a buffer viewed as [rows * H * cap, D].
+        index = (row_R[:, None, None] * H + head_H) * cap + col_RN[:, :, None]
+        flat = index.reshape(-1)
+        return SlotCache(
+            [
+                SlotLayer(k, v, flat, row0, R, columns)
+                for k, v in zip(self.keys, self.values, strict=True)
+            ]
+        )
+
+    def move_rows(self, dst: Sequence[int], src: Sequence[int], columns: int) -> None:
+        """Copy rows `src` into rows `dst` (their first `columns` columns), all at once:
+        the sources are read before any destination is written."""
+        if not dst:
+            return
+        d = torch.tensor(list(dst), dtype=torch.long, device=self.device)
+        s = torch.tensor(list(src), dtype=torch.long, device=self.device)
+        for buf in self.keys + self.values:
+            view = buf[:, :, :columns]
+            view.index_copy_(0, d, view.index_select(0, s))
+
+    def export_row(self, b: int, length: int) -> RowKV:
+        """A contiguous copy of row `b`'s first `length` entries (to keep after it leaves)."""
+        return [
+            (k[b, :, :length].clone(), v[b, :, :length].clone())
+            for k, v in zip(self.keys, self.values, strict=True)
+        ]
+
+    def import_row(self, b: int, kv: RowKV) -> int:
+        """Write a kept cache into row `b`'s first columns; its length."""
+        n = int(kv[0][0].shape[1])
+        for layer, (k, v) in enumerate(kv):
+            self.keys[layer][b, :, :n].copy_(k)
+            self.values[layer][b, :, :n].copy_(v)
+        return n

@@ -1,0 +1,186 @@
+"""The engine's attention, reached through transformers' `AttentionInterface`.
+
+`install_attention(model)` routes the model's attention through `marlaas:<original>`:
+a forward that passes an `AttentionPlan` (the keyword `PLAN_KWARG`) gets
+`slot_attention`; every other forward (the trainer's, a plain evaluation) gets the
+model's original implementation with exactly the arguments it would have had, so
+installing changes nothing for them. The Hugging Face modules keep computing their
+projections, norms and rotary embeddings; only the attention product is ours.
+
+`slot_attention` attends rows of the engine's slot cache (`marlaas.model.cache`) where
+token `j` of a row sits in column `j`: each query sees the columns at or before its
+position, within the layer's sliding window (`kv_idx > q_idx - window`, as Hugging
+Face's masks), never another row's padding. Grouped-query heads attend their key/value
+head without repeating it; `softcap` and `scaling` are the module's own. A decode query
+(one token per row) is two batched matmuls over the cache columns; a prefill uses
+`scaled_dot_product_attention` with the plan's mask.
+
+Invariants:
+- Only forwards that pass a plan are changed; the plan's masks are built once per
+  forward (`AttentionPlan.build`) and shared by all layers.
+- Padding queries (left padding of a prefill) attend column 0 of their own row: a
+  finite, unused result, so no NaN can reach any value a real token reads.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from transformers import AttentionInterface, PreTrainedModel
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from marlaas.errors import ModelError
+
+#: The forward keyword that carries an `AttentionPlan` down to every attention layer.
+PLAN_KWARG = "marlaas_attention"
+_PREFIX = "marlaas:"
+
+
+@dataclass
+class AttentionPlan:
+    """The masks of one forward over `R` cache rows, `N` new tokens each, `S` columns.
+
+    `positions_RN` is each new token's position (= its column), -1 for padding.
+    """
+
+    positions_RN: Tensor
+    columns: int
+    #: window (None = full attention) -> mask `[R, 1, N, S]`, True where a query attends.
+    masks: dict[int | None, Tensor] = field(default_factory=dict)
+
+    @staticmethod
+    def build(positions_RN: Tensor, columns: int, windows: Iterable[int | None]) -> AttentionPlan:
+        plan = AttentionPlan(positions_RN, columns)
+        col_S = torch.arange(columns, device=positions_RN.device)
+        pos_RN1 = positions_RN.unsqueeze(-1)
+        causal = col_S <= pos_RN1
+        pad = (pos_RN1 < 0) & (col_S == 0)  # padding queries: column 0, finite and unused
+        for window in set(windows):
+            mask = causal if window is None else causal & (col_S > pos_RN1 - window)
+            plan.masks[window] = (mask | pad).unsqueeze(1)
+        return plan
+
+    @property
+    def decode(self) -> bool:
+        return int(self.positions_RN.shape[1]) == 1
+
+    def mask(self, window: int | None) -> Tensor:
+        try:
+            return self.masks[window]
+        except KeyError:
+            raise ModelError(
+                f"attention layer with sliding window {window} has no mask in this plan "
+                f"(windows {sorted(map(str, self.masks))}); build the plan with the model's "
+                "layer windows (marlaas.rollout.kv.kv_geometry)"
+            ) from None
+
+
+def slot_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    plan: AttentionPlan,
+    *,
+    scaling: float | None,
+    softcap: float | None = None,
+    window: int | None = None,
+) -> Tensor:
+    """Attention of `query [R, H, N, D]` over `key`/`value [R, Hkv, S, D]` under the
+    plan's mask for `window`; returns `[R, N, H, D]` (the layout HF modules expect)."""
+    R, H, N, D = query.shape
+    Hkv = int(key.shape[1])
+    G = H // Hkv
+    scale = scaling if scaling is not None else D**-0.5
+    mask_R1NS = plan.mask(window)
+    if N > 1 and softcap is None:
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask_R1NS, scale=scale, enable_gqa=G > 1
+        )
+        return out.transpose(1, 2)
+    # Query heads h = kv_head * G + g (as `repeat_kv`): group them on their key/value
+    # head, so each head's keys are read once and never repeated.
+    q = query.reshape(R, Hkv, G * N, D)
+    scores = torch.matmul(q, key.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if N > 1:
+        mask_R1NS = mask_R1NS.unsqueeze(2).expand(R, 1, G, N, -1).reshape(R, 1, G * N, -1)
+    scores = scores.masked_fill(~mask_R1NS, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    out = torch.matmul(probs, value)  # [R, Hkv, G * N, D]
+    return out.view(R, Hkv, G, N, D).permute(0, 3, 1, 2, 4).reshape(R, N, H, D)
+
+
+AttentionFn = Callable[..., tuple[Tensor, Tensor | None]]
+
+
+def _routed(original: str) -> AttentionFn:
+    """The registered function for a model whose implementation was `original`."""
+
+    def forward(
+        module: nn.Module,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        **kwargs: Any,
+    ) -> tuple[Tensor, Tensor | None]:
+        plan = kwargs.pop(PLAN_KWARG, None)
+        if plan is None:
+            fallback = _original(original, module)
+            return fallback(module, query, key, value, attention_mask, **kwargs)
+        out = slot_attention(
+            query,
+            key,
+            value,
+            plan,
+            scaling=kwargs.get("scaling"),
+            softcap=kwargs.get("softcap"),
+            window=kwargs.get("sliding_window"),
+        )
+        return out, None
+
+    return forward
+
+
+def _original(name: str, module: nn.Module) -> AttentionFn:
+    if name == "eager":  # each modeling file has its own eager function (softcap, sinks)
+        fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if fn is None:
+            raise ModelError(f"{type(module).__name__} has no eager_attention_forward")
+        return fn  # type: ignore[no-any-return]
+    return ALL_ATTENTION_FUNCTIONS[name]  # type: ignore[no-any-return]
+
+
+def install_attention(model: PreTrainedModel) -> None:
+    """Route `model`'s attention through `marlaas:<its implementation>` (idempotent).
+
+    Raises `ModelError` for a model whose attention does not go through transformers'
+    `AttentionInterface` (the engine cannot reach it).
+    """
+    current = str(model.config._attn_implementation or "eager")
+    if current.startswith(_PREFIX):
+        return
+    if not model._can_set_attn_implementation():
+        raise ModelError(
+            f"{type(model).__name__} computes its attention without transformers' "
+            "AttentionInterface, so the rollout engine cannot attend over its cache; use a "
+            "model whose modeling code calls ALL_ATTENTION_FUNCTIONS (all current decoders)"
+        )
+    name = _PREFIX + current
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(name, _routed(current))
+        # The same masks as the original (none where it had none: HF then skips them).
+        mask_fn = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping.get(current)
+        if mask_fn is not None:
+            AttentionMaskInterface.register(name, mask_fn)  # type: ignore[arg-type]
+    model.set_attn_implementation(name)
+    if model.config._attn_implementation != name:
+        raise ModelError(f"could not set the attention implementation of {type(model).__name__}")

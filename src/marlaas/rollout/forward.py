@@ -1,0 +1,98 @@
+"""The engine's two forwards over its slot cache: prefill new rows, decode every row.
+
+Both run the Hugging Face model on a few new tokens per cache row, each row with its
+own adapter slot, and let it write the new keys and values in place
+(`SlotKV.cache`); attention goes through `marlaas.model.attention` with one
+`AttentionPlan` per forward (each row sees its own columns, within each layer's window).
+
+- decode: rows `0 .. B-1`, one token each, at position = the row's cache length;
+- prefill: rows `row0 ..`, the new prompt tokens of each row left-padded, so the last
+  column holds every row's last token (`logits_to_keep=1`, or every position's logits
+  when prompt log-probs are wanted), after the `past` tokens already in its row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from marlaas.model.attention import PLAN_KWARG, AttentionPlan
+from marlaas.model.bank import AdapterBank
+from marlaas.model.lora import LoRAModel
+from marlaas.rollout.batch import RowBatch
+from marlaas.rollout.kv import SlotKV
+
+
+def forward_rows(
+    model: LoRAModel,
+    bank: AdapterBank,
+    kv: SlotKV,
+    row0: int,
+    slot_R: Tensor,
+    ids_RN: Tensor,
+    positions_RN: Tensor,
+    columns: int,
+    all_logits: bool = False,
+) -> Tensor:
+    """Logits `[R, N or 1, V]` of new tokens `ids_RN` at `positions_RN` (-1: padding) of
+    cache rows `row0 .. row0 + R`, attending to their first `columns` columns."""
+    cache = kv.cache(row0, positions_RN, columns)
+    plan = AttentionPlan.build(positions_RN, columns, kv.geometry.windows)
+    # A 4-D mask is taken as given: Hugging Face builds no mask of its own (ours is in
+    # the plan, one per window).
+    mask = next(iter(plan.masks.values()))
+    with torch.no_grad(), model.lanes(bank.slot_lanes(slot_R)):
+        out = model.base(
+            input_ids=ids_RN,
+            attention_mask=mask,
+            position_ids=positions_RN.clamp(min=0),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=0 if all_logits else 1,
+            **{PLAN_KWARG: plan},
+        )
+    logits: Tensor = out.logits
+    return logits
+
+
+def decode_logits(model: LoRAModel, bank: AdapterBank, kv: SlotKV, batch: RowBatch) -> Tensor:
+    """Feed every row's pending token into its cache row; `logits_BV`."""
+    columns = batch.max_length + 1
+    kv.reserve(batch.size, columns)
+    pos_B1 = batch.lengths_B.unsqueeze(-1)
+    logits = forward_rows(
+        model, bank, kv, 0, batch.slot_B, batch.next_B.unsqueeze(-1), pos_B1, columns
+    )
+    batch.lengths_B += 1
+    return logits[:, -1]
+
+
+def prefill_logits(
+    model: LoRAModel,
+    bank: AdapterBank,
+    kv: SlotKV,
+    row0: int,
+    slot_R: Tensor,
+    past: Sequence[int],
+    new_tokens: Sequence[Sequence[int]],
+    pad_id: int,
+    all_logits: bool = False,
+) -> Tensor:
+    """Prefill rows `row0 ..`: row i has `past[i]` tokens in its cache row already and
+    `new_tokens[i]` to run. Logits `[R, 1, V]` of each row's last token, or `[R, N, V]`
+    of every column with `all_logits` (row i's tokens are its last `len(new_tokens[i])`)."""
+    dev = slot_R.device
+    R, N = len(new_tokens), max(len(t) for t in new_tokens)
+    ids_RN = torch.full((R, N), pad_id, dtype=torch.long)
+    pos_RN = torch.full((R, N), -1, dtype=torch.long)
+    for i, (done, toks) in enumerate(zip(past, new_tokens, strict=True)):
+        n = len(toks)
+        ids_RN[i, N - n :] = torch.tensor(toks, dtype=torch.long)
+        pos_RN[i, N - n :] = torch.arange(done, done + n)
+    columns = max(p + len(t) for p, t in zip(past, new_tokens, strict=True))
+    kv.reserve(row0 + R, columns)
+    return forward_rows(
+        model, bank, kv, row0, slot_R, ids_RN.to(dev), pos_RN.to(dev), columns, all_logits
+    )
