@@ -145,6 +145,58 @@ def test_row_blocks_match_the_formula_with_gradients(
     torch.testing.assert_close(y16.float(), ref16, rtol=0.02, atol=0.05)
 
 
+@pytest.mark.parametrize(
+    ("lanes", "num_lanes", "pieces", "gathers_weights"),
+    [
+        ([2, 0, 1, 2, 1, 1, 0, 2], 3, 3, False),  # every lane, in order: no weight gather
+        ([5, 1, 5, 1, 5, 5, 1, 5], 8, 2, True),  # few of many lanes: pieces of those
+        ([3, 1, 3, 3, 3, 3, 3, 3, 3, 2], 8, 4, True),  # a crowded lane: two pieces of 4
+    ],
+)
+def test_interleaved_decode_rows_run_as_segments(
+    lanes: list[int], num_lanes: int, pieces: int, gathers_weights: bool
+) -> None:
+    """One token per row, no two neighbours on one lane (a decode batch): the rows are
+    regrouped by lane, and every row gets exactly its lane's update, gradients too."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(6, 5).requires_grad_(False)
+    context = _LaneContext()
+    q_layer = MultiLoRALinear(linear, "q", context)
+    k_layer = MultiLoRALinear(torch.nn.Linear(6, 5).requires_grad_(False), "k", context)
+    A = {m: torch.randn(num_lanes, 4, 6, requires_grad=True) for m in "qk"}
+    B = {m: torch.randn(num_lanes, 5, 4, requires_grad=True) for m in "qk"}
+    scale_L = torch.rand(num_lanes) + 0.5
+    lane_B = torch.tensor(lanes)
+    context.batch = LaneBatch(lane_B, A, B, scale_L)
+    context.scale_B = scale_L[lane_B]
+    context.owner = threading.get_ident()
+    x = torch.randn(len(lanes), 1, 6, requires_grad=True)
+    got = torch.stack([q_layer(x), k_layer(x)])  # one input for two modules: one gather
+    plan = context.plan
+    assert plan is not None and plan.segments is not None
+    assert plan.segments.pieces == pieces and (plan.lane_K is not None) == gathers_weights
+    layers = {"q": q_layer, "k": k_layer}
+    expected = torch.stack(
+        [
+            torch.stack(
+                [
+                    layers[m].base_layer(x[b])
+                    + scale_L[lane] * (x[b] @ A[m][lane].T) @ B[m][lane].T
+                    for b, lane in enumerate(lanes)
+                ]
+            )
+            for m in "qk"
+        ]
+    )
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+    g = torch.randn_like(got)
+    params = (x, A["q"], B["q"], A["k"], B["k"])
+    for a, b in zip(
+        torch.autograd.grad(got, params, g), torch.autograd.grad(expected, params, g), strict=True
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 def test_mixed_batch_equals_each_row_alone(tiny_dir: Path, make_adapter: MakeAdapter) -> None:
     base, _ = load_base(tiny_dir)
     model = LoRAModel(base, max_rank=8)

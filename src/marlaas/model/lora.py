@@ -15,8 +15,10 @@ block size is the greatest common divisor of the lengths of the runs of equal la
 so a block is a view of the rows (nothing copied or padded) and one matmul per block
 applies its lane's weights. The trainer's micro-batches (rows grouped by tenant) then
 run one block per tenant straight on the stacked weights, with no per-row weight
-gather and no scatter-add of per-row weight gradients; a decode batch whose rows
-alternate between tenants is one block per row (a per-row gather of the weights).
+gather and no scatter-add of per-row weight gradients. A decode batch whose rows
+alternate between tenants is regrouped instead: its rows are gathered into one padded
+piece per lane (Punica's and S-LoRA's segments), two dense matmuls per piece, and the
+results scattered back (a copy of each row's activations, not of its lane's weights).
 
 Invariants:
 - The base's parameters are never written and never require grad. Gradients reach only
@@ -43,7 +45,7 @@ import math
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -89,32 +91,109 @@ class LaneBatch:
 
 
 @dataclass(frozen=True)
-class _LanePlan:
-    """A lane batch's rows seen as `blocks` consecutive blocks of `size` rows, one lane each.
+class _Segments:
+    """Rows regrouped by lane into `pieces` padded pieces of `size` rows (Punica's and
+    S-LoRA's segments): row `gather[k * size + i]` is row `i` of piece `k` (padding
+    repeats a row; its result is dropped), and row `b`'s result is at `inverse[b]` of
+    the padded layout.
 
-    `size` is the greatest common divisor of the lengths of the runs of equal lanes in
-    `lane_B`, so the blocks are views of the rows in place (no copy, no padding): the
-    trainer's micro-batches (rows grouped by tenant) become one block per tenant, and a
-    decode batch with no two neighbouring rows of one lane is one block per row (a
-    per-row weight gather). Block `k` uses lane `lane_K[k]` (None: block `k` is lane `k`,
-    so the stacked weights are used as they are, no gather) with scale `scale_K[k]`.
+    The gathered input of the last call is kept (`last`): the modules that read the same
+    input (`q_proj`, `k_proj`, `v_proj`; `gate_proj`, `up_proj`) gather it once.
+    """
+
+    pieces: int
+    size: int
+    gather: Tensor
+    inverse: Tensor
+    last: list[Tensor] = field(default_factory=list, repr=False, compare=False)
+
+    @staticmethod
+    def of(
+        lanes_B: list[int], num_lanes: int, device: torch.device
+    ) -> tuple[_Segments, list[int] | None]:
+        """The segments of a batch, and the lane of each piece (None: piece `k` is lane
+        `k`, every lane in order, so the stacked weights are used without a gather)."""
+        rows_of: dict[int, list[int]] = {}
+        for b, lane in enumerate(lanes_B):
+            rows_of.setdefault(lane, []).append(b)
+        B, biggest = len(lanes_B), max(len(rows) for rows in rows_of.values())
+        every_lane = num_lanes * biggest <= 2 * B  # empty lanes pad less than a gather costs
+        size = biggest
+        if not every_lane and size * len(rows_of) > 2 * B:
+            # A few crowded lanes would pad the others too much: pieces of the mean size.
+            size = -(-B // len(rows_of))
+        gather: list[int] = []
+        lane_P: list[int] = []
+        inverse = [0] * B
+        for lane in range(num_lanes) if every_lane else sorted(rows_of):
+            rows = rows_of.get(lane, [0])  # an empty lane pads with row 0 (dropped)
+            for start in range(0, len(rows), size):
+                chunk = rows[start : start + size]
+                if lane in rows_of:
+                    for i, b in enumerate(chunk):
+                        inverse[b] = len(gather) + i
+                gather += chunk + [chunk[0]] * (size - len(chunk))
+                lane_P.append(lane)
+        segments = _Segments(
+            pieces=len(lane_P),
+            size=size,
+            gather=torch.tensor(gather, dtype=torch.long, device=device),
+            inverse=torch.tensor(inverse, dtype=torch.long, device=device),
+        )
+        return segments, None if every_lane else lane_P
+
+    def gathered(self, x_BD: Tensor) -> Tensor:
+        """`x_BD`'s rows in the padded layout (the last input's, when it is the same)."""
+        if self.last and self.last[0] is x_BD:
+            return self.last[1]
+        x_PD = x_BD.index_select(0, self.gather)
+        self.last[:] = [x_BD, x_PD]
+        return x_PD
+
+
+@dataclass(frozen=True)
+class _LanePlan:
+    """How one lane batch applies its adapters, made once per `lanes()` context.
+
+    Blocks (`segments` None): the rows seen as `blocks` consecutive blocks of `size`
+    rows, one lane each; `size` is the greatest common divisor of the lengths of the
+    runs of equal lanes in `lane_B`, so the blocks are views of the rows in place (no
+    copy, no padding): the trainer's micro-batches (rows grouped by tenant) become one
+    block per tenant. Block `k` uses lane `lane_K[k]` (None: block `k` is lane `k`, so
+    the stacked weights are used as they are, no gather) with scale `scale_K[k]`.
+
+    Segments: when no two neighbouring rows share a lane (a decode batch of many
+    tenants) and rows are short, the rows are gathered into per-lane pieces
+    (`_Segments`) and each piece runs two dense matmuls on its lane's weights: a few
+    small copies of activations instead of a copy of the weights for every row.
+    `lane_K`/`scale_K` are then per piece.
     """
 
     size: int
     blocks: int
     lane_K: Tensor | None
     scale_K: Tensor
+    segments: _Segments | None = None
 
     @staticmethod
-    def of(lane_B: Tensor, scale_L: Tensor, scale_B: Tensor) -> _LanePlan:
-        """The plan of a lane batch, made once per `lanes()` context on the host (reading
-        `lane_B` is one device sync per forward when it lives on an accelerator)."""
+    def of(lane_B: Tensor, scale_L: Tensor, scale_B: Tensor, tokens: int, rank: int) -> _LanePlan:
+        """The plan of a lane batch for rows of `tokens` tokens and adapters of `rank`,
+        made on the host (reading `lane_B` is one device sync per forward when it lives
+        on an accelerator)."""
         lanes_B: list[int] = lane_B.tolist()
         runs = [(lane, sum(1 for _ in run)) for lane, run in itertools.groupby(lanes_B)]
         size = math.gcd(*(count for _, count in runs)) if runs else 1
         lanes_K = [lane for lane, count in runs for _ in range(count // size)]
         if lanes_K == list(range(int(scale_L.shape[0]))):
             return _LanePlan(size, len(lanes_K), None, scale_L)
+        if size == 1 and 2 * tokens < rank:
+            # Per-row blocks would copy every row's weights (rank x features each); the
+            # segments copy each row's activations twice (tokens x features).
+            segments, lanes_P = _Segments.of(lanes_B, int(scale_L.shape[0]), lane_B.device)
+            if lanes_P is None:
+                return _LanePlan(1, segments.pieces, None, scale_L, segments)
+            lane_P = torch.tensor(lanes_P, dtype=torch.long, device=lane_B.device)
+            return _LanePlan(1, segments.pieces, lane_P, scale_L[lane_P], segments)
         if size == 1:
             return _LanePlan(1, len(lanes_B), lane_B, scale_B)
         lane_K = torch.tensor(lanes_K, dtype=torch.long, device=lane_B.device)
@@ -122,6 +201,8 @@ class _LanePlan:
 
     def apply(self, x_BTi: Tensor, A_Lri: Tensor, B_Lor: Tensor, y_BTo: Tensor) -> Tensor:
         """`y_BTo` plus the LoRA update of rows `x_BTi` (both `[B, T, features]`)."""
+        if self.segments is not None:
+            return self._apply_segments(self.segments, x_BTi, A_Lri, B_Lor, y_BTo)
         K, n = self.blocks, self.size
         # Blocks of one row are the rows themselves: no reshapes (decode is op-bound).
         x_Kni = x_BTi if n == 1 else x_BTi.reshape(K, -1, x_BTi.shape[-1])
@@ -138,6 +219,21 @@ class _LanePlan:
         out_Kno = torch.baddbmm(y_Kno, h_Knr, B_Kor.transpose(1, 2))  # the add in the matmul
         return out_Kno if n == 1 else out_Kno.reshape(y_BTo.shape)
 
+    def _apply_segments(
+        self, seg: _Segments, x_BTi: Tensor, A_Lri: Tensor, B_Lor: Tensor, y_BTo: Tensor
+    ) -> Tensor:
+        B, T, fan_in = x_BTi.shape
+        x_Pni = seg.gathered(x_BTi.reshape(B, T * fan_in)).view(seg.pieces, -1, fan_in)
+        if self.lane_K is None:
+            A_Pri, B_Por = A_Lri, B_Lor
+        else:
+            A_Pri, B_Por = A_Lri.index_select(0, self.lane_K), B_Lor.index_select(0, self.lane_K)
+        h_Pnr = torch.bmm(x_Pni, A_Pri.transpose(1, 2))
+        h_Pnr = h_Pnr * self.scale_K.to(h_Pnr.dtype)[:, None, None]
+        delta_Pno = torch.bmm(h_Pnr, B_Por.transpose(1, 2))
+        delta_BTo = delta_Pno.reshape(seg.pieces * seg.size, -1).index_select(0, seg.inverse)
+        return y_BTo + delta_BTo.view(y_BTo.shape).to(y_BTo.dtype)
+
 
 class _LaneContext:
     """The lane batch of the forward in progress and the thread that set it."""
@@ -148,11 +244,15 @@ class _LaneContext:
         self.plan: _LanePlan | None = None
         self.owner: int | None = None
 
-    def current(self) -> tuple[LaneBatch, _LanePlan] | None:
+    def current(self, tokens: int, rank: int) -> tuple[LaneBatch, _LanePlan] | None:
+        """The lane batch and its plan (made by the first targeted layer, for its rows of
+        `tokens` tokens and the batch's `rank`), or None outside a lane context."""
         if self.owner != threading.get_ident() or self.batch is None or self.scale_B is None:
             return None
-        if self.plan is None:  # once per lane batch, by the first targeted layer
-            self.plan = _LanePlan.of(self.batch.lane_B, self.batch.scale_L, self.scale_B)
+        if self.plan is None:
+            self.plan = _LanePlan.of(
+                self.batch.lane_B, self.batch.scale_L, self.scale_B, tokens, rank
+            )
         return self.batch, self.plan
 
 
@@ -177,26 +277,28 @@ class MultiLoRALinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         y = self.base_layer(x)
-        current = self._context.current()
-        if current is None:
-            return y
-        batch, plan = current
-        A_Lri = batch.A.get(self.path)
+        context = self._context
+        if context.owner != threading.get_ident() or context.batch is None:
+            return y  # no lane batch in this thread: the plain base
+        A_Lri = context.batch.A.get(self.path)
         if A_Lri is None:
             return y
-        B_Lor = batch.B[self.path]
-        rows = batch.lane_B.shape[0]
-        # Every row owns a contiguous run of the flattened leading axes: [B, T] rows of
-        # T tokens, [B * T] the same, and one lane per token when the counts are equal.
+        # The input's shape, in this one place: every row owns a contiguous run of the
+        # flattened leading axes ([B, T] rows of T tokens, [B * T] the same, and one lane
+        # per token when the counts are equal), seen as `[rows, T, features]`.
+        rows = context.batch.lane_B.shape[0]
         tokens = x.shape[:-1].numel()
         if x.dim() < 2 or rows == 0 or tokens % rows:
             raise ModelError(
                 f"{self.path}: input of shape {tuple(x.shape)} does not match a lane batch "
                 f"of {rows} entries; give one lane per row (first axis) or per token"
             )
+        current = context.current(tokens // rows, int(A_Lri.shape[1]))
+        assert current is not None
+        batch, plan = current
         x_BTi = x.reshape(rows, tokens // rows, x.shape[-1]).to(A_Lri.dtype)
         y_BTo = y.reshape(rows, tokens // rows, y.shape[-1])
-        return plan.apply(x_BTi, A_Lri, B_Lor, y_BTo).reshape(y.shape)
+        return plan.apply(x_BTi, A_Lri, batch.B[self.path], y_BTo).reshape(y.shape)
 
     def extra_repr(self) -> str:
         return (
