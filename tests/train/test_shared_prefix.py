@@ -7,13 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 from test_trainer import TENANTS, _register, _rel_diff
-from train_data import make_batch
+from train_data import VOCAB, make_batch
 
 import marlaas.train.prefix as prefix
 from marlaas.model.lora import LoRAModel
 from marlaas.train.batch import TrainBatch, plan_microbatches, tensorise
 from marlaas.train.prefix import SharedPrefix
 from marlaas.train.trainer import MultiLaneTrainer
+from tiny_archs import ARCHS, WINDOW, tiny_model
 
 
 def _data(model: LoRAModel, steps: int) -> dict[str, list[TrainBatch]]:
@@ -103,3 +104,18 @@ def test_the_plan_shares_only_where_it_saves_tokens(lora_model: LoRAModel) -> No
     rows = tensorise([short], [("token", None)])
     assert all(SharedPrefix.plan(rows, m) is None for m in plan_microbatches(rows, 4096))
     assert torch.equal(rows.prompt_N, torch.repeat_interleave(torch.arange(2), 6))
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "llama"])
+def test_sliding_windows_share_prompts_exactly(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts longer than the window (Mistral, Qwen2/3, Gemma2/3): the shared forward
+    keeps every prompt token in the cache and trains like the plain forward."""
+    model = LoRAModel(tiny_model(arch, VOCAB), max_rank=16)
+    data = _data(model, 1)
+    assert min(len(t.prompt_ids) for b in data.values() for t in b[0].trajectories) > WINDOW
+    shared, _ = _train(model, data, 1)
+    assert shared.stats.shared_prefix_microbatches >= 1
+    monkeypatch.setattr(prefix, "MAX_COST", 0.0)
+    plain, _ = _train(model, data, 1)
+    for name in TENANTS:
+        assert _rel_diff(shared.adapter(name), plain.adapter(name)) < 1e-5, name

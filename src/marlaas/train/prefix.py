@@ -16,6 +16,12 @@ every valid target lies in the suffix (prompt targets never carry a loss), so th
 sees the same targets with the same log-probs, up to floating-point rounding, and the
 gradient is the full forward's.
 
+Sliding-window layers (Mistral, Qwen2/3, Gemma2/3) keep every prefix token in the cache;
+the window is the attention mask's, measured in columns. A prefix is left-padded to end
+at column `P` and its suffix starts there, so the column distance between a suffix token
+and a prefix token is their position distance: the window sees what it sees in the full
+forward.
+
 It is used only where it saves enough tokens to pay for its second forward: distinct
 prefixes x the longest prefix plus rows x the longest suffix must be at most `MAX_COST`
 of rows x the micro-batch's length. Measured on the embedded base (CPU): at a cost of
@@ -31,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from marlaas.model.cache import cache_tensors, wrap_cache
+from marlaas.model.cache import cache_tensors, empty_cache, wrap_cache
 from marlaas.model.lora import LaneBatch, LoRAModel
 from marlaas.train.batch import MicroBatch, Rows
 
@@ -111,6 +117,7 @@ class SharedPrefix:
                 input_ids=self.ids_GP.to(dev),
                 attention_mask=self.attn_GP.to(dev),
                 position_ids=self.pos_GP.to(dev),
+                past_key_values=empty_cache(),  # sliding-window layers keep every token too
                 use_cache=True,
                 logits_to_keep=1,
             )
