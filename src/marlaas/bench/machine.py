@@ -1,0 +1,123 @@
+"""This machine's limits, measured: matmul FLOP/s and memory bandwidth.
+
+- Matmul peak at the model's own shapes: `F.linear` of `[rows, in]` by every weight
+  matrix of the model (the decoder layers' and the output head's, each as often as the
+  model has it), FLOPs of that pass over its time: what a forward of `rows` tokens
+  could reach if it did nothing but its matmuls.
+- Matmul peak at a large square (`n x n` by `n x n`): the machine's best case.
+- Memory bandwidth: a copy of a tensor much larger than the last-level cache, bytes
+  read plus bytes written over its time.
+
+Every figure is the best of several timed repeats after a warm-up (the least disturbed
+by other processes), in the thread count and dtype of the run.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from marlaas.bench.cost import weight_matrices
+from marlaas.model.lora import LoRAModel
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Measured limits (FLOP/s, bytes/s) and where they were measured."""
+
+    device: str
+    dtype: str
+    threads: int
+    #: Rows of the model-shape matmuls.
+    rows: int
+    model_shape_flops: float
+    square_size: int
+    square_flops: float
+    bandwidth: float
+
+    @property
+    def peak_flops(self) -> float:
+        """The roofline's compute ceiling: the better of the two matmul peaks."""
+        return max(self.model_shape_flops, self.square_flops)
+
+    def roofline_s(self, flops: float, nbytes: float) -> float:
+        """The time the work needs at this machine's limits: max(compute, memory)."""
+        return max(flops / self.peak_flops, nbytes / self.bandwidth)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"peak_flops": self.peak_flops}
+
+    @staticmethod
+    def best(a: Machine, b: Machine) -> Machine:
+        """The better figures of two measurements of one machine (the less disturbed)."""
+        return Machine(
+            device=a.device,
+            dtype=a.dtype,
+            threads=a.threads,
+            rows=a.rows,
+            model_shape_flops=max(a.model_shape_flops, b.model_shape_flops),
+            square_size=a.square_size,
+            square_flops=max(a.square_flops, b.square_flops),
+            bandwidth=max(a.bandwidth, b.bandwidth),
+        )
+
+
+def best_time(run: Callable[[], object], device: torch.device, repeats: int = 5) -> float:
+    """Seconds of the fastest of `repeats` calls of `run`, after two warm-up calls."""
+    for _ in range(2):
+        run()
+    _sync(device)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_machine(
+    model: LoRAModel, rows: int = 256, square: int | None = None, copy_mb: int | None = None
+) -> Machine:
+    """Measure matmul peaks and bandwidth on the model's device and dtype."""
+    device, dtype = model.device, model.dtype
+    gpu = device.type == "cuda"
+    square = square or (8192 if gpu else 1024)
+    copy_mb = copy_mb or (1024 if gpu else 256)
+    shapes = Counter(tuple(w.shape) for w in weight_matrices(model.base))
+    flops = 0.0
+    seconds = 0.0
+    for (fan_out, fan_in), count in shapes.items():
+        x = torch.randn(rows, fan_in, device=device, dtype=dtype)
+        w = torch.randn(fan_out, fan_in, device=device, dtype=dtype)
+        t = best_time(functools.partial(F.linear, x, w), device, repeats=7)
+        flops += count * 2.0 * rows * fan_in * fan_out
+        seconds += count * t
+    a = torch.randn(square, square, device=device, dtype=dtype)
+    t_square = best_time(lambda: a @ a, device, repeats=3)
+    n = copy_mb * 2**20 // 4
+    src = torch.ones(n, device=device, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    t_copy = best_time(lambda: dst.copy_(src), device, repeats=5)
+    return Machine(
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        threads=torch.get_num_threads(),
+        rows=rows,
+        model_shape_flops=flops / seconds,
+        square_size=square,
+        square_flops=2.0 * square**3 / t_square,
+        bandwidth=2.0 * n * 4 / t_copy,
+    )
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,354 @@
+"""`marlaas bench roofline`: the engine's and the trainer's work against this machine's limits.
+
+In one run and one thread count: the machine's limits (`marlaas.bench.machine`), then
+the engine and the trainer on the same model, each row with its measured time per
+iteration, its model FLOPs and bytes (`marlaas.bench.cost`, counted from the shapes and
+the real context lengths, never from padding), its **roofline time**
+`max(FLOPs / peak FLOP/s, bytes / bandwidth)` and its **efficiency** = roofline time /
+measured time (1.0 would be the machine's limit).
+
+Rows:
+- engine prefill: 16 prompts of about `context` tokens (spread +-25%) admitted in one
+  iteration and answered at prefill (one token each), the prompt cache off;
+- engine decode: `batch` rows of about `context` tokens (spread +-25%) over `adapters`
+  adapters (row i on adapter i mod adapters), sampling at temperature 1 with seeds; the
+  time is the fastest of `iterations` decode iterations, after two warm-up iterations;
+- trainer: `tenants` tenants of mixed prompt and completion lengths (as
+  `bench trainer --mixed-lengths`), one GRPO group of 4 rows each, one optimizer step
+  of every tenant per trainer call; the median of `steps` calls after a warm-up call.
+
+Times are the least disturbed of several (fastest, or median for the trainer's longer
+calls), as for the machine's limits. Nothing is asserted about them.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from marlaas.bench.cost import ModelCost
+from marlaas.bench.machine import Machine, measure_machine
+from marlaas.config.specs import DEFAULT_TARGET_MODULES, GRPOSpec, LoRASpec
+from marlaas.fileio import atomic_write_json
+from marlaas.model.bank import AdapterBank
+from marlaas.model.lora import AdapterTensors, LoRAModel
+from marlaas.rollout.engine import RolloutEngine
+from marlaas.train.batch import TrainBatch
+from marlaas.train.bench import synthetic_batches, tenant_lengths
+from marlaas.train.trainer import MultiLaneTrainer, vocab_size
+from marlaas.types import RolloutRequest, SamplingParams
+
+SCHEMA = "marlaas.bench.roofline/1"
+BATCHES = (1, 16, 64, 256, 512)
+ADAPTERS = (1, 32)
+CONTEXTS = (64, 192)
+TRAINER_TENANTS = (1, 8, 32)
+PREFILL_ROWS = 16
+WARMUP = 2
+
+
+def random_adapters(model: LoRAModel, spec: LoRASpec, n: int, seed: int) -> list[AdapterTensors]:
+    """`n` random adapters with non-zero B (so each tenant's outputs differ)."""
+    g = torch.Generator().manual_seed(seed)
+    out: list[AdapterTensors] = []
+    for _ in range(n):
+        tensors: AdapterTensors = {}
+        for path in model.module_paths(spec):
+            fan_in, fan_out = model.module_shapes[path]
+            tensors[path] = (
+                torch.randn(spec.rank, fan_in, generator=g) / fan_in**0.5,
+                torch.randn(fan_out, spec.rank, generator=g) * 0.05,
+            )
+        out.append(tensors)
+    return out
+
+
+def spread(context: int, n: int, limit: int, rng: random.Random) -> list[int]:
+    """`n` lengths spread uniformly over +-25% of `context`, at most `limit`."""
+    lo, hi = max(1, context * 3 // 4), max(1, context * 5 // 4)
+    return [min(rng.randint(lo, hi), limit) for _ in range(n)]
+
+
+class _Rig:
+    """The model, a bank of `max(adapters)` tenants and what the rows need to build requests."""
+
+    def __init__(self, model: LoRAModel, tokenizer: Any, spec: LoRASpec, tenants: int) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.spec = spec
+        self.bank = AdapterBank(model, num_slots=tenants, versions_kept=1)
+        for i, tensors in enumerate(random_adapters(model, spec, tenants, seed=0)):
+            self.bank.register(f"t{i}", spec, tensors=tensors)
+        self.cost = ModelCost.of(model)
+        config: Any = model.base.config.get_text_config(decoder=True)
+        self.vocab = int(config.vocab_size)
+        self.max_positions = int(getattr(config, "max_position_embeddings", 1 << 30))
+        self.lora_flops = self.cost.lora_flops(spec.rank, spec.target_modules)
+        self.adapter_bytes = self.cost.lora_bytes(spec.rank, spec.target_modules)
+
+    def engine(self, rows: int, prefill_tokens: int) -> RolloutEngine:
+        return RolloutEngine(
+            self.model,
+            self.bank,
+            self.tokenizer,
+            max_batch_size=rows,
+            max_prefill_tokens=max(prefill_tokens, 1),
+            max_prompts=0,
+            eos_token_ids=[],
+            background=False,
+        )
+
+    def requests(
+        self, lengths: Sequence[int], adapters: int, new_tokens: int, rng: random.Random
+    ) -> list[RolloutRequest]:
+        low = min(8, self.vocab - 1)  # skip the first ids, where tokenizers keep specials
+        return [
+            RolloutRequest(
+                tenant=f"t{i % adapters}",
+                prompt_ids=tuple(rng.randrange(low, self.vocab) for _ in range(n)),
+                sampling=SamplingParams(temperature=1.0, max_new_tokens=new_tokens, seed=i),
+            )
+            for i, n in enumerate(lengths)
+        ]
+
+
+def _prefill_row(rig: _Rig, adapters: int, context: int, repeats: int) -> dict[str, Any]:
+    rng = random.Random(context * 1000 + adapters)
+    times: list[float] = []
+    lengths: list[int] = []
+    for attempt in range(repeats + 1):  # the first one warms up
+        lengths = spread(context, PREFILL_ROWS, rig.max_positions - 1, rng)
+        engine = rig.engine(PREFILL_ROWS, sum(lengths))
+        for request in rig.requests(lengths, adapters, 1, rng):
+            engine.enqueue(request, lambda _: None)
+        start = time.perf_counter()
+        engine.step()
+        _sync(rig.model.device)
+        if attempt:
+            times.append(time.perf_counter() - start)
+        engine.shutdown()
+    best = min(times)
+    used = min(adapters, PREFILL_ROWS)
+    flops = sum(rig.cost.prefill_flops(n, rig.lora_flops) for n in lengths)
+    nbytes = rig.cost.prefill_bytes(lengths, used * rig.adapter_bytes)
+    return _row("prefill", PREFILL_ROWS, used, context, best, flops, nbytes)
+
+
+def _decode_row(
+    rig: _Rig, batch: int, adapters: int, context: int, iterations: int
+) -> dict[str, Any]:
+    rng = random.Random(batch * 7919 + context * 31 + adapters)
+    limit = rig.max_positions - WARMUP - iterations - 2
+    prompts = spread(context, batch, limit, rng)
+    engine = rig.engine(batch, sum(prompts))
+    for request in rig.requests(prompts, adapters, WARMUP + iterations + 2, rng):
+        engine.enqueue(request, lambda _: None)
+    engine.step()  # prefill, and the first decode iteration
+    for _ in range(WARMUP):
+        engine.step()
+    times: list[float] = []
+    for _ in range(iterations):
+        start = time.perf_counter()
+        engine.step()
+        _sync(rig.model.device)
+        times.append(time.perf_counter() - start)
+    engine.shutdown()
+    best = min(times)
+    # The k-th decode iteration feeds each row's k-th token: it attends to the prompt
+    # and the k tokens fed so far. The row reports the middle timed iteration's work.
+    k = 1 + WARMUP + iterations // 2
+    contexts = [n + k for n in prompts]
+    used = min(adapters, batch)
+    flops = rig.cost.decode_flops(contexts, rig.lora_flops)
+    nbytes = rig.cost.decode_bytes(contexts, used * rig.adapter_bytes)
+    return _row("decode", batch, used, context, best, flops, nbytes)
+
+
+def _train_step(trainer: MultiLaneTrainer, batches: Sequence[TrainBatch]) -> None:
+    """One optimizer step of every tenant in `batches`: the trainer's public step API
+    (kept in this one place so that the API can change under it)."""
+    trainer.step(batches)
+
+
+def _trainer_row(rig: _Rig, tenants: int, steps: int) -> dict[str, Any]:
+    model = rig.model
+    algo = GRPOSpec.model_validate({"group_size": 4, "prompts_per_step": 1, "max_staleness": 0})
+    trainer = MultiLaneTrainer(model, max_tokens_per_microbatch=16384)
+    data: dict[str, list[TrainBatch]] = {}
+    vocab = vocab_size(model)
+    for i in range(tenants):
+        name = f"tenant-{i:03d}"
+        trainer.register(name, rig.spec, algo, seed=i)
+        prompt_len, completion_len = tenant_lengths(i, 16, 16)
+        data |= synthetic_batches([name], steps + 1, algo, vocab, prompt_len, completion_len, i)
+    times: list[float] = []
+    for k in range(steps + 1):
+        start = time.perf_counter()
+        _train_step(trainer, [data[name][k] for name in data])
+        _sync(model.device)
+        if k > 0:  # the first call warms up
+            times.append(time.perf_counter() - start)
+    median = statistics.median(times)
+    lengths = [
+        len(t.prompt_ids) + len(t.token_ids) - 1
+        for name in data
+        for t in data[name][1].trajectories
+    ]
+    flops = rig.cost.train_flops(lengths, rig.lora_flops)
+    nbytes = rig.cost.train_bytes(lengths, rig.adapter_bytes, tenants)
+    row = _row(
+        "train", len(lengths), tenants, round(statistics.fmean(lengths)), median, flops, nbytes
+    )
+    row["tokens"] = sum(lengths)
+    return row
+
+
+def _row(
+    kind: str, rows: int, adapters: int, context: int, seconds: float, flops: float, nbytes: float
+) -> dict[str, Any]:
+    return {
+        "kind": kind,
+        "rows": rows,
+        "adapters": adapters,
+        "context": context,
+        "seconds": seconds,
+        "flops": flops,
+        "bytes": nbytes,
+    }
+
+
+def run_roofline_bench(
+    model: LoRAModel,
+    tokenizer: Any,
+    json_path: str | Path | None = None,
+    *,
+    batches: Sequence[int] = BATCHES,
+    adapters: Sequence[int] = ADAPTERS,
+    contexts: Sequence[int] = CONTEXTS,
+    trainer_tenants: Sequence[int] = TRAINER_TENANTS,
+    iterations: int = 8,
+    trainer_steps: int = 3,
+    rank: int = 8,
+    square: int | None = None,
+    copy_mb: int | None = None,
+    print_table: bool = True,
+    log: Any = None,
+) -> dict[str, Any]:
+    """Measure the machine, then every engine and trainer row (see the module doc).
+
+    `model` is the shared `LoRAModel` (its device, dtype and torch's thread count are
+    the run's); its `max_rank` must be at least `rank`. The machine is measured before
+    and after the rows; the roofline uses the better of each figure (the less disturbed
+    by other processes), both are in the result. `square` and `copy_mb` size the
+    machine's large matmul and copy (None: the device's defaults).
+    """
+    if not batches or not adapters or not contexts or iterations < 1 or trainer_steps < 1:
+        raise ValueError("need batch sizes, adapter counts, contexts and iterations >= 1")
+    say = log or (lambda _msg: None)
+    spec = LoRASpec(
+        rank=rank, alpha=2.0 * rank, target_modules=DEFAULT_TARGET_MODULES, use_rslora=False
+    )
+    say("measuring the machine")
+    before = measure_machine(model, square=square, copy_mb=copy_mb)
+    rig = _Rig(model, tokenizer, spec, max(adapters))
+    rows: list[dict[str, Any]] = []
+    for context in contexts:
+        for k in adapters:
+            say(f"engine prefill: {PREFILL_ROWS} rows, {k} adapters, context {context}")
+            rows.append(_prefill_row(rig, k, context, repeats=3))
+    for context in contexts:
+        for k in adapters:
+            for b in batches:
+                say(f"engine decode: {b} rows, {k} adapters, context {context}")
+                rows.append(_decode_row(rig, b, k, context, iterations))
+    for tenants in trainer_tenants:
+        say(f"trainer: {tenants} tenants")
+        rows.append(_trainer_row(rig, tenants, trainer_steps))
+    after = measure_machine(model, square=square, copy_mb=copy_mb)
+    machine = Machine.best(before, after)
+    for row in rows:
+        _score(row, machine)
+    result: dict[str, Any] = {
+        "schema": SCHEMA,
+        "model": getattr(model.base.config, "_name_or_path", "") or type(model.base).__name__,
+        "machine": machine.as_dict(),
+        "machine_before": before.as_dict(),
+        "machine_after": after.as_dict(),
+        "rank": rank,
+        "target_modules": list(spec.target_modules),
+        "iterations": iterations,
+        "rows": rows,
+    }
+    if json_path is not None:
+        atomic_write_json(Path(json_path), result)
+    if print_table:
+        print_roofline(result)
+    return result
+
+
+def _score(row: dict[str, Any], machine: Machine) -> None:
+    row["roofline_s"] = machine.roofline_s(row["flops"], row["bytes"])
+    row["bound"] = (
+        "compute"
+        if row["flops"] / machine.peak_flops >= row["bytes"] / machine.bandwidth
+        else "memory"
+    )
+    row["efficiency"] = row["roofline_s"] / row["seconds"]
+    row["us_per_row"] = row["seconds"] / row["rows"] * 1e6
+
+
+def print_roofline(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    m, b, a = result["machine"], result["machine_before"], result["machine_after"]
+    console = Console(width=max(Console().width, 120))
+    console.print(
+        f"machine: {m['device']} {m['dtype']}, {m['threads']} thread(s): matmul "
+        f"{m['model_shape_flops'] / 1e9:.1f} GFLOP/s at the model's shapes ({m['rows']} rows), "
+        f"{m['square_flops'] / 1e9:.1f} GFLOP/s at {m['square_size']}^2; copy "
+        f"{m['bandwidth'] / 1e9:.1f} GB/s (best of before / after the rows: "
+        f"{b['model_shape_flops'] / 1e9:.1f} / {a['model_shape_flops'] / 1e9:.1f} GFLOP/s, "
+        f"{b['bandwidth'] / 1e9:.1f} / {a['bandwidth'] / 1e9:.1f} GB/s)"
+    )
+    table = Table(title=f"roofline: {result['model']}, LoRA rank {result['rank']}")
+    for name in (
+        "kind",
+        "rows",
+        "adapters",
+        "context",
+        "ms/iter",
+        "us/row",
+        "GFLOP",
+        "MB",
+        "roofline ms",
+        "bound",
+        "efficiency",
+    ):
+        table.add_column(name, justify="left" if name in ("kind", "bound") else "right")
+    for r in result["rows"]:
+        table.add_row(
+            r["kind"],
+            str(r["rows"]),
+            str(r["adapters"]),
+            str(r["context"]),
+            f"{r['seconds'] * 1e3:.2f}",
+            f"{r['us_per_row']:.1f}",
+            f"{r['flops'] / 1e9:.3f}",
+            f"{r['bytes'] / 1e6:.1f}",
+            f"{r['roofline_s'] * 1e3:.2f}",
+            r["bound"],
+            f"{r['efficiency']:.3f}",
+        )
+    console.print(table)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

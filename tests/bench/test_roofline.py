@@ -1,0 +1,110 @@
+"""The roofline benchmark: FLOPs and bytes counted from the shapes, every row scored
+against the measured machine, and the GPU script's path (a random-weight model built
+from a config file alone) run end to end on the CPU with a tiny config."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from marlaas.bench.cost import ModelCost
+from marlaas.bench.random_model import build_random_model
+from marlaas.bench.roofline import run_roofline_bench
+from marlaas.config.specs import DEFAULT_TARGET_MODULES
+from marlaas.model.base import load_base
+from marlaas.model.lora import LoRAModel
+from tiny_archs import WINDOW, tiny_config, tiny_model
+
+HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 64, 128, 2, 4, 2, 16, 258
+
+
+def test_costs_follow_the_shapes_and_the_windows() -> None:
+    model = LoRAModel(tiny_model("llama", VOCAB), max_rank=8)
+    cost = ModelCost.of(model)
+    q, kv, o = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, HEADS * HEAD_DIM
+    per_layer = HIDDEN * (q + 2 * kv) + o * HIDDEN + 3 * HIDDEN * INTER
+    assert cost.weight_flops == 2 * (LAYERS * per_layer + HIDDEN * VOCAB)
+    assert cost.kv_bytes == LAYERS * 2 * KV_HEADS * HEAD_DIM * 4
+    assert cost.attention_flops(10) == LAYERS * 4 * HEADS * HEAD_DIM * 10
+    # Rank 8 on q_proj only: 2 r (in + out) per layer.
+    assert cost.lora_flops(8, ["q_proj"]) == LAYERS * 2 * 8 * (HIDDEN + q)
+    assert cost.prefill_flops(3, 0.0) == 3 * cost.weight_flops + cost.attention_flops(1) * 6
+    # Gemma3's first layer slides: a token attends at most WINDOW tokens there.
+    gemma = ModelCost.of(LoRAModel(tiny_model("gemma3_text", VOCAB), max_rank=8))
+    per_context = 4 * HEADS * HEAD_DIM
+    assert gemma.windows == (WINDOW, None)
+    assert gemma.attention_flops(50) == per_context * (WINDOW + 50)
+    n = 3 * WINDOW
+    causal = per_context * (WINDOW * (WINDOW + 1) // 2 + (n - WINDOW) * WINDOW + n * (n + 1) // 2)
+    assert gemma.causal_attention_flops(n) == causal
+
+
+def test_every_row_is_scored_against_the_machine(tmp_path: Path) -> None:
+    path = tmp_path / "model"
+    (tmp_path / "config.json").write_text(json.dumps(tiny_config("qwen2", VOCAB).to_dict()))
+    build_random_model(tmp_path / "config.json", path)
+    base, tokenizer = load_base(path)
+    model = LoRAModel(base, max_rank=8, target_modules=DEFAULT_TARGET_MODULES)
+    out = tmp_path / "roofline.json"
+    result = run_roofline_bench(
+        model,
+        tokenizer,
+        out,
+        batches=(1, 4),
+        adapters=(1, 3),
+        contexts=(12,),
+        trainer_tenants=(2,),
+        iterations=2,
+        trainer_steps=1,
+        square=128,
+        copy_mb=8,
+        print_table=False,
+    )
+    assert json.loads(out.read_text()) == result
+    machine = result["machine"]
+    assert machine["peak_flops"] >= machine["model_shape_flops"] > 0 and machine["bandwidth"] > 0
+    kinds = [(r["kind"], r["rows"], r["adapters"]) for r in result["rows"]]
+    assert kinds == [
+        ("prefill", 16, 1),
+        ("prefill", 16, 3),
+        ("decode", 1, 1),
+        ("decode", 4, 1),
+        ("decode", 1, 1),
+        ("decode", 4, 3),
+        ("train", 8, 2),
+    ]
+    for r in result["rows"]:
+        compute, memory = r["flops"] / machine["peak_flops"], r["bytes"] / machine["bandwidth"]
+        assert r["roofline_s"] == pytest.approx(max(compute, memory))
+        assert r["efficiency"] == pytest.approx(r["roofline_s"] / r["seconds"])
+        assert r["bound"] == ("compute" if compute >= memory else "memory")
+
+
+@pytest.mark.slow
+def test_the_gpu_scripts_path_runs_on_the_cpu_with_a_tiny_config(tmp_path: Path) -> None:
+    """`bench/gpu.sh` with a tiny config instead of Qwen2.5-1.5B's and the CPU."""
+    (tmp_path / "tiny.json").write_text(json.dumps(tiny_config("qwen2", VOCAB).to_dict()))
+    script = Path(__file__).resolve().parents[2] / "bench" / "gpu.sh"
+    env = {
+        **os.environ,
+        "MARLAAS": f"{sys.executable} -m marlaas.cli",
+        "PYTHON": sys.executable,
+        "CONFIG": str(tmp_path / "tiny.json"),
+        "OUT": str(tmp_path / "out"),
+        "DEVICE": "cpu",
+        "DTYPE": "float32",
+        "ROOFLINE_ARGS": "--batches 1,4 --adapters 1,2 --contexts 8 --tenants 1 --iterations 1",
+        "PAPER_ARGS": "--tenants 1 --steps 1 --regime paper --no-trl",
+    }
+    proc = subprocess.run(
+        ["bash", str(script)], capture_output=True, text=True, timeout=900, env=env
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    roofline = json.loads((tmp_path / "out" / "roofline.json").read_text())
+    assert {r["kind"] for r in roofline["rows"]} == {"prefill", "decode", "train"}
+    assert (tmp_path / "out" / "paper.json").is_file()
