@@ -15,7 +15,6 @@ import pytest
 from marlaas.bench.cost import ModelCost
 from marlaas.bench.random_model import build_random_model
 from marlaas.bench.roofline import run_roofline_bench
-from marlaas.config.specs import DEFAULT_TARGET_MODULES
 from marlaas.model.base import load_base
 from marlaas.model.lora import LoRAModel
 from tiny_archs import WINDOW, tiny_config, tiny_model
@@ -49,7 +48,7 @@ def test_every_row_is_scored_against_the_machine(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(tiny_config("qwen2", VOCAB).to_dict()))
     build_random_model(tmp_path / "config.json", path)
     base, tokenizer = load_base(path)
-    model = LoRAModel(base, max_rank=8, target_modules=DEFAULT_TARGET_MODULES)
+    model = LoRAModel(base, max_rank=8)
     out = tmp_path / "roofline.json"
     result = run_roofline_bench(
         model,

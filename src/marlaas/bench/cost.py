@@ -118,6 +118,22 @@ class ModelCost:
         kv = sum(self.kv_bytes * n for n in lengths)
         return self.weight_bytes + adapter_bytes + kv + len(lengths) * self.vocab * 4.0
 
+    def generation(
+        self, prompts: Sequence[int], new_tokens: int, iterations: int, lora: float, adapters: float
+    ) -> tuple[float, float]:
+        """`(FLOPs, bytes)` of generating `new_tokens` after each prompt in `iterations`
+        engine iterations: each prompt prefilled, then each new token but the last fed at
+        its context; weights and `adapters` bytes read once per iteration."""
+        flops = 0.0
+        kv = 0.0
+        for n in prompts:
+            flops += self.prefill_flops(n, lora)
+            contexts = range(n + 1, n + new_tokens)
+            flops += sum(self.weight_flops + lora + self.attention_flops(c) for c in contexts)
+            kv += self.kv_bytes * (n + sum(contexts))
+        logits = len(prompts) * new_tokens * self.vocab * 4.0
+        return flops, iterations * (self.weight_bytes + adapters) + kv + logits
+
     def train_flops(self, lengths: Sequence[int], lora: float) -> float:
         """FLOPs of a forward and backward over sequences of `lengths` tokens."""
         attention = sum(self.causal_attention_flops(n) for n in lengths)

@@ -34,10 +34,11 @@ import torch
 
 from marlaas.bench.cost import ModelCost
 from marlaas.bench.machine import Machine, measure_machine
-from marlaas.config.specs import DEFAULT_TARGET_MODULES, GRPOSpec, LoRASpec
+from marlaas.config.specs import ALL_LINEAR, GRPOSpec, LoRASpec
 from marlaas.fileio import atomic_write_json
 from marlaas.model.bank import AdapterBank
-from marlaas.model.lora import AdapterTensors, LoRAModel
+from marlaas.model.lora import LoRAModel
+from marlaas.rollout.bench import random_adapters
 from marlaas.rollout.engine import RolloutEngine
 from marlaas.train.batch import TrainBatch
 from marlaas.train.bench import synthetic_batches, tenant_lengths
@@ -51,22 +52,6 @@ CONTEXTS = (64, 192)
 TRAINER_TENANTS = (1, 8, 32)
 PREFILL_ROWS = 16
 WARMUP = 2
-
-
-def random_adapters(model: LoRAModel, spec: LoRASpec, n: int, seed: int) -> list[AdapterTensors]:
-    """`n` random adapters with non-zero B (so each tenant's outputs differ)."""
-    g = torch.Generator().manual_seed(seed)
-    out: list[AdapterTensors] = []
-    for _ in range(n):
-        tensors: AdapterTensors = {}
-        for path in model.module_paths(spec):
-            fan_in, fan_out = model.module_shapes[path]
-            tensors[path] = (
-                torch.randn(spec.rank, fan_in, generator=g) / fan_in**0.5,
-                torch.randn(fan_out, spec.rank, generator=g) * 0.05,
-            )
-        out.append(tensors)
-    return out
 
 
 def spread(context: int, n: int, limit: int, rng: random.Random) -> list[int]:
@@ -251,8 +236,8 @@ def run_roofline_bench(
     if not batches or not adapters or not contexts or iterations < 1 or trainer_steps < 1:
         raise ValueError("need batch sizes, adapter counts, contexts and iterations >= 1")
     say = log or (lambda _msg: None)
-    spec = LoRASpec(
-        rank=rank, alpha=2.0 * rank, target_modules=DEFAULT_TARGET_MODULES, use_rslora=False
+    spec = model.resolve(
+        LoRASpec(rank=rank, alpha=2.0 * rank, target_modules=ALL_LINEAR, use_rslora=False)
     )
     say("measuring the machine")
     before = measure_machine(model, square=square, copy_mb=copy_mb)

@@ -57,7 +57,7 @@ def roofline(
     json_out: Path = typer.Option(Path("bench-roofline.json"), "--json", help="Result file."),
     model: Path = typer.Option(None, help="Base model directory (default: embedded)."),
     device: str = typer.Option("auto", help="auto, cpu or cuda."),
-    dtype: str = typer.Option("float32", help="float32 or bfloat16 (the base's dtype)."),
+    dtype: str = typer.Option("auto", help=DTYPE_HELP),
     threads: int = typer.Option(1, min=1, help="torch threads (CPU)."),
     batches: str = typer.Option("1,16,64,256,512", help="Decode batch sizes."),
     adapters: str = typer.Option("1,32", help="Adapters mixed in a batch."),
@@ -68,22 +68,17 @@ def roofline(
     """Engine and trainer time per iteration against this machine's FLOP/s and bandwidth."""
     import torch
 
-    from marlaas.bench.random_model import DTYPES
     from marlaas.bench.roofline import run_roofline_bench
-    from marlaas.config.specs import DEFAULT_TARGET_MODULES
     from marlaas.model.base import default_base_path, load_base
     from marlaas.model.lora import LoRAModel
     from marlaas.pipeline.runner import resolve_device
 
-    if dtype not in DTYPES:
-        raise typer.BadParameter(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     torch.set_num_threads(threads)
     base, tokenizer = load_base(
-        model or default_base_path(), dtype=DTYPES[dtype], device=resolve_device(device)
+        model or default_base_path(), dtype=check_dtype(dtype), device=resolve_device(device)
     )
-    lora_model = LoRAModel(base, max_rank=8, target_modules=DEFAULT_TARGET_MODULES)
     run_roofline_bench(
-        lora_model,
+        LoRAModel(base, max_rank=8),
         tokenizer,
         json_out,
         batches=_counts(batches),

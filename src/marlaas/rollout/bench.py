@@ -12,6 +12,10 @@ random prompts, exactly `max_new_tokens` new tokens each, EOS disabled) runs on:
 Throughput is generated tokens per wall-clock second, the best of `repeats` runs, after
 one untimed warm-up run of each system. Greedy outputs of the three systems must agree (`outputs_agree`; the
 engine is checked against PEFT on every request), so the numbers compare equal work.
+
+`efficiency` is `marlaas bench roofline`'s: the mixed run's roofline time (its model
+FLOPs and bytes, `marlaas.bench.cost`, at the machine's limits measured in the same
+run) over its measured time.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from typing import Any
 import torch
 from transformers import GenerationConfig, PreTrainedTokenizerBase
 
+from marlaas.bench.cost import ModelCost
+from marlaas.bench.machine import measure_machine
 from marlaas.config.specs import ALL_LINEAR, LoRASpec, ModelDType
 from marlaas.fileio import atomic_write_json
 from marlaas.model.bank import AdapterBank
@@ -38,7 +44,7 @@ from marlaas.rollout.engine import RolloutEngine
 from marlaas.types import RolloutRequest, SamplingParams
 
 
-def _adapters(model: LoRAModel, spec: LoRASpec, n: int, seed: int) -> list[AdapterTensors]:
+def random_adapters(model: LoRAModel, spec: LoRASpec, n: int, seed: int) -> list[AdapterTensors]:
     """`n` random adapters with non-zero B (so each tenant's outputs differ)."""
     g = torch.Generator().manual_seed(seed)
     out: list[AdapterTensors] = []
@@ -154,7 +160,7 @@ def run_rollout_bench(
         LoRASpec(rank=rank, alpha=2.0 * rank, target_modules=ALL_LINEAR, use_rslora=False)
     )
     n_max = max(tenant_counts)
-    adapters = _adapters(lora_model, spec, n_max, seed)
+    adapters = random_adapters(lora_model, spec, n_max, seed)
     bank = AdapterBank(lora_model, num_slots=n_max, versions_kept=1)
     for i, tensors in enumerate(adapters):
         bank.register(f"t{i}", spec, tensors=tensors)
@@ -167,6 +173,9 @@ def run_rollout_bench(
     if include_hf:
         peft_model = _peft_model(path, spec, adapters, dtype)
 
+    machine = measure_machine(lora_model)
+    cost = ModelCost.of(lora_model)
+    lora_flops = cost.lora_flops(rank, spec.target_modules)
     rows: list[dict[str, Any]] = []
     warm = _prompts(min(4, max_batch_size), vocab, prompt_lengths, seed + 1)
     _engine_run(engine, warm, ["t0"] * len(warm), max_new_tokens)
@@ -177,8 +186,17 @@ def run_rollout_bench(
         prompts = _prompts(total, vocab, prompt_lengths, seed + 100 + n)
         mixed = [f"t{i % n}" for i in range(total)]
         tokens = total * max_new_tokens
+        before = engine.stats.iterations
         t_mixed, out_mixed = _timed(
             partial(_engine_run, engine, prompts, mixed, max_new_tokens), repeats
+        )
+        iterations = (engine.stats.iterations - before) / repeats
+        flops, nbytes = cost.generation(
+            [len(p) for p in prompts],
+            max_new_tokens,
+            round(iterations),
+            lora_flops,
+            min(n, total) * cost.lora_bytes(rank, spec.target_modules),
         )
         single = ["t0"] * total
         t_single, _ = _timed(partial(_engine_run, engine, prompts, single, max_new_tokens), repeats)
@@ -189,6 +207,10 @@ def run_rollout_bench(
             "engine_mixed_tok_s": tokens / t_mixed,
             "engine_single_tok_s": tokens / t_single,
             "mixed_vs_single": t_single / t_mixed,
+            "iterations": iterations,
+            "flops": flops,
+            "bytes": nbytes,
+            "efficiency": machine.roofline_s(flops, nbytes) / t_mixed,
         }
         if peft_model is not None:
             hf = partial(_hf_run, peft_model, tokenizer, prompts, mixed, max_new_tokens)
@@ -211,6 +233,7 @@ def run_rollout_bench(
         "requests_per_tenant": requests_per_tenant,
         "repeats": repeats,
         "prompt_lengths": list(prompt_lengths),
+        "machine": machine.as_dict(),
         "rows": rows,
     }
     if json_path is not None:
@@ -247,7 +270,7 @@ def _print_table(result: dict[str, Any]) -> None:
         title=f"rollout: new tokens/s ({result['device']}, {result['num_threads']} thread(s), "
         f"rank {result['rank']}, {result['max_new_tokens']} tokens/request)"
     )
-    for name in ("tenants", "reqs", "ours mixed", "ours 1 LoRA", "mixed/1"):
+    for name in ("tenants", "reqs", "ours mixed", "efficiency", "ours 1 LoRA", "mixed/1"):
         table.add_column(name, justify="right")
     has_hf = any("hf_peft_mixed_tok_s" in r for r in result["rows"])
     if has_hf:
@@ -258,6 +281,7 @@ def _print_table(result: dict[str, Any]) -> None:
             str(r["tenants"]),
             str(r["requests"]),
             f"{r['engine_mixed_tok_s']:.0f}",
+            f"{r['efficiency']:.3f}",
             f"{r['engine_single_tok_s']:.0f}",
             f"{r['mixed_vs_single']:.2f}x",
         ]
