@@ -26,13 +26,16 @@ def model(tiny_llama_dir: Path) -> LoRAModel:
 
 
 def _slot_holds(bank: AdapterBank, handle: AdapterHandle, tensors: AdapterTensors) -> bool:
-    """The slot's buffers hold exactly `tensors`, zero-padded, and zeros elsewhere."""
+    """The slot's buffers hold exactly `tensors` (B times the scale), zero-padded, and
+    zeros elsewhere."""
     lanes = bank.slot_lanes(torch.tensor([handle.slot]))
+    assert lanes.prescaled
     r = handle.spec.rank
     for path, A_Lri in bank._A.items():
         A_ri, B_or = A_Lri[handle.slot], bank._B[path][handle.slot]
         if path in tensors:
             want_A, want_B = tensors[path]
+            want_B = want_B * handle.spec.scaling
             if not (torch.equal(A_ri[:r], want_A) and torch.equal(B_or[:, :r], want_B)):
                 return False
             if A_ri[r:].any() or B_or[:, r:].any():

@@ -149,8 +149,8 @@ def test_row_blocks_match_the_formula_with_gradients(
     ("lanes", "num_lanes", "pieces", "gathers_weights"),
     [
         ([2, 0, 1, 2, 1, 1, 0, 2], 3, 3, False),  # every lane, in order: no weight gather
-        ([5, 1, 5, 1, 5, 5, 1, 5], 8, 2, True),  # few of many lanes: pieces of those
-        ([3, 1, 3, 3, 3, 3, 3, 3, 3, 2], 8, 4, True),  # a crowded lane: two pieces of 4
+        ([5, 1, 5, 1, 5, 5, 1, 5], 40, 2, True),  # few of many lanes: pieces of those
+        ([3, 1, 3, 3, 3, 3, 3, 3, 3, 2], 40, 4, True),  # a crowded lane: two pieces of 4
     ],
 )
 def test_interleaved_decode_rows_run_as_segments(

@@ -291,6 +291,7 @@ class AdapterBank:
                 A={p: self._A[p][:, :r] for p in paths},
                 B={p: self._B[p][:, :, :r] for p in paths},
                 scale_L=self._scale_S,
+                prescaled=True,
             )
 
     # -- internals -----------------------------------------------------------------------
@@ -391,7 +392,8 @@ class AdapterBank:
             pair = tensors.get(path)
             if pair is not None and r > 0:
                 A_buf[:r].copy_(pair[0])
-                B_buf[:, :r].copy_(pair[1])
+                # B carries the scale: the layers skip a multiplication per module.
+                B_buf[:, :r].copy_(pair[1] * entry.spec.scaling)
         self._scale_S[slot] = entry.spec.scaling
         self._slots[slot] = entry
         entry.slot = slot

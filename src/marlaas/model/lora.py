@@ -84,6 +84,9 @@ class LaneBatch:
     A: Mapping[str, Tensor]
     B: Mapping[str, Tensor]
     scale_L: Tensor
+    #: `B` already holds `scale_L[lane] * B` (the adapter bank's slots): the layers
+    #: skip the multiplication by the scale.
+    prescaled: bool = False
 
     @property
     def num_lanes(self) -> int:
@@ -117,7 +120,8 @@ class _Segments:
         for b, lane in enumerate(lanes_B):
             rows_of.setdefault(lane, []).append(b)
         B, biggest = len(lanes_B), max(len(rows) for rows in rows_of.values())
-        every_lane = num_lanes * biggest <= 2 * B  # empty lanes pad less than a gather costs
+        # Empty lanes pad less than a weight gather costs while the padded rows stay few.
+        every_lane = num_lanes * biggest <= max(2 * B, 128)
         size = biggest
         if not every_lane and size * len(rows_of) > 2 * B:
             # A few crowded lanes would pad the others too much: pieces of the mean size.
@@ -172,32 +176,46 @@ class _LanePlan:
     size: int
     blocks: int
     lane_K: Tensor | None
-    scale_K: Tensor
+    #: Per block or piece; None when the weights carry the scales (`LaneBatch.prescaled`).
+    scale_K: Tensor | None
     segments: _Segments | None = None
 
     @staticmethod
-    def of(lane_B: Tensor, scale_L: Tensor, scale_B: Tensor, tokens: int, rank: int) -> _LanePlan:
-        """The plan of a lane batch for rows of `tokens` tokens and adapters of `rank`,
-        made on the host (reading `lane_B` is one device sync per forward when it lives
-        on an accelerator)."""
+    def of(
+        lane_B: Tensor,
+        num_lanes: int,
+        scale_L: Tensor | None,
+        scale_B: Tensor,
+        tokens: int,
+        rank: int,
+    ) -> _LanePlan:
+        """The plan of a lane batch for rows of `tokens` tokens and adapters of `rank`
+        (`scale_L` None: the weights carry the scales), made on the host (reading
+        `lane_B` is one device sync per forward when it lives on an accelerator)."""
         lanes_B: list[int] = lane_B.tolist()
         runs = [(lane, sum(1 for _ in run)) for lane, run in itertools.groupby(lanes_B)]
         size = math.gcd(*(count for _, count in runs)) if runs else 1
         lanes_K = [lane for lane, count in runs for _ in range(count // size)]
-        if lanes_K == list(range(int(scale_L.shape[0]))):
-            return _LanePlan(size, len(lanes_K), None, scale_L)
+
+        def scales(index: Tensor | None) -> Tensor | None:
+            if scale_L is None:
+                return None
+            return scale_L if index is None else scale_L[index]
+
+        if lanes_K == list(range(num_lanes)):
+            return _LanePlan(size, len(lanes_K), None, scales(None))
         if size == 1 and 2 * tokens < rank:
             # Per-row blocks would copy every row's weights (rank x features each); the
             # segments copy each row's activations twice (tokens x features).
-            segments, lanes_P = _Segments.of(lanes_B, int(scale_L.shape[0]), lane_B.device)
+            segments, lanes_P = _Segments.of(lanes_B, num_lanes, lane_B.device)
             if lanes_P is None:
-                return _LanePlan(1, segments.pieces, None, scale_L, segments)
+                return _LanePlan(1, segments.pieces, None, scales(None), segments)
             lane_P = torch.tensor(lanes_P, dtype=torch.long, device=lane_B.device)
-            return _LanePlan(1, segments.pieces, lane_P, scale_L[lane_P], segments)
+            return _LanePlan(1, segments.pieces, lane_P, scales(lane_P), segments)
         if size == 1:
-            return _LanePlan(1, len(lanes_B), lane_B, scale_B)
+            return _LanePlan(1, len(lanes_B), lane_B, None if scale_L is None else scale_B)
         lane_K = torch.tensor(lanes_K, dtype=torch.long, device=lane_B.device)
-        return _LanePlan(size, len(lanes_K), lane_K, scale_L[lane_K])
+        return _LanePlan(size, len(lanes_K), lane_K, scales(lane_K))
 
     def apply(self, x_BTi: Tensor, A_Lri: Tensor, B_Lor: Tensor, y_BTo: Tensor) -> Tensor:
         """`y_BTo` plus the LoRA update of rows `x_BTi` (both `[B, T, features]`)."""
@@ -211,7 +229,8 @@ class _LanePlan:
         else:  # index_select (not fancy indexing): about 2x faster on strided slot views
             A_Kri, B_Kor = A_Lri.index_select(0, self.lane_K), B_Lor.index_select(0, self.lane_K)
         h_Knr = torch.bmm(x_Kni, A_Kri.transpose(1, 2))
-        h_Knr = h_Knr * self.scale_K.to(h_Knr.dtype)[:, None, None]
+        if self.scale_K is not None:
+            h_Knr = h_Knr * self.scale_K.to(h_Knr.dtype)[:, None, None]
         if y_BTo.dtype != h_Knr.dtype:  # e.g. float32 adapters on a bfloat16 base
             delta_Kno = torch.bmm(h_Knr, B_Kor.transpose(1, 2))
             return y_BTo + delta_Kno.reshape(y_BTo.shape).to(y_BTo.dtype)
@@ -229,7 +248,8 @@ class _LanePlan:
         else:
             A_Pri, B_Por = A_Lri.index_select(0, self.lane_K), B_Lor.index_select(0, self.lane_K)
         h_Pnr = torch.bmm(x_Pni, A_Pri.transpose(1, 2))
-        h_Pnr = h_Pnr * self.scale_K.to(h_Pnr.dtype)[:, None, None]
+        if self.scale_K is not None:
+            h_Pnr = h_Pnr * self.scale_K.to(h_Pnr.dtype)[:, None, None]
         delta_Pno = torch.bmm(h_Pnr, B_Por.transpose(1, 2))
         delta_BTo = delta_Pno.reshape(seg.pieces * seg.size, -1).index_select(0, seg.inverse)
         return y_BTo + delta_BTo.view(y_BTo.shape).to(y_BTo.dtype)
@@ -250,8 +270,10 @@ class _LaneContext:
         if self.owner != threading.get_ident() or self.batch is None or self.scale_B is None:
             return None
         if self.plan is None:
+            batch = self.batch
+            scale_L = None if batch.prescaled else batch.scale_L
             self.plan = _LanePlan.of(
-                self.batch.lane_B, self.batch.scale_L, self.scale_B, tokens, rank
+                batch.lane_B, batch.num_lanes, scale_L, self.scale_B, tokens, rank
             )
         return self.batch, self.plan
 
