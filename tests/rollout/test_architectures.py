@@ -55,3 +55,22 @@ def test_greedy_tokens_and_logprobs_equal_the_models_own_forward(arch: str, tmp_
             torch.arange(len(out.token_ids)), full[0, len(request.prompt_ids) :]
         ]
         torch.testing.assert_close(torch.tensor(out.logprobs), want, atol=1e-4, rtol=0)
+
+
+def test_a_bfloat16_base_samples_what_its_own_forward_gives(tmp_path: Path) -> None:
+    """bf16 base, KV cache and attention products, float32 adapters and log-probs: the
+    engine's log-probs of its tokens are the same model's full forward's, to bf16 noise."""
+    base, tokenizer = load_base(save_tiny("qwen2", tmp_path / "m"), dtype=torch.bfloat16)
+    model = LoRAModel(base, max_rank=4, target_modules=SPEC.target_modules)
+    bank = AdapterBank(model, num_slots=2, dtype=torch.float32)
+    bank.register("t0", SPEC, tensors=random_adapter(model, 7))
+    engine = RolloutEngine(model, bank, tokenizer, eos_token_ids=[], background=False)
+    prompt = tuple(range(10, 10 + 3 * WINDOW))
+    params = SamplingParams(temperature=1.0, max_new_tokens=8, seed=3)
+    out = engine.generate([RolloutRequest(tenant="t0", prompt_ids=prompt, sampling=params)])[0]
+    lanes = model.lane_batch([(SPEC, bank.tensors("t0"))], torch.zeros(1, dtype=torch.long))
+    full = torch.tensor([prompt + out.token_ids])
+    with torch.no_grad(), model.lanes(lanes):
+        logits = base(full).logits[0, len(prompt) - 1 : -1].float()
+    want = torch.log_softmax(logits, -1)[torch.arange(8), full[0, len(prompt) :]]
+    torch.testing.assert_close(torch.tensor(out.logprobs), want, atol=0.02, rtol=0)

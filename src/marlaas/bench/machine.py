@@ -7,6 +7,10 @@
 - Matmul peak at a large square (`n x n` by `n x n`): the machine's best case.
 - Memory bandwidth: a copy of a tensor much larger than the last-level cache, bytes
   read plus bytes written over its time.
+- bfloat16: whether the hardware computes it natively (AVX512-BF16 or AMX on a CPU,
+  `torch.cuda.is_bf16_supported` on a GPU) and, for a float32 run, its matmul peak at
+  the model's shapes: the measurement behind the engine's dtype default (float32 on a
+  CPU unless bfloat16 is measured faster).
 
 Every figure is the best of several timed repeats after a warm-up (the least disturbed
 by other processes), in the thread count and dtype of the run.
@@ -41,6 +45,9 @@ class Machine:
     square_size: int
     square_flops: float
     bandwidth: float
+    bf16_hardware: bool = False
+    #: bfloat16 matmul FLOP/s at the model's shapes (measured in float32 runs; else 0).
+    bf16_model_shape_flops: float = 0.0
 
     @property
     def peak_flops(self) -> float:
@@ -66,6 +73,8 @@ class Machine:
             square_size=a.square_size,
             square_flops=max(a.square_flops, b.square_flops),
             bandwidth=max(a.bandwidth, b.bandwidth),
+            bf16_hardware=a.bf16_hardware,
+            bf16_model_shape_flops=max(a.bf16_model_shape_flops, b.bf16_model_shape_flops),
         )
 
 
@@ -92,14 +101,10 @@ def measure_machine(
     square = square or (8192 if gpu else 1024)
     copy_mb = copy_mb or (1024 if gpu else 256)
     shapes = Counter(tuple(w.shape) for w in weight_matrices(model.base))
-    flops = 0.0
-    seconds = 0.0
-    for (fan_out, fan_in), count in shapes.items():
-        x = torch.randn(rows, fan_in, device=device, dtype=dtype)
-        w = torch.randn(fan_out, fan_in, device=device, dtype=dtype)
-        t = best_time(functools.partial(F.linear, x, w), device, repeats=7)
-        flops += count * 2.0 * rows * fan_in * fan_out
-        seconds += count * t
+    model_shape_flops = _shape_flops(shapes, rows, device, dtype)
+    bf16 = 0.0
+    if dtype == torch.float32:
+        bf16 = _shape_flops(shapes, rows, device, torch.bfloat16)
     a = torch.randn(square, square, device=device, dtype=dtype)
     t_square = best_time(lambda: a @ a, device, repeats=3)
     n = copy_mb * 2**20 // 4
@@ -111,11 +116,36 @@ def measure_machine(
         dtype=str(dtype).removeprefix("torch."),
         threads=torch.get_num_threads(),
         rows=rows,
-        model_shape_flops=flops / seconds,
+        model_shape_flops=model_shape_flops,
         square_size=square,
         square_flops=2.0 * square**3 / t_square,
         bandwidth=2.0 * n * 4 / t_copy,
+        bf16_hardware=bf16_hardware(device),
+        bf16_model_shape_flops=bf16,
     )
+
+
+def bf16_hardware(device: torch.device) -> bool:
+    """Whether `device` computes bfloat16 natively (else it is emulated, and slow)."""
+    if device.type == "cuda":
+        return bool(torch.cuda.is_bf16_supported())
+    cpu: Any = torch.cpu
+    return bool(cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported())
+
+
+def _shape_flops(
+    shapes: Counter[tuple[int, ...]], rows: int, device: torch.device, dtype: torch.dtype
+) -> float:
+    """FLOP/s of one pass of `rows` rows through every weight matrix (with multiplicity)."""
+    flops = 0.0
+    seconds = 0.0
+    for (fan_out, fan_in), count in shapes.items():
+        x = torch.randn(rows, fan_in, device=device, dtype=dtype)
+        w = torch.randn(fan_out, fan_in, device=device, dtype=dtype)
+        t = best_time(functools.partial(F.linear, x, w), device, repeats=7)
+        flops += count * 2.0 * rows * fan_in * fan_out
+        seconds += count * t
+    return flops / seconds
 
 
 def _sync(device: torch.device) -> None:

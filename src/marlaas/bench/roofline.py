@@ -302,6 +302,11 @@ def print_roofline(result: dict[str, Any]) -> None:
         f"{b['model_shape_flops'] / 1e9:.1f} / {a['model_shape_flops'] / 1e9:.1f} GFLOP/s, "
         f"{b['bandwidth'] / 1e9:.1f} / {a['bandwidth'] / 1e9:.1f} GB/s)"
     )
+    if m["bf16_model_shape_flops"]:
+        console.print(
+            f"bfloat16 at the model's shapes: {m['bf16_model_shape_flops'] / 1e9:.1f} GFLOP/s "
+            f"(native bfloat16: {'yes' if m['bf16_hardware'] else 'no'})"
+        )
     table = Table(title=f"roofline: {result['model']}, LoRA rank {result['rank']}")
     for name in (
         "kind",

@@ -54,6 +54,8 @@ class AttentionPlan:
     columns: int
     #: window (None = full attention) -> mask `[R, 1, N, S]`, True where a query attends.
     masks: dict[int | None, Tensor] = field(default_factory=dict)
+    #: (window, dtype) -> the mask as an additive bias `[R, 1, N, S]` (0 or -inf).
+    biases: dict[tuple[int | None, torch.dtype], Tensor] = field(default_factory=dict)
 
     @staticmethod
     def build(positions_RN: Tensor, columns: int, windows: Iterable[int | None]) -> AttentionPlan:
@@ -70,6 +72,16 @@ class AttentionPlan:
     @property
     def decode(self) -> bool:
         return int(self.positions_RN.shape[1]) == 1
+
+    def bias(self, window: int | None, dtype: torch.dtype) -> Tensor:
+        """The mask of `window` as an additive bias, 0 where a query attends, else -inf
+        (made once per forward and shared by the layers of one window)."""
+        key = (window, dtype)
+        if key not in self.biases:
+            mask = self.mask(window)
+            zero = torch.zeros((), dtype=dtype, device=mask.device)
+            self.biases[key] = torch.where(mask, zero, float("-inf"))
+        return self.biases[key]
 
     def mask(self, window: int | None) -> Tensor:
         try:
@@ -104,8 +116,15 @@ def slot_attention(
             query, key, value, attn_mask=mask_R1NS, scale=scale, enable_gqa=G > 1
         )
         return out.transpose(1, 2)
+    S = int(key.shape[2])
     # Query heads h = kv_head * G + g (as `repeat_kv`): group them on their key/value
     # head, so each head's keys are read once and never repeated.
+    if N == 1 and softcap is None:  # decode: scale the (small) query, add the mask in place
+        k3, v3 = key.reshape(R * Hkv, S, D), value.reshape(R * Hkv, S, D)  # views
+        scores = torch.bmm(query.reshape(R * Hkv, G, D) * scale, k3.transpose(1, 2))
+        scores.view(R, Hkv, G, S).add_(plan.bias(window, scores.dtype))  # [R, 1, 1, S]
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+        return torch.bmm(probs, v3).view(R, 1, H, D)
     q = query.reshape(R, Hkv, G * N, D)
     scores = torch.matmul(q, key.transpose(-1, -2)) * scale
     if softcap is not None:
