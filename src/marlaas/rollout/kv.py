@@ -8,7 +8,10 @@ concatenates or copies the cache; the last column is a scratch column where left
 of a prefill writes what nobody reads.
 
 The buffers grow geometrically (rows and columns doubled, up to `max_rows` and the
-model's positions) when a batch needs more, which happens a logarithmic number of times;
+model's positions) when a batch needs more, which happens a logarithmic number of times.
+Memory is rows x the longest row's columns (a paged layout would bound it by the tokens
+held instead; at the engine's batch sizes and contexts the rectangle is what attention
+reads anyway);
 rows that leave are replaced by moving the last rows into their place (`move_rows`), so
 the batch's rows stay `0 .. B-1` and a view of them is all attention reads.
 

@@ -111,12 +111,12 @@ def run_prefill(
     order += [i for i in range(len(admitted)) if source[i] != i]
     row_of = {i: row0 + k for k, i in enumerate(order)}
     columns = max(len(a.row.request.prompt_ids) for a in admitted)
-    # Room for the rows' whole lives (the last sampled token is never fed): decoding
-    # then never grows the buffers.
-    kv.reserve(
-        row0 + len(order),
-        max(len(a.row.request.prompt_ids) + a.max_new - 1 for a in admitted),
-    )
+    # Room for the rows' lives (the last sampled token is never fed), up to twice the
+    # prompts: short generations never grow the buffers during decode, and one request
+    # asking for many tokens does not make every row reserve them (decode grows the
+    # buffers geometrically when a row gets there).
+    life = max(len(a.row.request.prompt_ids) + a.max_new - 1 for a in admitted)
+    kv.reserve(row0 + len(order), min(life, 2 * columns + 64))
     for i, a in enumerate(admitted):
         if a.past is not None:
             kv.import_row(row_of[i], a.past)
