@@ -97,7 +97,8 @@ def test_the_gpu_scripts_path_runs_on_the_cpu_with_a_tiny_config(tmp_path: Path)
         "OUT": str(tmp_path / "out"),
         "DEVICE": "cpu",
         "DTYPE": "float32",
-        "ROOFLINE_ARGS": "--batches 1,4 --adapters 1,2 --contexts 8 --tenants 1 --iterations 1",
+        "ROOFLINE_ARGS": "--batches 1,4 --adapters 1,2 --contexts 8 --tenants 1 --iterations 1 "
+        "--square 128 --copy-mb 8",
         "PAPER_ARGS": "--tenants 1 --steps 1 --regime paper --no-trl",
     }
     proc = subprocess.run(

@@ -2,8 +2,8 @@
 here (2 layers, hidden 64) and saved with the tests' character tokenizer.
 
 Sliding-window architectures (Mistral, Gemma2, Gemma3) have their window switched off
-in these configs, as the rollout engine supports full attention only; `WINDOWED` holds
-their default configs, which marlaas refuses.
+in these configs; `WINDOWED` holds their default configs, with windows, which marlaas
+runs too (`tests/rollout/test_engine_architectures.py` checks the engine's logits on them).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def _configs() -> dict[str, Callable[[], PretrainedConfig]]:
 CONFIGS = _configs()
 ARCHS = tuple(CONFIGS)
 
-#: Default configs with sliding windows on, and the config option the refusal names.
+#: Default configs with sliding windows on, and the config option that sets the window.
 WINDOWED: dict[str, tuple[Callable[[], PretrainedConfig], str]] = {
     "mistral": (lambda: hf.MistralConfig(**_GQA), "sliding_window: null"),
     "gemma2": (lambda: hf.Gemma2Config(**_GQA, head_dim=16), "layer_types"),

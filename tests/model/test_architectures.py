@@ -20,6 +20,7 @@ from torch import Tensor
 from marlaas.config.job import RunSpec
 from marlaas.config.specs import LoRASpec
 from marlaas.errors import ConfigError, ModelError
+from marlaas.model.arch import check_attention
 from marlaas.model.base import load_base
 from marlaas.model.lora import AdapterTensors, LoRAModel
 from marlaas.model.peft_io import load_peft, model_fan_in_fan_out, save_peft
@@ -162,12 +163,17 @@ def test_a_run_default_and_a_job_override_resolve(arch_dirs: dict[str, Path]) ->
 
 
 @pytest.mark.parametrize("arch", sorted(WINDOWED))
-def test_sliding_windows_are_refused_naming_the_option(arch: str, tmp_path: Path) -> None:
-    make, option = WINDOWED[arch]
+def test_sliding_windows_load(arch: str, tmp_path: Path) -> None:
+    make, _ = WINDOWED[arch]
     base, _ = load_base(save_model(make(), tmp_path / arch, char_tokenizer()))
-    with pytest.raises(ModelError, match=f"full attention only; set .*{option}") as err:
-        LoRAModel(base, max_rank=4)
-    assert "config.json" in str(err.value)
+    assert len(LoRAModel(base, max_rank=4).module_shapes) > 0  # windows are supported
+
+
+def test_other_attention_layer_types_are_refused_naming_them() -> None:
+    config = WINDOWED["qwen2"][0]()
+    config.layer_types = ["full_attention", "chunked_attention"]
+    with pytest.raises(ModelError, match=r"\['chunked_attention'\] layers.*config\.json"):
+        check_attention(config)
 
 
 @pytest.mark.parametrize(

@@ -64,6 +64,12 @@ def roofline(
     contexts: str = typer.Option("64,192", help="Context lengths of the rows."),
     tenants: str = typer.Option("1,8,32", help="Trainer tenant counts."),
     iterations: int = typer.Option(8, min=1, help="Timed decode iterations per row."),
+    square: int = typer.Option(
+        None, min=16, help="Side of the large-square matmul (default: 1024 CPU, 8192 GPU)."
+    ),
+    copy_mb: int = typer.Option(
+        None, min=1, help="MB of the bandwidth copy (default: 256 CPU, 1024 GPU)."
+    ),
 ) -> None:
     """Engine and trainer time per iteration against this machine's FLOP/s and bandwidth."""
     import torch
@@ -86,6 +92,8 @@ def roofline(
         contexts=_counts(contexts),
         trainer_tenants=_counts(tenants),
         iterations=iterations,
+        square=square,
+        copy_mb=copy_mb,
         log=typer.echo,
     )
     typer.echo(f"wrote {json_out}")

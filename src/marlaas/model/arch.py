@@ -8,11 +8,10 @@ spec resolves to, and what is refused before any work starts.
 - `resolve_targets` is the one function that turns a spec's `target_modules` (leaf
   names, `"all-linear"` or None) into the leaf names of one base, in module order;
   every error names the option to change and lists what the base has.
-- `check_attention` refuses sliding-window attention (Mistral's `sliding_window`,
-  Qwen2's `use_sliding_window`, Gemma2/3's `layer_types`): the rollout engine's KV
-  cache and the trainer's shared-prefix cache assume every layer attends to the whole
-  sequence. The message names the config option that switches the window off; when
-  the engine supports windows, this check goes.
+- `check_attention` refuses attention layers other than full and sliding-window ones
+  (chunked, linear attention): the rollout engine and the trainer's shared-prefix cache
+  handle those two, windows included (Mistral's `sliding_window`, Qwen2's
+  `use_sliding_window`, Gemma2/3's `layer_types`).
 """
 
 from __future__ import annotations
@@ -121,31 +120,21 @@ def fused_weights(base: nn.Module) -> dict[str, str]:
     return out
 
 
+#: Attention layer types the rollout engine's cache and the trainer's shared-prefix
+#: cache handle (a sliding window is a mask over a full cache there).
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
 def check_attention(config: Any) -> None:
-    """Raise `ModelError` for sliding-window attention, naming the config option that
-    switches it off (see the module docstring)."""
+    """Raise `ModelError` for attention layers other than full and sliding-window ones
+    (chunked, linear attention), naming them and the config option."""
     text: Any = (
         config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     )
-    layer_types = getattr(text, "layer_types", None)
-    window = getattr(text, "sliding_window", None)
-    if layer_types:
-        windowed = [t for t in layer_types if t != "full_attention"]
-        if not windowed:
-            return
-        what = f"{sorted(set(windowed))} layers ({len(windowed)} of {len(layer_types)})"
-    elif window and getattr(text, "use_sliding_window", True):
-        what = f"sliding-window attention (`sliding_window: {window}`)"
-    else:
-        return
-    if hasattr(text, "use_sliding_window"):
-        option = "`use_sliding_window: false`"
-    elif layer_types:
-        option = 'every entry of `layer_types` to "full_attention"'
-    else:
-        option = "`sliding_window: null`"
-    raise ModelError(
-        f"{type(text).__name__} has {what}: marlaas's rollout engine and trainer support "
-        f"full attention only; set {option} in the model's config.json to run it with "
-        "full attention"
-    )
+    unknown = sorted(set(getattr(text, "layer_types", None) or ()) - set(ATTENTION_LAYER_TYPES))
+    if unknown:
+        raise ModelError(
+            f"{type(text).__name__} has {unknown} layers: marlaas's rollout engine and "
+            "trainer support full and sliding-window attention only; use a model whose "
+            f"config.json `layer_types` holds only {list(ATTENTION_LAYER_TYPES)}"
+        )

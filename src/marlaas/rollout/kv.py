@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from marlaas.errors import ModelError
+from marlaas.model.arch import check_attention
 from marlaas.model.cache import SlotCache, SlotLayer
 
 #: One sequence's cache: per layer `(keys [H, L, D], values [H, L, D])`.
@@ -56,16 +57,11 @@ def kv_geometry(config: object) -> KVGeometry:
     text: Any = (
         config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     )
+    check_attention(text)
     num_layers = int(text.num_hidden_layers)
     window = getattr(text, "sliding_window", None)
     layer_types = getattr(text, "layer_types", None)
     if layer_types:
-        unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
-        if unknown:
-            raise ModelError(
-                f"the rollout engine supports full and sliding-window attention layers; this "
-                f"model also has {unknown}; use a decoder with only those layer types"
-            )
         windows = tuple(
             int(window) if t == "sliding_attention" and window else None for t in layer_types
         )
