@@ -10,15 +10,11 @@ over all rows (no loop over tenants):
 
     y_B = base(x_B) + scale_L[lane_B] * (x_B @ A_L[lane_B]^T) @ B_L[lane_B]^T
 
-Rows are taken in blocks of consecutive rows that share a lane (`_LanePlan`): the
-block size is the greatest common divisor of the lengths of the runs of equal lanes,
-so a block is a view of the rows (nothing copied or padded) and one matmul per block
-applies its lane's weights. The trainer's micro-batches (rows grouped by tenant) then
-run one block per tenant straight on the stacked weights, with no per-row weight
-gather and no scatter-add of per-row weight gradients. A decode batch whose rows
-alternate between tenants is regrouped instead: its rows are gathered into one padded
-piece per lane (Punica's and S-LoRA's segments), two dense matmuls per piece, and the
-results scattered back (a copy of each row's activations, not of its lane's weights).
+How the rows meet their lanes' weights is `marlaas.model.lane_plan`'s `LanePlan`,
+made once per lane batch: blocks of consecutive rows of one lane (the trainer's
+micro-batches: one block per tenant, straight on the stacked weights, no per-row weight
+gather), or, for a decode batch whose rows alternate between tenants, one padded piece
+per lane (Punica's and S-LoRA's segments).
 
 Invariants:
 - The base's parameters are never written and never require grad. Gradients reach only
@@ -40,12 +36,11 @@ re-runs the forward during backward, must therefore run its backward inside `lan
 
 from __future__ import annotations
 
-import itertools
 import math
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -64,6 +59,7 @@ from marlaas.model.arch import (
     output_head,
     resolve_targets,
 )
+from marlaas.model.lane_plan import LanePlan
 
 #: One adapter in PEFT layout: module path -> (A [r, in], B [out, r]).
 AdapterTensors = dict[str, tuple[Tensor, Tensor]]
@@ -93,178 +89,16 @@ class LaneBatch:
         return int(self.scale_L.shape[0])
 
 
-@dataclass(frozen=True)
-class _Segments:
-    """Rows regrouped by lane into `pieces` padded pieces of `size` rows (Punica's and
-    S-LoRA's segments): row `gather[k * size + i]` is row `i` of piece `k` (padding
-    repeats a row; its result is dropped), and row `b`'s result is at `inverse[b]` of
-    the padded layout.
-
-    The gathered input of the last call is kept (`last`): the modules that read the same
-    input (`q_proj`, `k_proj`, `v_proj`; `gate_proj`, `up_proj`) gather it once.
-    """
-
-    pieces: int
-    size: int
-    gather: Tensor
-    inverse: Tensor
-    last: list[Tensor] = field(default_factory=list, repr=False, compare=False)
-
-    @staticmethod
-    def of(
-        lanes_B: list[int], num_lanes: int, device: torch.device
-    ) -> tuple[_Segments, list[int] | None]:
-        """The segments of a batch, and the lane of each piece (None: piece `k` is lane
-        `k`, every lane in order, so the stacked weights are used without a gather)."""
-        rows_of: dict[int, list[int]] = {}
-        for b, lane in enumerate(lanes_B):
-            rows_of.setdefault(lane, []).append(b)
-        B, biggest = len(lanes_B), max(len(rows) for rows in rows_of.values())
-        # Empty lanes pad less than a weight gather costs while the padded rows stay few.
-        every_lane = num_lanes * biggest <= max(2 * B, 128)
-        size = biggest
-        if not every_lane and size * len(rows_of) > 2 * B:
-            # A few crowded lanes would pad the others too much: pieces of the mean size.
-            size = -(-B // len(rows_of))
-        gather: list[int] = []
-        lane_P: list[int] = []
-        inverse = [0] * B
-        for lane in range(num_lanes) if every_lane else sorted(rows_of):
-            rows = rows_of.get(lane, [0])  # an empty lane pads with row 0 (dropped)
-            for start in range(0, len(rows), size):
-                chunk = rows[start : start + size]
-                if lane in rows_of:
-                    for i, b in enumerate(chunk):
-                        inverse[b] = len(gather) + i
-                gather += chunk + [chunk[0]] * (size - len(chunk))
-                lane_P.append(lane)
-        segments = _Segments(
-            pieces=len(lane_P),
-            size=size,
-            gather=torch.tensor(gather, dtype=torch.long, device=device),
-            inverse=torch.tensor(inverse, dtype=torch.long, device=device),
-        )
-        return segments, None if every_lane else lane_P
-
-    def gathered(self, x_BD: Tensor) -> Tensor:
-        """`x_BD`'s rows in the padded layout (the last input's, when it is the same)."""
-        if self.last and self.last[0] is x_BD:
-            return self.last[1]
-        x_PD = x_BD.index_select(0, self.gather)
-        self.last[:] = [x_BD, x_PD]
-        return x_PD
-
-
-@dataclass(frozen=True)
-class _LanePlan:
-    """How one lane batch applies its adapters, made once per `lanes()` context.
-
-    Blocks (`segments` None): the rows seen as `blocks` consecutive blocks of `size`
-    rows, one lane each; `size` is the greatest common divisor of the lengths of the
-    runs of equal lanes in `lane_B`, so the blocks are views of the rows in place (no
-    copy, no padding): the trainer's micro-batches (rows grouped by tenant) become one
-    block per tenant. Block `k` uses lane `lane_K[k]` (None: block `k` is lane `k`, so
-    the stacked weights are used as they are, no gather) with scale `scale_K[k]`.
-
-    Segments: when no two neighbouring rows share a lane (a decode batch of many
-    tenants) and rows are short, the rows are gathered into per-lane pieces
-    (`_Segments`) and each piece runs two dense matmuls on its lane's weights: a few
-    small copies of activations instead of a copy of the weights for every row.
-    `lane_K`/`scale_K` are then per piece.
-    """
-
-    size: int
-    blocks: int
-    lane_K: Tensor | None
-    #: Per block or piece; None when the weights carry the scales (`LaneBatch.prescaled`).
-    scale_K: Tensor | None
-    segments: _Segments | None = None
-
-    @staticmethod
-    def of(
-        lane_B: Tensor,
-        num_lanes: int,
-        scale_L: Tensor | None,
-        scale_B: Tensor,
-        tokens: int,
-        rank: int,
-    ) -> _LanePlan:
-        """The plan of a lane batch for rows of `tokens` tokens and adapters of `rank`
-        (`scale_L` None: the weights carry the scales), made on the host (reading
-        `lane_B` is one device sync per forward when it lives on an accelerator)."""
-        lanes_B: list[int] = lane_B.tolist()
-        runs = [(lane, sum(1 for _ in run)) for lane, run in itertools.groupby(lanes_B)]
-        size = math.gcd(*(count for _, count in runs)) if runs else 1
-        lanes_K = [lane for lane, count in runs for _ in range(count // size)]
-
-        def scales(index: Tensor | None) -> Tensor | None:
-            if scale_L is None:
-                return None
-            return scale_L if index is None else scale_L[index]
-
-        if lanes_K == list(range(num_lanes)):
-            return _LanePlan(size, len(lanes_K), None, scales(None))
-        if size == 1 and 2 * tokens < rank:
-            # Per-row blocks would copy every row's weights (rank x features each); the
-            # segments copy each row's activations twice (tokens x features).
-            segments, lanes_P = _Segments.of(lanes_B, num_lanes, lane_B.device)
-            if lanes_P is None:
-                return _LanePlan(1, segments.pieces, None, scales(None), segments)
-            lane_P = torch.tensor(lanes_P, dtype=torch.long, device=lane_B.device)
-            return _LanePlan(1, segments.pieces, lane_P, scales(lane_P), segments)
-        if size == 1:
-            return _LanePlan(1, len(lanes_B), lane_B, None if scale_L is None else scale_B)
-        lane_K = torch.tensor(lanes_K, dtype=torch.long, device=lane_B.device)
-        return _LanePlan(size, len(lanes_K), lane_K, scales(lane_K))
-
-    def apply(self, x_BTi: Tensor, A_Lri: Tensor, B_Lor: Tensor, y_BTo: Tensor) -> Tensor:
-        """`y_BTo` plus the LoRA update of rows `x_BTi` (both `[B, T, features]`)."""
-        if self.segments is not None:
-            return self._apply_segments(self.segments, x_BTi, A_Lri, B_Lor, y_BTo)
-        K, n = self.blocks, self.size
-        # Blocks of one row are the rows themselves: no reshapes (decode is op-bound).
-        x_Kni = x_BTi if n == 1 else x_BTi.reshape(K, -1, x_BTi.shape[-1])
-        if self.lane_K is None:
-            A_Kri, B_Kor = A_Lri, B_Lor
-        else:  # index_select (not fancy indexing): about 2x faster on strided slot views
-            A_Kri, B_Kor = A_Lri.index_select(0, self.lane_K), B_Lor.index_select(0, self.lane_K)
-        h_Knr = torch.bmm(x_Kni, A_Kri.transpose(1, 2))
-        if self.scale_K is not None:
-            h_Knr = h_Knr * self.scale_K.to(h_Knr.dtype)[:, None, None]
-        if y_BTo.dtype != h_Knr.dtype:  # e.g. float32 adapters on a bfloat16 base
-            delta_Kno = torch.bmm(h_Knr, B_Kor.transpose(1, 2))
-            return y_BTo + delta_Kno.reshape(y_BTo.shape).to(y_BTo.dtype)
-        y_Kno = y_BTo if n == 1 else y_BTo.reshape(K, -1, y_BTo.shape[-1])
-        out_Kno = torch.baddbmm(y_Kno, h_Knr, B_Kor.transpose(1, 2))  # the add in the matmul
-        return out_Kno if n == 1 else out_Kno.reshape(y_BTo.shape)
-
-    def _apply_segments(
-        self, seg: _Segments, x_BTi: Tensor, A_Lri: Tensor, B_Lor: Tensor, y_BTo: Tensor
-    ) -> Tensor:
-        B, T, fan_in = x_BTi.shape
-        x_Pni = seg.gathered(x_BTi.reshape(B, T * fan_in)).view(seg.pieces, -1, fan_in)
-        if self.lane_K is None:
-            A_Pri, B_Por = A_Lri, B_Lor
-        else:
-            A_Pri, B_Por = A_Lri.index_select(0, self.lane_K), B_Lor.index_select(0, self.lane_K)
-        h_Pnr = torch.bmm(x_Pni, A_Pri.transpose(1, 2))
-        if self.scale_K is not None:
-            h_Pnr = h_Pnr * self.scale_K.to(h_Pnr.dtype)[:, None, None]
-        delta_Pno = torch.bmm(h_Pnr, B_Por.transpose(1, 2))
-        delta_BTo = delta_Pno.reshape(seg.pieces * seg.size, -1).index_select(0, seg.inverse)
-        return y_BTo + delta_BTo.view(y_BTo.shape).to(y_BTo.dtype)
-
-
 class _LaneContext:
     """The lane batch of the forward in progress and the thread that set it."""
 
     def __init__(self) -> None:
         self.batch: LaneBatch | None = None
         self.scale_B: Tensor | None = None
-        self.plan: _LanePlan | None = None
+        self.plan: LanePlan | None = None
         self.owner: int | None = None
 
-    def current(self, tokens: int, rank: int) -> tuple[LaneBatch, _LanePlan] | None:
+    def current(self, tokens: int, rank: int) -> tuple[LaneBatch, LanePlan] | None:
         """The lane batch and its plan (made by the first targeted layer, for its rows of
         `tokens` tokens and the batch's `rank`), or None outside a lane context."""
         if self.owner != threading.get_ident() or self.batch is None or self.scale_B is None:
@@ -272,7 +106,7 @@ class _LaneContext:
         if self.plan is None:
             batch = self.batch
             scale_L = None if batch.prescaled else batch.scale_L
-            self.plan = _LanePlan.of(
+            self.plan = LanePlan.of(
                 batch.lane_B, batch.num_lanes, scale_L, self.scale_B, tokens, rank
             )
         return self.batch, self.plan
