@@ -63,6 +63,16 @@ def test_rows_move_round_trip_and_survive_growth() -> None:
     assert torch.equal(kv.export_row(2, 4)[0][0], rows[2][0][0])
 
 
+def test_release_frees_and_reserve_allocates_again() -> None:
+    kv = _kv()
+    kv.reserve(4, 10)
+    kv.import_row(0, [(torch.ones(2, 3, 3), torch.ones(2, 3, 3))] * 2)
+    kv.release()
+    assert kv.rows == 0 and kv.usable_columns == 0
+    kv.reserve(2, 5)
+    assert kv.rows >= 2 and not kv.keys[0].any()  # fresh zeros, nothing of before
+
+
 def test_limits_are_checked() -> None:
     kv = _kv(max_rows=4, max_positions=16)
     with pytest.raises(ModelError, match="at most 4 rows"):

@@ -147,6 +147,7 @@ class Scheduler:
     def fail_all(self, exc: BaseException) -> None:
         """Fail every running row with `exc` and empty the batch."""
         batch, self.batch = self.batch, self._empty_batch()
+        self.kv.release()
         for row in batch.rows:
             self._release(row)
             self.fail(row.deliver, exc)
@@ -309,6 +310,8 @@ class Scheduler:
             columns = int(batch.lengths_B[movers].max())
             self.kv.move_rows(holes, movers, columns)
         self.batch = batch.select(order)
+        if not order:  # an idle engine holds no cache (the trainer may want the memory)
+            self.kv.release()
 
     def _abort_rows(self, ids: set[str]) -> None:
         batch = self.batch

@@ -8,12 +8,12 @@ concatenates or copies the cache; the last column is a scratch column where left
 of a prefill writes what nobody reads.
 
 The buffers grow geometrically (rows and columns doubled, up to `max_rows` and the
-model's positions) when a batch needs more, which happens a logarithmic number of times.
-Memory is rows x the longest row's columns (a paged layout would bound it by the tokens
-held instead; at the engine's batch sizes and contexts the rectangle is what attention
-reads anyway);
-rows that leave are replaced by moving the last rows into their place (`move_rows`), so
-the batch's rows stay `0 .. B-1` and a view of them is all attention reads.
+model's positions) when a batch needs more, which happens a logarithmic number of times,
+and are released when the batch empties. Rows that leave are replaced by moving the last
+rows into their place (`move_rows`), so the batch's rows stay `0 .. B-1` and a view of
+them is all attention reads. Memory is rows x the longest row's columns (a paged layout
+would bound it by the tokens held instead; at the engine's batch sizes and contexts the
+rectangle is what attention reads anyway).
 
 Invariants:
 - Columns at or beyond a row's length hold finite values (zeros, or an earlier
@@ -144,6 +144,12 @@ class SlotKV:
             _grown(rows, have_rows, self.max_rows, 8),
             _grown(columns + 1, have_cols, self._col_limit, 64),
         )
+
+    def release(self) -> None:
+        """Free the buffers (the batch is empty); the next `reserve` allocates again."""
+        if self.rows:
+            self.keys, self.values = [], []
+            self._alloc(0, 0)
 
     def cache(self, row0: int, positions_RN: Tensor, columns: int) -> SlotCache:
         """The `SlotCache` of a forward over rows `row0 ..` with new tokens at
