@@ -11,7 +11,9 @@ Invariants:
 - Every tensor field has first dimension `B == len(rows)`.
 - `next_B[b]` is row b's newest sampled token; it is not in the KV cache yet, so
   `lengths_B[b] == prompt_len + n_gen_B[b] - 1` and its position is `lengths_B[b]`.
-- `tokens_BN[b, :n_gen_B[b]]` / `logprobs_BN[b, :n_gen_B[b]]` are row b's output so far.
+- `tokens_BN[b, :n_gen_B[b]]` / `logprobs_BN[b, :n_gen_B[b]]` are row b's output so far;
+  `uniform_BN[b, n]` is the uniform that samples its `n`-th new token (a function of its
+  seed and `n` only, see `marlaas.rollout.sampling`).
 - `n_sampling`, `n_filter` and `n_stop` count the rows that sample (temperature > 0),
   use top-k/top-p, and have stop strings (`stop_rows`); `listen_rows` are the rows with
   a token listener: batch-level shortcuts for the hot path, recomputed only when rows
@@ -27,6 +29,7 @@ import torch
 from torch import Tensor
 
 from marlaas.model.bank import AdapterHandle
+from marlaas.rollout.sampling import uniform_B
 from marlaas.types import Completion, RolloutRequest
 
 Deliver = Callable[[Completion | BaseException], None]
@@ -64,6 +67,7 @@ _ROW_TENSORS = (
     "top_k_B",
     "top_p_B",
     "seed_B",
+    "uniform_BN",
     "n_gen_B",
     "max_new_B",
     "tokens_BN",
@@ -81,6 +85,8 @@ class RowBatch:
     top_k_B: Tensor
     top_p_B: Tensor
     seed_B: Tensor
+    #: The uniform draw of each row's n-th new token (`sampling.uniform_B`), made once.
+    uniform_BN: Tensor
     n_gen_B: Tensor
     max_new_B: Tensor
     tokens_BN: Tensor
@@ -117,12 +123,16 @@ class RowBatch:
             top_k_B=t([p.top_k for p in params], torch.long),
             top_p_B=t([p.top_p for p in params], torch.float32),
             seed_B=t(seeds, torch.long),
+            uniform_BN=torch.zeros(R, N, dtype=torch.float32, device=dev),
             n_gen_B=torch.zeros(R, dtype=torch.long, device=dev),
             max_new_B=t(max_new, torch.long),
             tokens_BN=torch.zeros(R, N, dtype=torch.long, device=dev),
             logprobs_BN=torch.zeros(R, N, dtype=torch.float32, device=dev),
         )
         batch._count()
+        if batch.n_sampling:  # every draw of the rows' lives: no hashing per iteration
+            counter_N = torch.arange(N, dtype=torch.long, device=dev)
+            batch.uniform_BN = uniform_B(batch.seed_B[:, None], counter_N[None, :])
         return batch
 
     @property
@@ -185,6 +195,7 @@ class RowBatch:
             top_k_B=t["top_k_B"],
             top_p_B=t["top_p_B"],
             seed_B=t["seed_B"],
+            uniform_BN=t["uniform_BN"],
             n_gen_B=t["n_gen_B"],
             max_new_B=t["max_new_B"],
             tokens_BN=t["tokens_BN"],

@@ -48,7 +48,7 @@ from marlaas.rollout.forward import decode_logits
 from marlaas.rollout.kv import SlotKV, kv_geometry
 from marlaas.rollout.prefill import Admitted, run_prefill
 from marlaas.rollout.prompts import PromptCache
-from marlaas.rollout.sampling import sample_B, uniform_B
+from marlaas.rollout.sampling import sample_B
 from marlaas.rollout.sessions import SessionCache, SessionEntry
 from marlaas.types import Completion, RolloutRequest
 
@@ -273,7 +273,11 @@ class Scheduler:
         """Sample one token per row, record it, and complete the rows it finished; their
         positions in `batch` (still there: `_drop` removes them)."""
         # Greedy-only batches draw nothing; any float tensor of the right shape will do.
-        u_B = uniform_B(batch.seed_B, batch.n_gen_B) if batch.n_sampling else batch.top_p_B
+        u_B = (
+            batch.uniform_BN.gather(1, batch.n_gen_B.unsqueeze(-1)).squeeze(-1)
+            if batch.n_sampling
+            else batch.top_p_B
+        )
         tokens_B, logprobs_B = sample_B(
             logits_BV,
             batch.temperature_B,
