@@ -74,8 +74,8 @@ class _Rig:
         config: Any = model.base.config.get_text_config(decoder=True)
         self.vocab = int(config.vocab_size)
         self.max_positions = int(getattr(config, "max_position_embeddings", 1 << 30))
-        self.lora_flops = self.cost.lora_flops(spec.rank, spec.target_modules)
-        self.adapter_bytes = self.cost.lora_bytes(spec.rank, spec.target_modules)
+        self.lora_flops = self.cost.lora_flops(spec.rank, model.targets(spec))
+        self.adapter_bytes = self.cost.lora_bytes(spec.rank, model.targets(spec))
 
     def engine(self, rows: int, prefill_tokens: int) -> RolloutEngine:
         return RolloutEngine(
@@ -266,7 +266,7 @@ def run_roofline_bench(
         "machine_before": before.as_dict(),
         "machine_after": after.as_dict(),
         "rank": rank,
-        "target_modules": list(spec.target_modules),
+        "target_modules": list(model.targets(spec)),
         "iterations": iterations,
         "rows": rows,
     }

@@ -258,14 +258,15 @@ class LoRAModel:
     def validate_spec(self, spec: LoRASpec) -> None:
         """Raise unless this model can serve an adapter of this shape: `ModelError` for a
         rank above `max_rank`, `ConfigError` for targets it did not inject."""
-        self._targets(spec)
+        self.targets(spec)
 
     def module_paths(self, spec: LoRASpec) -> list[str]:
         """The module paths an adapter of this spec covers, in the base's module order."""
-        wanted = set(self._targets(spec))
+        wanted = set(self.targets(spec))
         return [p for p in self._shapes if leaf(p) in wanted]
 
-    def _targets(self, spec: LoRASpec) -> tuple[str, ...]:
+    def targets(self, spec: LoRASpec) -> tuple[str, ...]:
+        """The leaf names `spec` adapts on this base (its `target_modules` resolved)."""
         if spec.rank > self.max_rank:
             raise ModelError(
                 f"LoRA rank {spec.rank} exceeds this model's max_rank {self.max_rank}; "

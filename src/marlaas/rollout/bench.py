@@ -175,7 +175,7 @@ def run_rollout_bench(
 
     machine = measure_machine(lora_model)
     cost = ModelCost.of(lora_model)
-    lora_flops = cost.lora_flops(rank, spec.target_modules)
+    lora_flops = cost.lora_flops(rank, lora_model.targets(spec))
     rows: list[dict[str, Any]] = []
     warm = _prompts(min(4, max_batch_size), vocab, prompt_lengths, seed + 1)
     _engine_run(engine, warm, ["t0"] * len(warm), max_new_tokens)
@@ -196,7 +196,7 @@ def run_rollout_bench(
             max_new_tokens,
             round(iterations),
             lora_flops,
-            min(n, total) * cost.lora_bytes(rank, spec.target_modules),
+            min(n, total) * cost.lora_bytes(rank, lora_model.targets(spec)),
         )
         single = ["t0"] * total
         t_single, _ = _timed(partial(_engine_run, engine, prompts, single, max_new_tokens), repeats)
