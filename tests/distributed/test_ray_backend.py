@@ -46,7 +46,7 @@ import yaml
 from fastapi.testclient import TestClient
 from pipeline_support import MemoryRecorder, job, save_tiny_llama
 from ray.cluster_utils import Cluster
-from service_support import ADMIN_KEY, Tenants
+from service_support import ADMIN, ADMIN_KEY, Tenants
 from typer.testing import CliRunner
 
 from marlaas.cli.main import app as cli
@@ -428,7 +428,7 @@ def test_the_service_runs_a_job_on_ray_and_serves_its_models(
         assert f"serve:{job_id}:2" not in bank and "serve:base" in bank
         models = client.get("/v1/models", headers=acme).json()["data"]
         assert {job_id, f"{job_id}:ckpt-1", f"{job_id}:ckpt-2"} <= {m["id"] for m in models}
-        assert client.get("/metrics").status_code == 200
+        assert client.get("/metrics", headers=ADMIN).status_code == 200
 
 
 TINY_WORKLOAD = {

@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import Engine, func, insert, inspect, select, update
+from sqlalchemy import Engine, func, insert, inspect, select, text, update
 
 from marlaas.service.db import (
     Database,
@@ -137,5 +137,61 @@ def test_openai_files_downgrade_and_upgrade(db_url: str) -> None:
         with db.engine.connect() as conn:
             assert conn.scalar(select(func.count()).select_from(File)) == 0
             assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+    finally:
+        db.close()
+
+
+def test_cost_quotas_fill_existing_tenants_and_downgrade_without_losing_rows(
+    db_url: str,
+) -> None:
+    """0004 adds the cost and inference quotas: tenants created before it get the
+    defaults of the day; 0004 -> 0003 drops the columns without copying `tenants` (a
+    copy would cascade-delete every job and key on SQLite), and upgrading again fills
+    them once more."""
+    db = Database(db_url)
+    now = datetime.now(UTC)
+    try:
+        _downgrade(db.engine, "0003")
+        with db.engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO tenants (id, name, max_concurrent_jobs, max_total_steps, "
+                    "max_dataset_bytes, created_at) VALUES ('ten_1', 'acme', 1, 10, 10, :now)"
+                ),
+                {"now": now},
+            )
+            conn.execute(
+                insert(Job).values(
+                    id="job_1",
+                    tenant_id="ten_1",
+                    name="j",
+                    spec={},
+                    status="done",
+                    steps=2,
+                    steps_done=2,
+                    priority=1.0,
+                    created_at=now,
+                    updated_at=now,
+                )
+            )
+        migrate(db.engine)
+        expected = (1024, 1024, 262_144, 4, 65_536)
+        columns = (
+            Tenant.max_samples_per_step,
+            Tenant.max_eval_episodes,
+            Tenant.max_tokens_per_step,
+            Tenant.max_inference_requests,
+            Tenant.max_inference_tokens,
+        )
+        with db.engine.connect() as conn:
+            assert conn.execute(select(*columns)).one() == expected
+        _downgrade(db.engine, "0003")
+        with db.engine.connect() as conn:
+            assert conn.execute(text("SELECT id FROM jobs")).scalars().all() == ["job_1"]
+        migrate(db.engine)
+        with db.engine.connect() as conn:
+            assert conn.execute(select(*columns)).one() == expected
+            diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+        assert diff == []
     finally:
         db.close()

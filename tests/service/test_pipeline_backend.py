@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from service_support import Tenants
+from service_support import ADMIN, Tenants
 from sqlalchemy import delete, select
 
 from marlaas.config.job import EngineSpec
@@ -162,7 +162,7 @@ def test_a_job_runs_to_done_through_the_api(servers: Servers, settings: ServiceS
     streamed = "".join(json.loads(d)["choices"][0]["text"] for d in data[:-1])
     assert streamed == r.json()["choices"][0]["text"]
     # Prometheus: the pipeline's device, stage and per-job figures, labelled by tenant.
-    text = client.get("/metrics").text
+    text = client.get("/metrics", headers=ADMIN).text
     assert f'marlaas_job_steps_trained{{job="{job_id}",tenant="acme"}} 3.0' in text, text
     busy = re.search(r"^marlaas_device_busy_fraction ([0-9.e-]+)$", text, re.M)
     assert busy and 0.0 < float(busy.group(1)) <= 1.0

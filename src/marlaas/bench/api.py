@@ -3,13 +3,15 @@
 Starts a real `marlaas serve` (the pipeline backend on the embedded base, SQLite in a
 temporary data directory, a free loopback port), creates one tenant, submits N small
 jobs over the five built-in families, and while they train, C client threads read the
-job list, one job, its metrics and its checkpoints in a loop. It stops when every job
-is done (or failed, or the time limit passes), then polls as long again for `idle_s`
-seconds with every job done, and reports latency percentiles and throughput per phase
-and endpoint, side by side: a table on screen and JSON on disk. Clients either send
-back to back (a saturation test: latency is mostly queueing) or at a fixed rate each
-(`rate`), timed from each request's scheduled start. Nothing is asserted about the
-figures.
+job list, one job, its metrics and its checkpoints in a loop, and `inference_clients`
+threads ask for 16-token completions of the base (`POST /v1/completions`) one after
+another, so interactive inference is measured while the same engine samples the jobs'
+rollouts. It stops when every job is done (or failed, or the time limit passes), then
+polls and completes again for `idle_s` seconds with every job done, and reports latency
+percentiles and throughput per phase and endpoint, side by side: a table on screen and
+JSON on disk. Pollers either send back to back (a saturation test: latency is mostly
+queueing) or at a fixed rate each (`rate`), timed from each request's scheduled start.
+Nothing is asserted about the figures.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ from marlaas.errors import MarlaasError
 FAMILIES = ("reverse", "arithmetic", "countdown", "calculator", "search")
 ADMIN_KEY = "bench-admin-key-local-only"
 ENDPOINTS = ("list", "get", "metrics", "checkpoints")
+#: The interactive request: a short prompt of the arithmetic family, 16 new tokens.
+COMPLETION = {"model": "base", "prompt": "Q: 37+485\nA: ", "max_tokens": 16, "seed": 0}
+COMPLETION_TOKENS = COMPLETION["max_tokens"]
 
 
 def _free_port() -> int:
@@ -98,10 +103,12 @@ def run_api_bench(
     timeout_s: float = 1800.0,
     rate: float = 0.0,
     idle_s: float = 10.0,
+    inference_clients: int = 1,
     console: Console | None = None,
 ) -> dict[str, Any]:
-    """Measure the API under `jobs` training jobs and `clients` polling threads, then
-    for `idle_s` seconds with the same jobs done (the pipeline idle), side by side.
+    """Measure the API under `jobs` training jobs, `clients` polling threads and
+    `inference_clients` completion threads, then for `idle_s` seconds with the same jobs
+    done (the pipeline idle), side by side.
 
     `rate` > 0: each client sends `rate` requests per second on a fixed schedule and a
     latency counts from the request's scheduled time (a late start is the server's
@@ -109,8 +116,8 @@ def run_api_bench(
     """
     if jobs < 1 or clients < 1 or steps < 1:
         raise MarlaasError("jobs, clients and steps must be >= 1")
-    if rate < 0 or idle_s < 0:
-        raise MarlaasError("rate and idle_s must be >= 0")
+    if rate < 0 or idle_s < 0 or inference_clients < 0:
+        raise MarlaasError("rate, idle_s and inference_clients must be >= 0")
     console = console or Console()
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
@@ -124,7 +131,9 @@ def run_api_bench(
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
             _wait_ready(base, proc, log, 120)
-            result = _measure(base, jobs, clients, steps, timeout_s, rate, idle_s)
+            result = _measure(
+                base, jobs, clients, steps, timeout_s, rate, idle_s, inference_clients
+            )
         finally:
             proc.terminate()
             try:
@@ -138,6 +147,7 @@ def run_api_bench(
         "steps": steps,
         "rate_per_client": rate,
         "idle_s": idle_s,
+        "inference_clients": inference_clients,
         "cpus": os.cpu_count(),
     }
     _print(console, result)
@@ -149,19 +159,29 @@ def run_api_bench(
 class _Pollers:
     """`clients` threads that read the job list, one job, its metrics and its
     checkpoints in turn until stopped, each at `rate` requests per second (0: closed
-    loop), recording per-endpoint latencies."""
+    loop), recording per-endpoint latencies; and `completers` threads that each ask for
+    one `COMPLETION` after another (`complete`)."""
 
     def __init__(
-        self, base: str, headers: dict[str, str], ids: list[str], clients: int, rate: float
+        self,
+        base: str,
+        headers: dict[str, str],
+        ids: list[str],
+        clients: int,
+        rate: float,
+        completers: int = 0,
     ) -> None:
         self.samples: dict[str, list[float]] = {name: [] for name in ENDPOINTS}
+        if completers:
+            self.samples["complete"] = []
+        self.completion_tokens: list[int] = []
         self.errors: list[str] = []
         self._base, self._headers, self._ids, self._rate = base, headers, ids, rate
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._threads = [
             threading.Thread(target=self._poll, args=(k,), daemon=True) for k in range(clients)
-        ]
+        ] + [threading.Thread(target=self._complete, daemon=True) for _ in range(completers)]
         self.started = time.perf_counter()
         for th in self._threads:
             th.start()
@@ -206,12 +226,27 @@ class _Pollers:
                         else:
                             self.errors.append(f"{url}: {r.status_code}")
 
+    def _complete(self) -> None:
+        with httpx.Client(base_url=self._base, headers=self._headers, timeout=120) as c:
+            while not self._stop.is_set():
+                start = time.perf_counter()
+                r = c.post("/v1/completions", json=COMPLETION)
+                dt = time.perf_counter() - start
+                with self._lock:
+                    if r.status_code == 200:
+                        self.samples["complete"].append(dt)
+                        self.completion_tokens.append(r.json()["usage"]["completion_tokens"])
+                    else:
+                        self.errors.append(f"/v1/completions: {r.status_code} {r.text[:120]}")
+
 
 def _phase(pollers: _Pollers, seconds: float) -> dict[str, Any]:
-    n = sum(len(xs) for xs in pollers.samples.values())
+    n = sum(len(pollers.samples[name]) for name in ENDPOINTS)
+    tokens = pollers.completion_tokens
     return {
         "seconds": seconds,
         "requests_per_s": n / seconds if seconds > 0 else 0.0,
+        "completion_tokens_mean": sum(tokens) / len(tokens) if tokens else 0.0,
         "errors": pollers.errors[:20],
         "error_count": len(pollers.errors),
         "latency": {name: percentiles(xs) for name, xs in pollers.samples.items()},
@@ -219,7 +254,14 @@ def _phase(pollers: _Pollers, seconds: float) -> dict[str, Any]:
 
 
 def _measure(
-    base: str, jobs: int, clients: int, steps: int, timeout_s: float, rate: float, idle_s: float
+    base: str,
+    jobs: int,
+    clients: int,
+    steps: int,
+    timeout_s: float,
+    rate: float,
+    idle_s: float,
+    completers: int,
 ) -> dict[str, Any]:
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
     quotas = {"max_concurrent_jobs": jobs, "max_total_steps": jobs * steps}
@@ -238,7 +280,7 @@ def _measure(
             create.append(time.perf_counter() - t)
             r.raise_for_status()
             ids.append(r.json()["id"])
-    training = _Pollers(base, headers, ids, clients, rate)
+    training = _Pollers(base, headers, ids, clients, rate, completers)
     statuses: dict[str, int] = {}
     with httpx.Client(base_url=base, headers=headers, timeout=60) as c:
         while time.perf_counter() - training.started < timeout_s:
@@ -252,7 +294,7 @@ def _measure(
     wall = training.stop()
     phases = {"training": _phase(training, wall)}
     if idle_s > 0:
-        idle = _Pollers(base, headers, ids, clients, rate)
+        idle = _Pollers(base, headers, ids, clients, rate, completers)
         time.sleep(idle_s)
         phases["idle"] = _phase(idle, idle.stop())
     return {
@@ -296,4 +338,16 @@ def _print(console: Console, result: dict[str, Any]) -> None:
     if idle and idle["latency"]["get"]["n"] and training["latency"]["get"]["n"]:
         ratio = training["latency"]["get"]["p99_ms"] / max(idle["latency"]["get"]["p99_ms"], 1e-9)
         console.print(f"GET job p99, training / idle: {ratio:.2f}x")
+    if (
+        idle
+        and idle["latency"].get("complete", {}).get("n")
+        and training["latency"]["complete"]["n"]
+    ):
+        train_p99 = training["latency"]["complete"]["p99_ms"]
+        ratio = train_p99 / max(idle["latency"]["complete"]["p99_ms"], 1e-9)
+        console.print(
+            f"{COMPLETION_TOKENS}-token completion p99, training / idle: {ratio:.2f}x "
+            f"(mean tokens: {training['completion_tokens_mean']:.1f} / "
+            f"{idle['completion_tokens_mean']:.1f})"
+        )
     console.print(f"job statuses at the end: {result['statuses']}; errors: {result['error_count']}")

@@ -265,11 +265,21 @@ def api(
     idle_s: float = typer.Option(
         10.0, min=0.0, help="Seconds to poll again once every job is done (0: skip)."
     ),
+    inference_clients: int = typer.Option(
+        1, min=0, help="Client threads asking for 16-token completions one after another."
+    ),
 ) -> None:
-    """API latency of a real `marlaas serve` while many jobs train, and idle after."""
+    """API and inference latency of a real `marlaas serve` while many jobs train, and
+    idle after."""
     from marlaas.bench.api import run_api_bench
 
     run_api_bench(
-        jobs=jobs, clients=clients, steps=steps, json_path=json_out, rate=rate, idle_s=idle_s
+        jobs=jobs,
+        clients=clients,
+        steps=steps,
+        json_path=json_out,
+        rate=rate,
+        idle_s=idle_s,
+        inference_clients=inference_clients,
     )
     typer.echo(f"wrote {json_out}")

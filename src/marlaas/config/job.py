@@ -20,14 +20,18 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.config import JsonDict
 
 from marlaas.config.graders import GraderSpec
 from marlaas.config.ray import RaySpec
 from marlaas.config.specs import (
     GRPOSpec,
+    Int,
     LoRASpec,
     ModelDType,
     SamplingSpec,
+    Seed,
+    ShortStr,
     Spec,
     TargetModules,
     TaskSpec,
@@ -36,28 +40,57 @@ from marlaas.config.specs import (
     read_yaml,
 )
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+#: What a job, tenant or dataset name looks like. `\Z`, not `$`: `$` also matches before
+#: a final newline, which let "name\n" through.
+NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z"
+NAME_RULE = "use 1-64 letters, digits, '_', '.' or '-', starting with a letter or digit"
+_NAME = re.compile(NAME_RE)
+#: The same rule for the JSON schema (whose regex dialect has no `\Z`; `$` is the end).
+NAME_PATTERN = "^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+NAME_SCHEMA: JsonDict = {"pattern": NAME_PATTERN}
+#: Most held-out episodes one eval may ask (the tenant's `max_eval_episodes` quota may
+#: allow fewer).
+MAX_EVAL_EPISODES = 10_000
+#: Most optimizer steps of a job, and the largest step interval.
+MAX_STEPS = 1_000_000
+
+
+def check_name(value: str) -> str:
+    """`value` if it is a valid name, else `ValueError` with the rule."""
+    if not _NAME.fullmatch(value):
+        raise ValueError(NAME_RULE)
+    return value
 
 
 class DatasetSpec(Spec):
     """User data: a JSONL file of prompt + reference rows, scored by a declarative grader."""
 
     type: Literal["dataset"] = "dataset"
-    path: str = Field(..., description="Path of the JSONL file (one JSON object per line).")
-    prompt_field: str = Field(
+    path: str = Field(
+        ...,
+        min_length=1,
+        max_length=4096,
+        description="The JSONL file (one JSON object per line): a path for `marlaas run`, "
+        "the name of one of your uploaded datasets for the service.",
+    )
+    prompt_field: ShortStr = Field(
         "prompt",
         description="Row field holding the prompt text. Rows may instead carry `messages` "
         "(OpenAI chat format), rendered with the base's chat template.",
     )
-    reference_field: str | None = Field(
+    reference_field: ShortStr | None = Field(
         "reference",
         description="Row field holding the reference; None: rows have none (the grader "
         "gets '' and reads the row's own fields, as an OpenAI grader does).",
     )
     grader: GraderSpec = Field(..., description="How a completion is scored against the row.")
-    eval_fraction: float = Field(0.1, ge=0.0, lt=1.0, description="Rows held out for eval.")
+    eval_fraction: float = Field(
+        0.1, ge=0.0, lt=1.0, description="Fraction of rows held out for eval, in [0, 1)."
+    )
     eval_path: str | None = Field(
         None,
+        min_length=1,
+        max_length=4096,
         description="A second JSONL file (same fields) whose rows are the eval set; "
         "eval_fraction must then be 0.",
     )
@@ -67,7 +100,7 @@ class DatasetSpec(Spec):
         "text rows are sent as they are; chat: text rows too, as one user message; text: "
         "no template (chat rows are refused).",
     )
-    seed: int = Field(0, description="Seed of the train/eval split.")
+    seed: Seed = Field(0, description="Seed of the train/eval split (0 to 2**63-1).")
 
     @model_validator(mode="after")
     def _eval_set(self) -> DatasetSpec:
@@ -95,41 +128,56 @@ DataSpec = Annotated[
 class JobSpec(Spec):
     """One tenant's RL fine-tuning job."""
 
-    name: str = Field(..., description="Job name: letters, digits, '_', '.', '-' (1-64).")
+    name: str = Field(
+        ...,
+        description="Job name: letters, digits, '_', '.', '-' (1-64), starting with a letter "
+        "or digit.",
+        json_schema_extra=NAME_SCHEMA,
+    )
     task: DataSpec = Field(..., description="A built-in task family or a user dataset.")
     lora: LoRASpec = Field(default_factory=LoRASpec, description="The tenant's adapter.")
     algorithm: GRPOSpec = Field(default_factory=GRPOSpec, description="RL algorithm knobs.")
     sampling: SamplingSpec = Field(
         default_factory=SamplingSpec, description="Rollout sampling per model turn."
     )
-    steps: int = Field(20, ge=1, le=1_000_000, description="Optimizer steps to run.")
-    eval_every: int = Field(
-        0, ge=0, description="Evaluate every this many steps (0: only before and after)."
+    steps: Int = Field(20, ge=1, le=MAX_STEPS, description="Optimizer steps to run (1-1,000,000).")
+    eval_every: Int = Field(
+        0,
+        ge=0,
+        le=MAX_STEPS,
+        description="Evaluate every this many steps (0: only before and after).",
     )
-    eval_episodes: int = Field(64, ge=1, le=100_000, description="Held-out episodes per eval.")
-    checkpoint_every: int = Field(
-        0, ge=0, description="Checkpoint every this many steps (0: only at the end)."
+    eval_episodes: Int = Field(
+        64,
+        ge=1,
+        le=MAX_EVAL_EPISODES,
+        description="Held-out episodes per eval (1-10,000; the tenant's `max_eval_episodes` "
+        "quota may allow fewer).",
     )
-    keep_checkpoints: int | None = Field(
+    checkpoint_every: Int = Field(
+        0,
+        ge=0,
+        le=MAX_STEPS,
+        description="Checkpoint every this many steps (0: only at the end).",
+    )
+    keep_checkpoints: Int | None = Field(
         None,
         ge=1,
-        le=1_000_000,
+        le=MAX_STEPS,
         description="Keep only the newest this many checkpoints, removing older ones as "
         "new ones land (None: the runner's default; the service keeps all).",
     )
     priority: float = Field(
         1.0, gt=0.0, le=1000.0, description="Weight of this job's share of device time."
     )
-    seed: int = Field(0, description="Seed of the adapter init, data order and sampling.")
+    seed: Seed = Field(
+        0, description="Seed of the adapter init, data order and sampling (0 to 2**63-1)."
+    )
 
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not _NAME.match(v):
-            raise ValueError(
-                "use 1-64 letters, digits, '_', '.' or '-', starting with a letter or digit"
-            )
-        return v
+        return check_name(v)
 
     @model_validator(mode="after")
     def _check(self) -> JobSpec:
@@ -144,16 +192,26 @@ class JobSpec(Spec):
 class EngineSpec(Spec):
     """Sizes of the shared rollout engine."""
 
-    max_batch_size: int = Field(64, ge=1, le=4096, description="Rows decoded per iteration.")
-    adapter_slots: int = Field(64, ge=1, le=4096, description="Adapters resident for compute.")
-    max_rank: int = Field(16, ge=1, le=256, description="Largest LoRA rank any tenant may use.")
+    max_batch_size: Int = Field(
+        64, ge=1, le=4096, description="Rows decoded per iteration (1-4096)."
+    )
+    adapter_slots: Int = Field(
+        64, ge=1, le=4096, description="Adapters resident for compute (1-4096)."
+    )
+    max_rank: Int = Field(
+        16, ge=1, le=256, description="Largest LoRA rank any tenant may use (1-256)."
+    )
 
 
 class TrainerSpec(Spec):
     """Sizes of the shared multi-lane trainer."""
 
-    max_tokens_per_microbatch: int = Field(
-        8192, ge=64, description="Token budget of one forward/backward (bounds memory)."
+    max_tokens_per_microbatch: Int = Field(
+        8192,
+        ge=64,
+        le=2**24,
+        description="Token budget of one forward/backward (bounds memory); one sequence "
+        "(prompt and every turn) must fit in it.",
     )
 
 

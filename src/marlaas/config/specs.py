@@ -1,5 +1,11 @@
 """Specs shared by every stage. Configs are data: each field is documented, cross-field
 rules live in validators, derived values are properties.
+
+Every field is bounded, so that a spec that validates describes work of bounded cost:
+numbers are finite (`allow_inf_nan=False` on every spec), integers are real integers
+(a JSON `true` is not 1), strings and lists have a longest length, and each limit is in
+the field's description and in the error message. The service bounds a job further by
+the machine it runs on and by the tenant's quotas (`marlaas.service.admission`).
 """
 
 from __future__ import annotations
@@ -7,9 +13,30 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from marlaas.errors import ConfigError
+
+#: Largest seed: torch's generators take 64-bit seeds; a JSON integer beyond it would
+#: only fail once the job runs.
+MAX_SEED = 2**63 - 1
+#: Longest simulated tool latency, seconds (well below the pipeline's env timeout).
+MAX_TOOL_LATENCY_S = 60.0
+
+#: An integer that is one: `true` or `4.0` are refused instead of read as 1 or 4.
+Int = Annotated[int, Strict()]
+#: A seed: a non-negative 64-bit integer.
+Seed = Annotated[int, Strict(), Field(ge=0, le=MAX_SEED)]
+#: A short, non-empty name (a module, a field, a stop string).
+ShortStr = Annotated[str, Field(min_length=1, max_length=128)]
 
 #: `target_modules` that names every linear layer of the base but its output head (as
 #: PEFT's own shorthand does).
@@ -19,7 +46,11 @@ ALL_LINEAR = "all-linear"
 #: `query_key_value`, `c_attn`, ...), `"all-linear"`, or None (the default: the run's
 #: default, else `"all-linear"`). `marlaas.model.arch.resolve_targets` turns them into
 #: the leaf names of one base, in its module order.
-TargetModules = tuple[str, ...] | Literal["all-linear"] | None
+TargetModules = (
+    Annotated[tuple[Annotated[str, Field(min_length=1, max_length=128)], ...], Field(max_length=64)]
+    | Literal["all-linear"]
+    | None
+)
 
 #: The base model's weights in memory: `auto` is the checkpoint's own dtype on an
 #: accelerator and float32 on the CPU.
@@ -79,21 +110,30 @@ def describe_problems(error: ValidationError) -> str:
 class Spec(BaseModel):
     """Base of all specs: unknown fields are errors, instances are immutable."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class LoRASpec(Spec):
     """A tenant's LoRA adapter shape."""
 
-    rank: int = Field(8, ge=0, le=256, description="LoRA rank r; 0 means the plain base.")
-    alpha: float = Field(16.0, gt=0, description="LoRA alpha; the update is scaled by alpha/r.")
+    rank: Int = Field(
+        8,
+        ge=0,
+        le=256,
+        description="LoRA rank r (0-256); 0 means the plain base. A "
+        "server allows at most its engine's max rank.",
+    )
+    alpha: float = Field(
+        16.0, gt=0, le=1e6, description="LoRA alpha (0-1e6); the update is scaled by alpha/r."
+    )
     target_modules: TargetModules = Field(
         None,
         description="Leaf names of the base's linear layers that get an adapter (e.g. "
-        "[q_proj, v_proj]; GPT-NeoX: query_key_value, GPT-2: c_attn, ...), or 'all-linear' "
-        "(every linear layer but the output head). Unset: the run's "
+        "[q_proj, v_proj]; GPT-NeoX: query_key_value, GPT-2: c_attn, ...; at most 64), or "
+        "'all-linear' (every linear layer but the output head). Unset: the run's "
         "`default_target_modules`, else 'all-linear'. MoE expert weights are fused, "
-        "frozen parameters, not linear layers: they cannot be targeted.",
+        "frozen parameters, not linear layers: they cannot be targeted. A server checks "
+        "them against its base model's layers when the job is submitted.",
     )
     use_rslora: bool = Field(False, description="Scale by alpha/sqrt(r) instead of alpha/r.")
 
@@ -112,46 +152,82 @@ class LoRASpec(Spec):
 class SamplingSpec(Spec):
     """How rollouts are sampled."""
 
-    temperature: float = Field(1.0, ge=0.0, description="0 means greedy decoding.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 disables.")
-    max_new_tokens: int = Field(48, ge=1, le=32768, description="Per model turn.")
-    stop: tuple[str, ...] = Field((), description="Extra stop strings for every turn.")
+    temperature: float = Field(
+        1.0, ge=0.0, le=10.0, description="Softmax temperature (0-10); 0 means greedy decoding."
+    )
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (0-1].")
+    top_k: Int = Field(
+        0, ge=0, le=1_000_000, description="Keep the k most likely tokens; 0 disables."
+    )
+    max_new_tokens: Int = Field(
+        48,
+        ge=1,
+        le=32768,
+        description="Tokens per model turn (1-32768); prompt plus turns must also fit the "
+        "served model's context.",
+    )
+    stop: tuple[ShortStr, ...] = Field(
+        (), max_length=16, description="Extra stop strings for every turn (at most 16)."
+    )
+
+
+#: An Adam beta.
+Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
 
 
 class GRPOSpec(Spec):
     """Group-relative policy optimisation (Shao et al. 2024) and its common variants."""
 
     type: Literal["grpo"] = "grpo"
-    group_size: int = Field(8, ge=2, description="G: samples per prompt.")
-    prompts_per_step: int = Field(4, ge=1, description="P: prompts per optimizer step.")
+    group_size: Int = Field(
+        8,
+        ge=2,
+        le=1024,
+        description="G: samples per prompt (2-1024). A group is sampled together, so a "
+        "server also bounds it by its engine's rows; G x P is bounded by the tenant's "
+        "`max_samples_per_step` quota.",
+    )
+    prompts_per_step: Int = Field(
+        4, ge=1, le=1024, description="P: prompts per optimizer step (1-1024)."
+    )
     learning_rate: float = Field(
         3e-4,
         gt=0,
-        description="AdamW learning rate. Adam moves every LoRA element by about lr per step "
+        le=1.0,
+        description="AdamW learning rate, in (0, 1]. Adam moves every LoRA element by about lr per step "
         "whatever the gradient's size, so with the sparse, noisy GRPO gradient most of each "
         "step is noise: on the 0.77M-param embedded base (rank 8, all 7 projections), "
         ">= 1e-3 lowers held-out accuracy within 16 steps and 3e-3 collapses it, while "
         "3e-4..5e-4 is stable (greedy +0.05..0.08 on calculator).",
     )
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = Field(0.0, ge=0)
-    max_grad_norm: float = Field(1.0, gt=0)
-    clip_low: float = Field(0.2, ge=0, description="PPO clip epsilon below 1.")
-    clip_high: float = Field(0.2, ge=0, description="PPO clip epsilon above 1 (DAPO: 0.28).")
+    betas: tuple[Beta, Beta] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1).")
+    weight_decay: float = Field(0.0, ge=0, le=10.0, description="AdamW weight decay (0-10).")
+    max_grad_norm: float = Field(
+        1.0, gt=0, le=1e6, description="Clip each step's gradient to this norm (0-1e6]."
+    )
+    clip_low: float = Field(0.2, ge=0, description="PPO clip epsilon below 1, in [0, 1).")
+    clip_high: float = Field(
+        0.2, ge=0, le=10.0, description="PPO clip epsilon above 1 (0-10; DAPO: 0.28)."
+    )
     scale_rewards: bool = Field(True, description="Divide advantages by the group std.")
     loss_norm: Literal["token", "sequence", "constant"] = Field(
         "token",
         description="token: DAPO token-level mean; sequence: GRPO per-sequence mean; "
         "constant: Dr. GRPO, divide by a fixed token budget.",
     )
-    kl_coef: float = Field(0.0, ge=0, description="KL penalty to the base policy; 0 disables.")
-    kl_estimator: Literal["k1", "k3"] = "k3"
-    tis_cap: float | None = Field(
-        None, gt=0, description="Truncated importance sampling cap; None disables."
+    kl_coef: float = Field(
+        0.0, ge=0, le=100.0, description="KL penalty to the base policy (0-100); 0 disables."
     )
-    max_staleness: int = Field(
-        1, ge=0, description="Train only on data sampled with adapter versions >= step - this."
+    kl_estimator: Literal["k1", "k3"] = Field("k3", description="KL estimator (Schulman).")
+    tis_cap: float | None = Field(
+        None, gt=0, le=1e6, description="Truncated importance sampling cap; None disables."
+    )
+    max_staleness: Int = Field(
+        1,
+        ge=0,
+        le=64,
+        description="Train only on data sampled with adapter versions >= step - this (0-64; "
+        "a server allows at most its own limit).",
     )
 
     @model_validator(mode="after")
@@ -168,11 +244,20 @@ class GRPOSpec(Spec):
 AlgorithmSpec = Annotated[GRPOSpec, Field(discriminator="type")]
 
 
+#: One end of a tool latency range, in seconds.
+Latency = Annotated[float, Field(ge=0.0, le=MAX_TOOL_LATENCY_S)]
+
+
 class TaskSpec(Spec):
     """A built-in task family and its knobs."""
 
     type: Literal["builtin"] = "builtin"
-    family: str = Field(..., description="Name of a built-in task family, e.g. 'arithmetic'.")
+    family: str = Field(
+        ...,
+        min_length=1,
+        max_length=64,
+        description="Name of a built-in task family, e.g. 'arithmetic'.",
+    )
     format: Literal["text", "chat"] = Field(
         "text",
         description="text: the built-in text protocol (`Q: ...` prompts, one line per turn, "
@@ -180,18 +265,22 @@ class TaskSpec(Spec):
         "rendered with the base's chat template, tool calls in the template's own format "
         "(Qwen-style <tool_call> tags, or JSON function calls), for chat models.",
     )
-    seed: int = Field(0, description="Seed of the train/eval splits.")
-    tool_latency_s: tuple[float, float] = Field(
-        (0.0, 0.0), description="Uniform range of simulated tool latency, in seconds."
+    seed: Seed = Field(0, description="Seed of the train/eval splits (0 to 2**63-1).")
+    tool_latency_s: tuple[Latency, Latency] = Field(
+        (0.0, 0.0),
+        description="Range of simulated tool latency, in seconds (each end 0-60): every "
+        "tool call waits a uniform draw from it. The two ends may come in either order.",
     )
-    options: dict[str, int | float | str] = Field(
+    options: dict[ShortStr, Int | float | Annotated[str, Field(max_length=256)]] = Field(
         default_factory=dict,
-        description="Family-specific knobs, e.g. {'max_digits': 2} for arithmetic.",
+        max_length=32,
+        description="Family-specific knobs, e.g. {'max_digits': 2} for arithmetic (at most "
+        "32; each family checks its own ranges).",
     )
 
-    @model_validator(mode="after")
-    def _check(self) -> TaskSpec:
-        lo, hi = self.tool_latency_s
-        if lo < 0 or hi < lo:
-            raise ValueError("tool_latency_s must be (low, high) with 0 <= low <= high")
-        return self
+    @field_validator("tool_latency_s")
+    @classmethod
+    def _ordered(cls, value: tuple[float, float]) -> tuple[float, float]:
+        # A range is a range whichever end comes first: accept both orders.
+        lo, hi = sorted(value)
+        return (lo, hi)

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 
 from marlaas import __version__
 from marlaas.service import openai_api, openai_ft, web
+from marlaas.service.admission import JobAdmission
 from marlaas.service.api import admin, datasets, jobs, ops, usage
 from marlaas.service.auth import PrincipalCache, bootstrap_admin_key
 from marlaas.service.backend import BackendFactory
@@ -52,6 +53,7 @@ def open_context(settings: ServiceSettings) -> tuple[ServiceContext, str | None]
         reporter=JobReporter(db, settings.artifact_dir),
         registry=registry,
         request_metrics=request_metrics,
+        admission=JobAdmission(settings),
         principals=PrincipalCache(settings.auth_cache_s),
     )
     registry.register(PipelineMetrics(lambda: ctx.backend, db))

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 
+from marlaas.service.admission import JobAdmission
 from marlaas.service.auth import PrincipalCache
 from marlaas.service.backend import JobBackend
 from marlaas.service.db import Database
@@ -24,6 +25,8 @@ class ServiceContext:
     reporter: JobReporter
     registry: CollectorRegistry
     request_metrics: RequestMetrics
+    admission: JobAdmission
+    """The checks of a job's cost before it is created (see `admission`)."""
     principals: PrincipalCache = field(default_factory=lambda: PrincipalCache(ttl_s=0))
     """Recently authenticated keys (see `auth.PrincipalCache`); cleared on revocation."""
     backend: JobBackend | None = field(default=None)

@@ -4,7 +4,22 @@ project's hierarchy (and the matching builtin), and their message is the respons
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
+
 from marlaas.errors import CapacityError, MarlaasError
+
+# An absolute path of two components or more, not part of a URL or a relative path.
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.:/~-])/(?:[\w.@+~-]+/)+([\w.@+~-]*)")
+
+
+def redact_paths(text: str, names: Mapping[str, str] | None = None) -> str:
+    """`text` without the server's absolute file paths: each of `names` (a path) becomes
+    its label, any other absolute path its last component (`.../name`). Messages that
+    reach a tenant (a job's failure reason, a 422) go through it."""
+    for path, label in (names or {}).items():
+        text = text.replace(path, label)
+    return _ABSOLUTE_PATH.sub(lambda m: f".../{m.group(1)}", text)
 
 
 class ServiceError(MarlaasError):

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import delete, select
 from sqlalchemy.exc import IntegrityError
@@ -19,10 +20,13 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from marlaas.config.job import DatasetSpec, JobSpec
 from marlaas.config.specs import TaskSpec
-from marlaas.service import quotas
+from marlaas.service import datasets, quotas
 from marlaas.service.errors import Conflict, InvalidField, NotFound
 from marlaas.service.lifecycle import TERMINAL, Action, JobStatus, action_target, allowed_from
 from marlaas.service.models import Dataset, Job, JobEvent, Metric, Tenant, new_id, utcnow
+
+if TYPE_CHECKING:
+    from marlaas.service.admission import JobCost
 
 
 def job_not_found() -> NotFound:
@@ -85,10 +89,43 @@ def add_event(session: Session, job: Job, kind: str, data: dict[str, Any]) -> No
     session.add(JobEvent(job_id=job.id, kind=kind, data=data, time=utcnow()))
 
 
+def _check_name_free(session: Session, tenant_id: str, name: str) -> None:
+    taken = session.scalar(select(Job.id).where(Job.tenant_id == tenant_id, Job.name == name))
+    if taken is not None:
+        raise Conflict(f"you already have a job named {name!r} ({taken}); pick another name")
+
+
+def precheck_job(
+    session: Session,
+    tenant_id: str,
+    spec: JobSpec,
+    artifact_dir: Path,
+    *,
+    max_rank: int,
+    max_staleness: int,
+) -> JobSpec:
+    """The cheap checks of `create_job`, before the costly ones of `admission` run:
+    returns the spec the pipeline runs (a dataset's name replaced by its file)."""
+    tenant = session.get(Tenant, tenant_id)
+    assert tenant is not None  # authenticated tenants exist
+    _check_limits(spec, max_rank, max_staleness)
+    _check_task(session, tenant_id, spec)
+    _check_name_free(session, tenant_id, spec.name)
+    quotas.check_new_job(session, tenant, spec.steps)
+    return datasets.resolve_spec(session, tenant_id, spec, artifact_dir)
+
+
 def create_job(
-    session: Session, tenant_id: str, spec: JobSpec, *, max_rank: int, max_staleness: int
+    session: Session,
+    tenant_id: str,
+    spec: JobSpec,
+    cost: JobCost,
+    *,
+    max_rank: int,
+    max_staleness: int,
 ) -> Job:
-    """Insert a queued job for the tenant, after the spec and quota checks.
+    """Insert a queued job for the tenant, after the spec and quota checks (`cost`: what
+    `admission` found the job asks).
 
     Raises `InvalidField` (422), `Conflict` (409, name taken) or `QuotaExceeded` (429);
     the caller's transaction then rolls back, so nothing is left behind.
@@ -97,10 +134,9 @@ def create_job(
     assert tenant is not None  # authenticated tenants exist
     _check_limits(spec, max_rank, max_staleness)
     _check_task(session, tenant_id, spec)
-    taken = session.scalar(select(Job.id).where(Job.tenant_id == tenant_id, Job.name == spec.name))
-    if taken is not None:
-        raise Conflict(f"you already have a job named {spec.name!r} ({taken}); pick another name")
+    _check_name_free(session, tenant_id, spec.name)
     quotas.check_new_job(session, tenant, spec.steps)
+    quotas.check_job_cost(tenant, cost)
     now = utcnow()
     job = Job(
         id=new_id("job"),

@@ -66,6 +66,12 @@ class Tenant(Base):
     max_concurrent_jobs: Mapped[int] = mapped_column(Integer)
     max_total_steps: Mapped[int] = mapped_column(BigInteger)
     max_dataset_bytes: Mapped[int] = mapped_column(BigInteger)
+    # Admission by cost (migration 0004); see `settings.QuotaSpec` for their meaning.
+    max_samples_per_step: Mapped[int] = mapped_column(BigInteger)
+    max_eval_episodes: Mapped[int] = mapped_column(Integer)
+    max_tokens_per_step: Mapped[int] = mapped_column(BigInteger)
+    max_inference_requests: Mapped[int] = mapped_column(Integer)
+    max_inference_tokens: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 

@@ -13,6 +13,7 @@ Callers check inside the transaction that then inserts, with the tenant's row lo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
@@ -20,6 +21,9 @@ from sqlalchemy.orm import Session
 from marlaas.service.errors import QuotaExceeded
 from marlaas.service.lifecycle import ACTIVE, JobStatus
 from marlaas.service.models import Dataset, Job, Tenant
+
+if TYPE_CHECKING:
+    from marlaas.service.admission import JobCost
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,34 @@ def check_new_job(session: Session, tenant: Tenant, steps: int) -> None:
             f"{tenant.name!r} has used {used.total_steps} of its limit of "
             f"{tenant.max_total_steps} ({left} left); ask for fewer steps, {_ASK_ADMIN}"
         )
+
+
+def check_job_cost(tenant: Tenant, cost: JobCost) -> None:
+    """Raise `QuotaExceeded` if one step or one eval of a job of this cost would ask more
+    than `tenant`'s quotas allow; the message names the quota, the field and the limit."""
+    asks = (
+        (
+            "max_samples_per_step",
+            cost.samples_per_step,
+            "samples per step (algorithm.group_size x algorithm.prompts_per_step)",
+        ),
+        ("max_eval_episodes", cost.eval_episodes, "eval episodes (eval_episodes)"),
+        (
+            "max_tokens_per_step",
+            cost.tokens_per_step,
+            f"tokens per step ({cost.samples_per_step} samples x up to "
+            f"{cost.tokens_per_sequence} tokens each: the longest prompt, "
+            f"{cost.longest_prompt} tokens, and {cost.max_turns} turn(s) of "
+            f"sampling.max_new_tokens {cost.max_new_tokens})",
+        ),
+    )
+    for quota, asked, what in asks:
+        limit: int = getattr(tenant, quota)
+        if asked > limit:
+            raise QuotaExceeded(
+                f"quota {quota} exceeded: this job asks for {asked} {what}, and tenant "
+                f"{tenant.name!r} may ask at most {limit}; make the job smaller, {_ASK_ADMIN}"
+            )
 
 
 def check_dataset(session: Session, tenant: Tenant, size_bytes: int, replaces: int = 0) -> None:

@@ -4,36 +4,67 @@ API validates exactly what `marlaas run` validates."""
 
 from __future__ import annotations
 
-import re
+import logging
 from datetime import datetime
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from marlaas.config.job import JobSpec
+from marlaas.config.job import NAME_RULE, NAME_SCHEMA, JobSpec, check_name
 from marlaas.service.lifecycle import JobStatus
 from marlaas.service.models import ApiKey, Checkpoint, Dataset, Job, Metric, Tenant
 from marlaas.service.quotas import Usage
-from marlaas.service.settings import QuotaSpec
+from marlaas.service.settings import (
+    QUOTA_DOCS,
+    ConcurrentJobs,
+    DatasetBytes,
+    EvalEpisodes,
+    InferenceRequests,
+    InferenceTokens,
+    QuotaSpec,
+    SamplesPerStep,
+    TokensPerStep,
+    TotalSteps,
+)
 
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-NAME_RULE = "use 1-64 letters, digits, '_', '.' or '-', starting with a letter or digit"
+log = logging.getLogger(__name__)
 
 
 class Wire(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class QuotaPatch(Wire):
     """Quota fields to change; those left out keep their value."""
 
-    max_concurrent_jobs: int | None = Field(None, ge=0, le=10_000)
-    max_total_steps: int | None = Field(None, ge=0, le=10**12)
-    max_dataset_bytes: int | None = Field(None, ge=0, le=2**50)
+    max_concurrent_jobs: ConcurrentJobs | None = Field(
+        None, description=QUOTA_DOCS["max_concurrent_jobs"]
+    )
+    max_total_steps: TotalSteps | None = Field(None, description=QUOTA_DOCS["max_total_steps"])
+    max_dataset_bytes: DatasetBytes | None = Field(
+        None, description=QUOTA_DOCS["max_dataset_bytes"]
+    )
+    max_samples_per_step: SamplesPerStep | None = Field(
+        None, description=QUOTA_DOCS["max_samples_per_step"]
+    )
+    max_eval_episodes: EvalEpisodes | None = Field(
+        None, description=QUOTA_DOCS["max_eval_episodes"]
+    )
+    max_tokens_per_step: TokensPerStep | None = Field(
+        None, description=QUOTA_DOCS["max_tokens_per_step"]
+    )
+    max_inference_requests: InferenceRequests | None = Field(
+        None, description=QUOTA_DOCS["max_inference_requests"]
+    )
+    max_inference_tokens: InferenceTokens | None = Field(
+        None, description=QUOTA_DOCS["max_inference_tokens"]
+    )
 
 
 class TenantCreate(Wire):
-    name: str = Field(..., description="Unique tenant name. " + NAME_RULE)
+    name: str = Field(
+        ..., description="Unique tenant name. " + NAME_RULE, json_schema_extra=NAME_SCHEMA
+    )
     quotas: QuotaPatch = Field(
         default_factory=QuotaPatch, description="Quotas; left out: the service's defaults."
     )
@@ -41,9 +72,7 @@ class TenantCreate(Wire):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not NAME_PATTERN.match(v):
-            raise ValueError(NAME_RULE)
-        return v
+        return check_name(v)
 
 
 class TenantOut(Wire):
@@ -136,10 +165,8 @@ class DatasetList(Wire):
 
 
 def quotas_of(tenant: Tenant) -> QuotaSpec:
-    return QuotaSpec(
-        max_concurrent_jobs=tenant.max_concurrent_jobs,
-        max_total_steps=tenant.max_total_steps,
-        max_dataset_bytes=tenant.max_dataset_bytes,
+    return QuotaSpec.model_validate(
+        {name: getattr(tenant, name) for name in QuotaSpec.model_fields}
     )
 
 
@@ -179,8 +206,19 @@ def job_out(job: Job) -> JobOut:
         failure_reason=job.failure_reason,
         created_at=job.created_at,
         updated_at=job.updated_at,
-        spec=JobSpec.model_validate(job.spec),
+        spec=stored_spec(job),
     )
+
+
+def stored_spec(job: Job) -> JobSpec:
+    """The job's spec as stored. A spec stored before today's bounds (an older server
+    took it) no longer validates; it is shown as stored rather than failing the read
+    (such a job is failed when the server starts, see `pipeline_backend`)."""
+    try:
+        return JobSpec.model_validate(job.spec)
+    except ValidationError:
+        log.info("job %s: its stored spec no longer validates; shown as stored", job.id)
+        return JobSpec.model_construct(**job.spec)
 
 
 def metric_out(metric: Metric) -> MetricPoint:

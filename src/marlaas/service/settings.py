@@ -8,29 +8,68 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import Field, field_validator
+from pydantic import Field, Strict, field_validator
 
+from marlaas.config.job import MAX_EVAL_EPISODES
 from marlaas.config.specs import Spec
 
 ADMIN_KEY_ENV = "MARLAAS_ADMIN_KEY"
+METRICS_TOKEN_ENV = "MARLAAS_METRICS_TOKEN"
+
+# The type of each quota, shared by `QuotaSpec` and the admin's `QuotaPatch`.
+ConcurrentJobs = Annotated[int, Strict(), Field(ge=0, le=10_000)]
+TotalSteps = Annotated[int, Strict(), Field(ge=0, le=10**12)]
+DatasetBytes = Annotated[int, Strict(), Field(ge=0, le=2**50)]
+SamplesPerStep = Annotated[int, Strict(), Field(ge=0, le=2**20)]
+EvalEpisodes = Annotated[int, Strict(), Field(ge=0, le=MAX_EVAL_EPISODES)]
+TokensPerStep = Annotated[int, Strict(), Field(ge=0, le=2**40)]
+InferenceRequests = Annotated[int, Strict(), Field(ge=0, le=10_000)]
+InferenceTokens = Annotated[int, Strict(), Field(ge=0, le=2**40)]
+
+#: What each quota limits (the description of its field here and in `QuotaPatch`).
+QUOTA_DOCS = {
+    "max_concurrent_jobs": "Jobs queued, running or paused at once (0-10,000).",
+    "max_total_steps": "Optimizer steps over all the tenant's jobs; a cancelled or failed "
+    "job counts only the steps it ran (0-10**12).",
+    "max_dataset_bytes": "Bytes of all the tenant's uploaded datasets (0-2**50).",
+    "max_samples_per_step": "Samples one optimizer step of one job may ask: "
+    "algorithm.group_size x algorithm.prompts_per_step (0-2**20).",
+    "max_eval_episodes": "Held-out episodes one eval of one job may ask (0-10,000).",
+    "max_tokens_per_step": "Tokens one optimizer step of one job may sample and train: "
+    "samples per step x (its longest prompt + max turns x sampling.max_new_tokens, at "
+    "most the model's context) (0-2**40).",
+    "max_inference_requests": "OpenAI-compatible inference requests of the tenant in "
+    "flight at once (0-10,000).",
+    "max_inference_tokens": "Tokens one inference request may ask to generate: prompts x "
+    "n x max_tokens (0-2**40).",
+}
 
 
 class QuotaSpec(Spec):
-    """Per-tenant limits. A new tenant gets the service's defaults unless told otherwise."""
+    """Per-tenant limits. A new tenant gets the service's defaults unless told otherwise;
+    the admin changes them with `PATCH /v1/admin/tenants/{name}/quotas`. Jobs are
+    admitted by their cost (`service.admission`): a job whose step or eval would ask
+    more than these is refused with 429 naming the quota, before anything runs."""
 
-    max_concurrent_jobs: int = Field(
-        4, ge=0, le=10_000, description="Jobs queued, running or paused at once."
+    max_concurrent_jobs: ConcurrentJobs = Field(4, description=QUOTA_DOCS["max_concurrent_jobs"])
+    max_total_steps: TotalSteps = Field(10_000, description=QUOTA_DOCS["max_total_steps"])
+    max_dataset_bytes: DatasetBytes = Field(
+        100 * 2**20, description=QUOTA_DOCS["max_dataset_bytes"]
     )
-    max_total_steps: int = Field(
-        10_000,
-        ge=0,
-        le=10**12,
-        description="Optimizer steps over all the tenant's jobs; a cancelled or failed job "
-        "counts only the steps it ran.",
+    max_samples_per_step: SamplesPerStep = Field(
+        1024, description=QUOTA_DOCS["max_samples_per_step"]
     )
-    max_dataset_bytes: int = Field(
-        100 * 2**20, ge=0, le=2**50, description="Bytes of all the tenant's uploaded datasets."
+    max_eval_episodes: EvalEpisodes = Field(1024, description=QUOTA_DOCS["max_eval_episodes"])
+    max_tokens_per_step: TokensPerStep = Field(
+        262_144, description=QUOTA_DOCS["max_tokens_per_step"]
+    )
+    max_inference_requests: InferenceRequests = Field(
+        4, description=QUOTA_DOCS["max_inference_requests"]
+    )
+    max_inference_tokens: InferenceTokens = Field(
+        65_536, description=QUOTA_DOCS["max_inference_tokens"]
     )
 
 
@@ -51,6 +90,12 @@ class ServiceSettings(Spec):
         "and stored hashed.",
         repr=False,
     )
+    metrics_token: str | None = Field(
+        None,
+        description="A bearer token that may read `/metrics` (for a Prometheus scraper), "
+        "besides the admin key; None: only the admin key may.",
+        repr=False,
+    )
     max_body_bytes: int = Field(
         1 * 2**20, ge=1024, description="Largest JSON request body; larger answers 413."
     )
@@ -60,6 +105,34 @@ class ServiceSettings(Spec):
     max_lora_rank: int = Field(16, ge=1, le=256, description="Largest LoRA rank a job may ask.")
     max_staleness: int = Field(
         4, ge=0, le=64, description="Largest `algorithm.max_staleness` a job may ask."
+    )
+    max_batch_rows: int = Field(
+        64,
+        ge=1,
+        le=4096,
+        description="Rows the engine decodes at once (its max_batch_size); a job's group "
+        "and an inference request's prompts x n must fit in them.",
+    )
+    max_tokens_per_microbatch: int = Field(
+        8192,
+        ge=64,
+        le=2**24,
+        description="The trainer's token budget of one forward/backward; one sequence of a "
+        "job (prompt and every turn) must fit in it.",
+    )
+    env_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        le=3600,
+        description="Limit of one environment call (tool, grader); a job's tool latency "
+        "must stay below it.",
+    )
+    validation_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=600,
+        description="Time a job's checks before it is created (its data read and tokenized, "
+        "its grader built) may take; longer is refused with 422.",
     )
     serve_base_model: Path | None = Field(
         None,
@@ -83,11 +156,11 @@ class ServiceSettings(Spec):
     )
     default_quotas: QuotaSpec = Field(default_factory=QuotaSpec)
 
-    @field_validator("admin_key")
+    @field_validator("admin_key", "metrics_token")
     @classmethod
-    def _admin_key(cls, v: str | None) -> str | None:
+    def _long_enough(cls, v: str | None) -> str | None:
         if v is not None and len(v) < 16:
-            raise ValueError("the admin key must be at least 16 characters long")
+            raise ValueError("the key must be at least 16 characters long")
         return v
 
     @property
@@ -103,3 +176,8 @@ class ServiceSettings(Spec):
 def admin_key_from_env() -> str | None:
     """The admin key set in the environment (`MARLAAS_ADMIN_KEY`), if any."""
     return os.environ.get(ADMIN_KEY_ENV) or None
+
+
+def metrics_token_from_env() -> str | None:
+    """The `/metrics` token set in the environment (`MARLAAS_METRICS_TOKEN`), if any."""
+    return os.environ.get(METRICS_TOKEN_ENV) or None

@@ -1,5 +1,5 @@
 """Admin routes under /v1/admin: tenants, their quotas, their API keys. Only the admin
-key reaches them."""
+key reaches them (401 without a valid key, 403 with a tenant's)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from marlaas.service import auth
-from marlaas.service.api.deps import AdminCaller, Context
+from marlaas.service.api.deps import AUTH_ERRORS, AdminCaller, Context, responses
 from marlaas.service.errors import Conflict, NotFound
 from marlaas.service.models import ApiKey, Tenant, new_id, utcnow
 from marlaas.service.schemas import (
@@ -23,7 +23,8 @@ from marlaas.service.schemas import (
     tenant_out,
 )
 
-router = APIRouter(prefix="/v1/admin", tags=["admin"])
+router = APIRouter(prefix="/v1/admin", tags=["admin"], responses=AUTH_ERRORS)
+_NO_TENANT = responses({404: "No tenant of that name."})
 
 
 def _tenant(session: Session, name: str) -> Tenant:
@@ -42,7 +43,7 @@ def _apply(tenant: Tenant, patch: QuotaPatch) -> None:
     "/tenants",
     status_code=status.HTTP_201_CREATED,
     response_model=TenantOut,
-    responses={409: {"description": "A tenant of that name exists."}},
+    responses=responses({409: "A tenant of that name exists."}),
 )
 def create_tenant(body: TenantCreate, ctx: Context, _: AdminCaller) -> TenantOut:
     """Create a tenant with the given quotas (the service's defaults for those left out)."""
@@ -51,12 +52,7 @@ def create_tenant(body: TenantCreate, ctx: Context, _: AdminCaller) -> TenantOut
         if session.scalar(select(Tenant.id).where(Tenant.name == body.name)) is not None:
             raise Conflict(f"a tenant named {body.name!r} exists; pick another name")
         tenant = Tenant(
-            id=new_id("ten"),
-            name=body.name,
-            max_concurrent_jobs=defaults.max_concurrent_jobs,
-            max_total_steps=defaults.max_total_steps,
-            max_dataset_bytes=defaults.max_dataset_bytes,
-            created_at=utcnow(),
+            id=new_id("ten"), name=body.name, created_at=utcnow(), **defaults.model_dump()
         )
         _apply(tenant, body.quotas)
         session.add(tenant)
@@ -73,13 +69,13 @@ def list_tenants(ctx: Context, _: AdminCaller) -> list[TenantOut]:
         return [tenant_out(t) for t in session.scalars(select(Tenant).order_by(Tenant.name))]
 
 
-@router.get("/tenants/{name}", response_model=TenantOut, responses={404: {}})
+@router.get("/tenants/{name}", response_model=TenantOut, responses=_NO_TENANT)
 def get_tenant(name: str, ctx: Context, _: AdminCaller) -> TenantOut:
     with ctx.db.transaction() as session:
         return tenant_out(_tenant(session, name))
 
 
-@router.patch("/tenants/{name}/quotas", response_model=TenantOut, responses={404: {}})
+@router.patch("/tenants/{name}/quotas", response_model=TenantOut, responses=_NO_TENANT)
 def set_quotas(name: str, body: QuotaPatch, ctx: Context, _: AdminCaller) -> TenantOut:
     """Change some of a tenant's quotas. Lowering one never stops running jobs; it
     only refuses new work beyond the new limit."""
@@ -93,7 +89,7 @@ def set_quotas(name: str, body: QuotaPatch, ctx: Context, _: AdminCaller) -> Ten
     "/tenants/{name}/keys",
     status_code=status.HTTP_201_CREATED,
     response_model=IssuedKeyOut,
-    responses={404: {}},
+    responses=_NO_TENANT,
 )
 def issue_key(
     name: str, ctx: Context, _: AdminCaller, body: KeyCreate | None = None
@@ -107,7 +103,7 @@ def issue_key(
         return IssuedKeyOut(**out.model_dump(), key=issued.secret_key)
 
 
-@router.get("/tenants/{name}/keys", response_model=list[KeyOut], responses={404: {}})
+@router.get("/tenants/{name}/keys", response_model=list[KeyOut], responses=_NO_TENANT)
 def list_keys(name: str, ctx: Context, _: AdminCaller) -> list[KeyOut]:
     """The tenant's keys (prefix and label only), revoked ones included."""
     with ctx.db.transaction() as session:
@@ -118,7 +114,9 @@ def list_keys(name: str, ctx: Context, _: AdminCaller) -> list[KeyOut]:
         return [key_out(k, tenant.name) for k in rows]
 
 
-@router.post("/keys/{key_id}/revoke", response_model=KeyOut, responses={404: {}})
+@router.post(
+    "/keys/{key_id}/revoke", response_model=KeyOut, responses=responses({404: "No such key."})
+)
 def revoke_key(key_id: str, ctx: Context, _: AdminCaller) -> KeyOut:
     """Revoke a key (tenant or admin): it stops working at once. Idempotent."""
     with ctx.db.transaction() as session:

@@ -1,4 +1,5 @@
-"""Tenant dataset routes under /v1: upload (raw JSONL body, streamed), list, delete.
+"""Tenant dataset routes under /v1: upload (raw JSONL body, streamed), list, get one,
+delete.
 
 An upload is `PUT /v1/datasets/{name}` with the JSONL file as the request body
 (`Content-Type: application/x-ndjson` or any other), so no multipart parsing is
@@ -8,18 +9,25 @@ needed and the body streams to disk while it is checked.
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
+import pathlib
+from typing import Annotated
 
-from fastapi import APIRouter, Request, Response, status
+from fastapi import APIRouter, Path, Request, Response, status
 from sqlalchemy import select
 
+from marlaas.config.job import NAME_PATTERN, NAME_RULE, check_name
 from marlaas.service import datasets as store
-from marlaas.service.api.deps import Context, TenantCaller, tenant_id
+from marlaas.service.api.deps import AUTH_ERRORS, Context, TenantCaller, responses, tenant_id
 from marlaas.service.errors import InvalidField, PayloadTooLarge
 from marlaas.service.models import Dataset, new_id
-from marlaas.service.schemas import NAME_PATTERN, NAME_RULE, DatasetList, DatasetOut, dataset_out
+from marlaas.service.schemas import DatasetList, DatasetOut, dataset_out
 
-router = APIRouter(prefix="/v1/datasets", tags=["datasets"])
+router = APIRouter(prefix="/v1/datasets", tags=["datasets"], responses=AUTH_ERRORS)
+#: The `{name}` path parameter, with its rule in the schema.
+DatasetName = Annotated[
+    str,
+    Path(description="The dataset's name. " + NAME_RULE, pattern=NAME_PATTERN, max_length=64),
+]
 
 
 #: Datasets named so are the files of the OpenAI-compatible Files API (`/v1/files`).
@@ -27,8 +35,12 @@ FILE_PREFIX = "file-"
 
 
 def _check_name(name: str) -> None:
-    if not NAME_PATTERN.match(name):
-        raise InvalidField(("path", "name"), f"invalid dataset name {name!r}: {NAME_RULE}")
+    try:
+        check_name(name)
+    except ValueError:
+        raise InvalidField(
+            ("path", "name"), f"invalid dataset name {name!r}: {NAME_RULE}"
+        ) from None
     if name.startswith(FILE_PREFIX):
         raise InvalidField(
             ("path", "name"),
@@ -55,7 +67,7 @@ def _check_name(name: str) -> None:
     },
 )
 async def upload_dataset(
-    name: str, request: Request, ctx: Context, caller: TenantCaller
+    name: DatasetName, request: Request, ctx: Context, caller: TenantCaller
 ) -> DatasetOut:
     """Upload (or replace) the JSONL dataset `name`: one JSON object per line. A job
     uses it with `task: {type: dataset, path: <name>, ...}`."""
@@ -77,7 +89,7 @@ async def upload_dataset(
     tmp = store.tenant_dir(ctx.settings.artifact_dir, tenant) / f".upload-{new_id('tmp')}"
     upload = await store.receive(request.stream(), tmp, ctx.settings.max_upload_bytes)
 
-    def save() -> tuple[Dataset, Path | None]:
+    def save() -> tuple[Dataset, pathlib.Path | None]:
         with ctx.db.transaction() as session:
             return store.store(session, tenant, name, upload, ctx.settings.artifact_dir)
 
@@ -100,12 +112,20 @@ def list_datasets(ctx: Context, caller: TenantCaller) -> DatasetList:
         return DatasetList(datasets=[dataset_out(d) for d in rows])
 
 
+@router.get("/{name}", response_model=DatasetOut, responses=responses({404: "No such dataset."}))
+def get_dataset(name: DatasetName, ctx: Context, caller: TenantCaller) -> DatasetOut:
+    """One of the caller's datasets: its size, rows and SHA-256."""
+    with ctx.db.transaction() as session:
+        return dataset_out(store.get(session, tenant_id(caller), name))
+
+
 @router.delete(
     "/{name}",
     status_code=status.HTTP_204_NO_CONTENT,
-    responses={404: {"description": "No such dataset."}, 409: {"description": "In use."}},
+    response_class=Response,
+    responses=responses({404: "No such dataset.", 409: "An active job uses it."}),
 )
-def delete_dataset(name: str, ctx: Context, caller: TenantCaller) -> Response:
+def delete_dataset(name: DatasetName, ctx: Context, caller: TenantCaller) -> Response:
     """Delete a dataset no active job uses; its bytes stop counting against the quota."""
     _check_name(name)
     with ctx.db.transaction() as session:

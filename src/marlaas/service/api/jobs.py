@@ -18,14 +18,15 @@ from fastapi.responses import StreamingResponse
 from sqlalchemy import select
 
 from marlaas.config.job import JobSpec
-from marlaas.service import datasets, quotas
 from marlaas.service import jobs as ops
+from marlaas.service import quotas
 from marlaas.service.api.deps import Context, TenantCaller, tenant_id
 from marlaas.service.archive import ArchiveFormat, open_adapter, stream_archive
 from marlaas.service.context import ServiceContext
 from marlaas.service.deletion import purge_deleted_jobs
 from marlaas.service.errors import InvalidField, NotFound
 from marlaas.service.events import stream_events
+from marlaas.service.inference import provider_of
 from marlaas.service.lifecycle import Action, JobStatus
 from marlaas.service.models import Checkpoint, Job, Metric, Tenant
 from marlaas.service.schemas import (
@@ -76,23 +77,26 @@ async def _fail(ctx: ServiceContext, job_id: str, error: Exception) -> None:
     },
 )
 async def create_job(spec: JobSpec, ctx: Context, caller: TenantCaller) -> JobOut:
-    """Create a job from a validated spec. Nothing is stored unless every check passes."""
+    """Create a job from a validated spec. Nothing is stored unless every check passes:
+    the spec's bounds, what the served model and this server's engine can take, the
+    task itself (a dataset's rows read, its prompts tokenized, its grader built), and
+    the tenant's quotas of the job's cost (see `service.admission`)."""
+    tenant, settings = tenant_id(caller), ctx.settings
+    limits = {"max_rank": settings.max_lora_rank, "max_staleness": settings.max_staleness}
 
-    def create() -> tuple[JobOut, JobSpec]:
+    def precheck() -> JobSpec:
         with ctx.db.transaction() as session:
-            job = ops.create_job(
-                session,
-                tenant_id(caller),
-                spec,
-                max_rank=ctx.settings.max_lora_rank,
-                max_staleness=ctx.settings.max_staleness,
-            )
-            runnable = datasets.resolve_spec(
-                session, tenant_id(caller), spec, ctx.settings.artifact_dir
-            )
-            return job_out(job), runnable
+            return ops.precheck_job(session, tenant, spec, settings.artifact_dir, **limits)
 
-    out, runnable = await asyncio.to_thread(create)
+    runnable = await asyncio.to_thread(precheck)
+    shared = provider_of(ctx.inference, ctx.backend)
+    cost = await ctx.admission.assess(spec, runnable, shared)
+
+    def create() -> JobOut:
+        with ctx.db.transaction() as session:
+            return job_out(ops.create_job(session, tenant, spec, cost, **limits))
+
+    out = await asyncio.to_thread(create)
     ctx.reporter.notifier.notify(out.id)
     if ctx.backend is not None:
         try:

@@ -1,5 +1,7 @@
-"""Probes and metrics, unauthenticated: `/healthz` (the process answers), `/readyz` (the
-database answers and is migrated), `/metrics` (Prometheus text format)."""
+"""Probes and metrics: `/healthz` (the process answers) and `/readyz` (the database
+answers and is migrated) need no key, so that an orchestrator can probe; `/metrics`
+(Prometheus text format) needs the admin key or the service's metrics token, because
+its figures name every tenant and job."""
 
 from __future__ import annotations
 
@@ -9,14 +11,15 @@ from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from marlaas.service.api.deps import Context
+from marlaas.service.api.deps import AUTH_ERRORS, Context, MetricsReader
 
 router = APIRouter(tags=["ops"])
 
 
 @router.get("/healthz")
-def healthz() -> dict[str, str]:
-    """Liveness: the process serves requests."""
+async def healthz() -> dict[str, str]:
+    """Liveness: the process serves requests (answered on the event loop itself, so it
+    fails when the loop is blocked)."""
     return {"status": "ok"}
 
 
@@ -33,8 +36,20 @@ async def readyz(ctx: Context) -> JSONResponse:
     return JSONResponse(body, status_code=200 if ok else 503)
 
 
-@router.get("/metrics", response_class=Response)
+@router.get(
+    "/metrics",
+    response_class=Response,
+    responses={
+        **AUTH_ERRORS,
+        200: {
+            "description": "Prometheus metrics.",
+            "content": {CONTENT_TYPE_LATEST.split(";")[0]: {}},
+        },
+    },
+    dependencies=[MetricsReader],
+)
 async def metrics(ctx: Context) -> Response:
-    """Prometheus metrics: jobs per tenant and status, request latencies."""
+    """Prometheus metrics: jobs per tenant and status, request latencies, the pipeline's
+    figures. Send the admin key or the metrics token (`MARLAAS_METRICS_TOKEN`)."""
     data = await asyncio.to_thread(generate_latest, ctx.registry)
     return Response(data, media_type=CONTENT_TYPE_LATEST)
