@@ -11,6 +11,7 @@ import pytest
 from pipeline_support import MemoryRecorder, job
 
 from marlaas.config.job import RunSpec
+from marlaas.pipeline import executor as executor_module
 from marlaas.pipeline.context import PipelineContext, PipelineOptions
 from marlaas.pipeline.executor import ExecutorClosed
 from marlaas.pipeline.runner import build_context
@@ -148,3 +149,38 @@ async def test_the_gil_switch_interval_is_lowered_while_running_and_restored(
         await ctx.executor.stop()
         ctx.engine.shutdown()
     assert sys.getswitchinterval() == pytest.approx(before)
+
+
+@pytest.mark.parametrize("defer_s", [60.0, 0.0])
+async def test_a_ready_batch_waits_while_an_inference_row_decodes(
+    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, defer_s: float
+) -> None:
+    """An inference request and a train batch arrive together (the device thread is
+    held until both are queued). With a deferral window every decode iteration of the
+    completion runs before the train step; with none, the batch trains first."""
+    monkeypatch.setattr(executor_module, "MAX_TRAIN_DEFER_S", defer_s)
+    recorder = MemoryRecorder()
+    ctx = make_ctx(tiny_dir, tmp_path, recorder)
+    ctx.executor.start()
+    try:
+        await register(ctx, "a")
+        release = threading.Event()
+        held = ctx.executor.call(release.wait)
+        sampling = SamplingParams(max_new_tokens=12, seed=5)
+        completion = ctx.gate.submit_interactive(
+            RolloutRequest(tenant="a", prompt_ids=(30, 31), sampling=sampling)
+        )
+        trained = ctx.executor.train(batch("a", 0))
+        release.set()
+        await held
+        done, result = await completion, await trained
+    finally:
+        await ctx.executor.stop()
+        ctx.engine.shutdown()
+    assert result.version == 1 and len(done.token_ids) >= 1
+    device = [name for stage, name, *_ in recorder.spans if stage == "device"]
+    decodes_first = device.index("train")
+    if defer_s:
+        assert decodes_first >= 1 and "decode" not in device[decodes_first:]
+    else:
+        assert decodes_first == 0

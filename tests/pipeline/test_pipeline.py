@@ -239,6 +239,9 @@ async def test_resume_continues_from_the_checkpoint(base_dir: Path, tmp_path: Pa
     # The eval history survives the resume; version 2 was evaluated in the first run.
     assert sorted(r2.tenants["a"].eval_accuracy) == [0, 2, 4]
     assert sorted(second.evals("a")) == [4]
+    # b evaluates only before and after (eval_every 0): no extra eval where it resumed
+    # (version 2 was the first run's last).
+    assert sorted(second.evals("b")) == [4]
 
 
 async def test_cancel_and_pause(base_dir: Path, tmp_path: Path) -> None:

@@ -169,6 +169,8 @@ async def test_pause_resume_cancel_and_a_closing_checkpoint(base_dir: Path, tmp_
     assert final.status == "done" and final.version == version + 1
     assert [r.version for r in log2.of("a", TenantResumed)] == [version]
     assert [r.step for r in log2.of("a", StepDone)] == [version + 1]
+    # eval_every 0: the eval after the last step only, none where it resumed.
+    assert [e.version for e in log2.of("a", EvalDone)] == [version + 1]
 
 
 async def test_a_device_failure_ends_the_runtime(base_dir: Path, tmp_path: Path) -> None:

@@ -203,3 +203,47 @@ def test_queue_depths_count_waiting_items_per_tenant() -> None:
     share.pop()
     share.pop()
     assert share.depths() == {}
+
+
+async def test_inference_rows_go_first_and_training_leaves_rows_for_them(
+    saturated: tuple[RolloutEngine, AdapterBank],
+) -> None:
+    """Twenty training requests wait; an inference request enters the engine first, and
+    while inference is asked for, training fills all but `reserve` rows, so a second
+    inference request enters at once although training requests still wait."""
+    engine, _ = saturated
+    gate = RequestGate(engine, capacity=6, reserve=2)
+    sampling = SamplingParams(max_new_tokens=6, seed=0)
+
+    def request(tenant: str) -> RolloutRequest:
+        return RolloutRequest(tenant=tenant, prompt_ids=(10, 11, 12), sampling=sampling)
+
+    training = [gate.submit(request("p1")) for _ in range(20)]
+    gate.fill()
+    assert engine.running + engine.queued == 6  # nobody asked for inference: every row
+    first = gate.submit_interactive(request("p2"))
+    while not first.done():  # it enters when a row frees, ahead of 14 training requests
+        gate.fill()
+        engine.step()
+        await asyncio.sleep(0)
+    assert gate.interactive_rows == 0 and gate.waiting()["p1"] > 0
+    for _ in range(8):  # the finished rows are refilled, but only up to 6 - 2
+        gate.fill()
+        engine.step()
+    gate.fill()
+    assert engine.running + engine.queued <= 4 and gate.waiting()["p1"] > 0
+    second = gate.submit_interactive(request("p3"))
+    gate.fill()
+    assert gate.interactive_rows == 1  # in the engine at once, in a reserved row
+    for f in training:
+        f.cancel()
+    await asyncio.sleep(0)
+    while not second.done():
+        gate.fill()
+        engine.step()
+        await asyncio.sleep(0)
+    assert len(second.result().token_ids) == 6
+    while engine.has_work() or gate.has_waiting():
+        gate.fill()
+        engine.step()
+    assert gate.interactive_rows == 0 and not gate.interactive_active()

@@ -170,3 +170,46 @@ def test_other_tenants_streams_answer_like_missing_ones(
     assert theirs.status_code == missing.status_code == 404
     assert theirs.content == missing.content
     assert client.get(f"/v1/jobs/{jid}/events").status_code == 401
+
+
+def test_a_resumed_job_reruns_its_steps_without_repeating_their_events(
+    client: TestClient, tenants: Tenants, backend: ScriptedBackend
+) -> None:
+    """Killed at step 7 with a checkpoint at 5: the restarted job says it is at step 5
+    (not 7) and keeps no metrics past it; the re-run steps 6 and 7 update their events
+    in place, so the stream holds each step once, with the metrics it has now."""
+    acme = tenants.create("acme")
+    backend.hold_at = 7
+    jid = _create(client, acme, steps=10, checkpoint_every=5)
+    assert backend.reporter is not None
+    reporter = backend.reporter
+
+    def history() -> list[sse.Message]:
+        r = client.get(f"/v1/jobs/{jid}/events", params={"follow": "false"}, headers=acme)
+        return [m for m in events_of(r.text) if m.event != "end"]
+
+    def step_ids(messages: list[sse.Message]) -> dict[int, int]:
+        return {
+            json.loads(m.data)["data"]["step"]: int(m.id or 0)
+            for m in messages
+            if m.event == "step"
+        }
+
+    before = step_ids(history())
+    assert sorted(before) == list(range(1, 8))
+    asyncio.run(reporter.resumed(jid, 5))
+    assert client.get(f"/v1/jobs/{jid}", headers=acme).json()["steps_done"] == 5
+    points = client.get(f"/v1/jobs/{jid}/metrics", headers=acme).json()["points"]
+    assert max(p["step"] for p in points) == 5
+    for step in (6, 7, 8):
+        asyncio.run(reporter.step(jid, step, {"reward": 1.0, "loss": float(step)}))
+    messages = history()
+    after = step_ids(messages)
+    assert [json.loads(m.data)["data"]["step"] for m in messages if m.event == "step"] == list(
+        range(1, 9)
+    )  # once each
+    assert after[6] == before[6] and after[7] == before[7]  # the same events, updated
+    step7 = next(json.loads(m.data) for m in messages if int(m.id or 0) == after[7])
+    assert step7["data"]["metrics"] == {"reward": 1.0, "loss": 7.0}
+    assert [json.loads(m.data)["data"] for m in messages if m.event == "resumed"] == [{"step": 5}]
+    assert client.get(f"/v1/jobs/{jid}", headers=acme).json()["steps_done"] == 8

@@ -175,7 +175,7 @@ def test_cost_quotas_fill_existing_tenants_and_downgrade_without_losing_rows(
                 )
             )
         migrate(db.engine)
-        expected = (1024, 1024, 262_144, 4, 65_536)
+        expected = (1024, 1024, 262_144, 8, 65_536)
         columns = (
             Tenant.max_samples_per_step,
             Tenant.max_eval_episodes,

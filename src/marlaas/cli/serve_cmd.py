@@ -12,7 +12,12 @@
   managed, but stay queued; the startup log says so.
 
 With a backend, at startup it resumes every job the database says is active, and
-SIGTERM checkpoints running jobs before the server exits.
+SIGTERM checkpoints running jobs before the server exits, within 10 s whatever runs
+(open requests get `app.GRACEFUL_SHUTDOWN_S`, the backend `shutdown_timeout_s`).
+
+The engine and trainer sizes (`ServiceSettings.max_batch_rows`, `max_lora_rank`,
+`max_tokens_per_microbatch`, `env_timeout_s`) size the pipeline and are what job
+submissions are checked against, so both always agree.
 """
 
 from __future__ import annotations
@@ -92,8 +97,13 @@ def serve(
     at first start and printed once."""
     import uvicorn
 
-    from marlaas.service.app import create_app, open_context
-    from marlaas.service.settings import ADMIN_KEY_ENV, ServiceSettings, admin_key_from_env
+    from marlaas.service.app import GRACEFUL_SHUTDOWN_S, create_app, open_context
+    from marlaas.service.settings import (
+        ADMIN_KEY_ENV,
+        ServiceSettings,
+        admin_key_from_env,
+        metrics_token_from_env,
+    )
 
     chosen, ray = resolve_backend(backend, no_backend, ray_spec)
     model_dtype = check_dtype(dtype)
@@ -103,8 +113,10 @@ def serve(
         data_dir=data_dir.resolve(),
         db_url=db_url or os.environ.get(DB_URL_ENV) or None,
         admin_key=admin_key_from_env(),
+        metrics_token=metrics_token_from_env(),
         # The OpenAI routes serve this base (`--backend none`); with a backend, only the
-        # backend's own engine, on the same base, ever answers.
+        # backend's own engine, on the same base, ever answers. Jobs are checked
+        # against it too (`service.admission`).
         serve_base_model=base_dir,
     )
     ctx, new_admin_key = open_context(settings)
@@ -120,7 +132,7 @@ def serve(
     if chosen is Backend.none:
         what = "none -- jobs are accepted and stored but stay queued (--backend none)"
     else:
-        from marlaas.config.job import EngineSpec
+        from marlaas.config.job import EngineSpec, TrainerSpec
         from marlaas.config.ray import RaySpec
         from marlaas.pipeline.context import PipelineOptions
         from marlaas.pipeline.runtime import RuntimeSpec
@@ -131,11 +143,15 @@ def serve(
             dtype=model_dtype,
             max_active_tenants=max_active_jobs,
             max_staleness=settings.max_staleness,
-            engine=EngineSpec(max_rank=settings.max_lora_rank),
+            engine=EngineSpec(
+                max_rank=settings.max_lora_rank, max_batch_size=settings.max_batch_rows
+            ),
+            trainer=TrainerSpec(max_tokens_per_microbatch=settings.max_tokens_per_microbatch),
             backend=chosen.value,
             ray=ray or RaySpec(),
         )
-        factory = PipelineBackend.factory(ctx.db, spec=spec, options=PipelineOptions(device=device))
+        options = PipelineOptions(device=device, env_timeout_s=settings.env_timeout_s)
+        factory = PipelineBackend.factory(ctx.db, spec=spec, options=options)
         what = f"pipeline on {base_model or 'the embedded base'} ({device}, dtype {dtype})"
         if ray is not None:
             # On this (the main) thread, before uvicorn installs its signal handlers:
@@ -154,7 +170,13 @@ def serve(
         f"job backend: {what}",
         err=True,
     )
-    uvicorn.run(create_app(ctx, factory), host=host, port=port, log_level=log_level)
+    uvicorn.run(
+        create_app(ctx, factory),
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
 
 
 def resolve_backend(

@@ -10,6 +10,9 @@ Policy, one decision per turn of the loop:
 2. If train batches are ready, train all of them in one `trainer.step`, unless the
    previous turn was also a train step and the engine has rows to decode: a batch that
    waits blocks its tenant, so training goes first, but decode is never starved.
+   Except while inference rows run (`RequestGate.interactive_active`): then decode goes
+   first and a ready batch waits, for at most `MAX_TRAIN_DEFER_S` at a time, so that a
+   completion is not stretched by a train step after each of its tokens.
 3. Otherwise move fairly-ordered requests into the engine (`RequestGate.fill`) and run
    one `engine.step()`.
 4. With nothing to do, wait on a `threading.Event` that every producer sets (submit,
@@ -63,6 +66,8 @@ from marlaas.train.trainer import MultiLaneTrainer
 
 #: The interpreter's thread switch interval while an executor runs (see the docstring).
 GIL_SWITCH_INTERVAL_S = 1e-5
+#: Longest a ready train batch waits while inference rows decode (policy step 2).
+MAX_TRAIN_DEFER_S = 1.0
 
 T = TypeVar("T")
 
@@ -103,6 +108,7 @@ class DeviceExecutor:
         self._started = 0.0
         self._stopped: float | None = None
         self._saved_switch_interval: float | None = None
+        self._deferring_since: float | None = None
         self.busy_decode_s = 0.0
         self.busy_train_s = 0.0
         self.idle_s = 0.0
@@ -230,7 +236,7 @@ class DeviceExecutor:
             with self._lock:
                 ready = bool(self._jobs)
             rows_waiting = self.decodes_here and (self.engine.has_work() or self.gate.has_waiting())
-            if ready and not (last_was_train and rows_waiting):
+            if ready and not (last_was_train and rows_waiting) and not self._defer_train():
                 self._train()
                 last_was_train = True
                 continue
@@ -245,6 +251,19 @@ class DeviceExecutor:
             t0 = time.perf_counter()
             self._wake.wait()
             self.idle_s += time.perf_counter() - t0
+
+    def _defer_train(self) -> bool:
+        """Whether a ready train batch waits this turn for inference rows (policy 2)."""
+        if not (self.decodes_here and self.gate.interactive_active()):
+            self._deferring_since = None
+            return False
+        now = time.perf_counter()
+        if self._deferring_since is None:
+            self._deferring_since = now
+        if now - self._deferring_since < MAX_TRAIN_DEFER_S:
+            return True
+        self._deferring_since = None  # train once, then inference goes first again
+        return False
 
     def _decode(self) -> int:
         t0 = time.perf_counter()

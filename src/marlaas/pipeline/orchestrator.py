@@ -287,7 +287,10 @@ class Orchestrator:
 
     async def _drive(self, state: TenantState, rt: TenantRuntime, tasks: _Tasks) -> None:
         kept = self.ctx.bank.versions_kept
-        if rt.evals and state.version not in state.stats.eval_accuracy:
+        # The eval before training, or one that was due where a resumed tenant continues
+        # (not an extra one at every resume point).
+        first_due = state.version == 0 or rt.eval_due()
+        if rt.evals and first_due and state.version not in state.stats.eval_accuracy:
             tasks.evals[state.version] = tasks.spawn(rt.evaluate(state.version), "eval")
         while True:
             tasks.wake.clear()

@@ -18,6 +18,18 @@ of admission is the gate's. The gate is the `Submit` callable episodes use. A re
 submitted with `on_token` streams its tokens when the engine can (`streams_tokens`);
 else its caller gets them all with the completion.
 
+Inference rows against training rows (`submit_interactive`: the service's OpenAI
+endpoints): interactive requests are ordered among themselves by a fair share of their
+own and enter the engine before any training request, and while interactive requests
+were seen in the last `RESERVE_HOLD_S` seconds, training requests leave `reserve` rows
+free, so that a completion never waits for a training row to finish. Training keeps
+the rest of the rows, and every row when nobody asks for inference (a `marlaas run`).
+The device executor, for its part, decodes instead of training while interactive rows
+run, for a bounded time (`executor.MAX_TRAIN_DEFER_S`), so training is delayed, never
+stopped. An interactive request asks for a handful of rows for a few iterations, and
+the service bounds how many it may ask (rows and tokens per request, requests in flight
+per tenant), so the priority cannot be used to starve training.
+
 `AdmissionQueue`: jobs beyond `max_active_tenants` wait; higher priority first, FIFO
 within a priority.
 """
@@ -29,6 +41,7 @@ import contextlib
 import heapq
 import itertools
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -113,6 +126,11 @@ class FairShare:
         return self._finish[tenant]
 
 
+#: Seconds after the last interactive request during which training leaves the
+#: reserved rows free (a client sending one request after another keeps them).
+RESERVE_HOLD_S = 10.0
+
+
 @dataclass(eq=False)
 class _Waiting:
     request: RolloutRequest
@@ -121,28 +139,39 @@ class _Waiting:
     cost: float
     listener: TokenListener | None = None
     dispatched: bool = False
+    interactive: bool = False
 
 
 class RequestGate:
     """The fair-ordered entrance to the engine (see the module docstring).
 
-    `capacity` is the engine's `max_batch_size`. `on_submit` is called (from the event
-    loop) after each submit, to wake whoever calls `fill`. Per tenant it counts the
-    tokens generated (`tokens`) and the rows in the engine now (`rows`).
+    `capacity` is the engine's `max_batch_size`; `reserve` the rows training leaves
+    free while inference is asked for (default: a sixteenth, at least one). `on_submit`
+    is called (from the event loop) after each submit, to wake whoever calls `fill`. Per
+    tenant it counts the tokens generated (`tokens`) and the training rows in the
+    engine now (`rows`); `interactive_rows` counts the inference rows in the engine.
     """
 
     def __init__(
-        self, engine: RolloutEngine, capacity: int, on_submit: Callable[[], None] | None = None
+        self,
+        engine: RolloutEngine,
+        capacity: int,
+        on_submit: Callable[[], None] | None = None,
+        reserve: int | None = None,
     ) -> None:
         self.engine = engine
         self.capacity = capacity
         self.on_submit = on_submit
+        self.reserve = max(1, capacity // 16) if reserve is None else reserve
         self._share = FairShare()
+        self._interactive = FairShare()
+        self._interactive_until = 0.0
         self._lock = threading.Lock()
         self._streams = bool(getattr(engine, "streams_tokens", False))
         self.tokens: dict[str, int] = {}
         self.rows: dict[str, int] = {}
         self.max_rows: dict[str, int] = {}
+        self.interactive_rows = 0
 
     def set_weight(self, tenant: str, weight: float) -> None:
         with self._lock:
@@ -157,13 +186,18 @@ class RequestGate:
             _resolve(item, asyncio.CancelledError(f"tenant {tenant!r} was removed"))
 
     def waiting(self) -> dict[str, int]:
-        """Requests waiting for the engine, per tenant (the queue depths)."""
+        """Training requests waiting for the engine, per tenant (the queue depths)."""
         with self._lock:
             return self._share.depths()
 
     def has_waiting(self) -> bool:
         with self._lock:
-            return len(self._share) > 0
+            return len(self._share) > 0 or len(self._interactive) > 0
+
+    def interactive_active(self) -> bool:
+        """Whether inference requests run in the engine or wait for it now."""
+        with self._lock:
+            return self.interactive_rows > 0 or len(self._interactive) > 0
 
     def submit(
         self, request: RolloutRequest, on_token: Callable[[int], None] | None = None
@@ -174,12 +208,33 @@ class RequestGate:
         `on_token` is called on this loop with each token as the engine samples it (as
         `RolloutEngine.submit`), when the engine streams.
         """
+        return self._submit(request, on_token, interactive=False)
+
+    def submit_interactive(
+        self, request: RolloutRequest, on_token: Callable[[int], None] | None = None
+    ) -> asyncio.Future[Completion]:
+        """`submit` for an inference request: admitted before training requests (see
+        the module docstring)."""
+        return self._submit(request, on_token, interactive=True)
+
+    def _submit(
+        self,
+        request: RolloutRequest,
+        on_token: Callable[[int], None] | None,
+        *,
+        interactive: bool,
+    ) -> asyncio.Future[Completion]:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Completion] = loop.create_future()
         listener = on_loop(loop, on_token) if on_token is not None and self._streams else None
-        item = _Waiting(request, future, loop, float(request.sampling.max_new_tokens), listener)
+        cost = float(request.sampling.max_new_tokens)
+        item = _Waiting(request, future, loop, cost, listener, interactive=interactive)
         with self._lock:
-            self._share.push(request.tenant, item, item.cost)
+            if interactive:
+                self._interactive_until = time.monotonic() + RESERVE_HOLD_S
+            (self._interactive if interactive else self._share).push(
+                request.tenant, item, item.cost
+            )
         future.add_done_callback(lambda f: self._withdraw(item) if f.cancelled() else None)
         if self.on_submit is not None:
             self.on_submit()
@@ -194,14 +249,21 @@ class RequestGate:
         moved = 0
         while room > 0:
             with self._lock:
-                nxt = self._share.pop()
+                nxt = self._interactive.pop()
+                if nxt is None:
+                    if room <= self.reserve and time.monotonic() < self._interactive_until:
+                        break  # the last rows stay free for inference
+                    nxt = self._share.pop()
                 if nxt is None:
                     break
                 tenant, item, _ = nxt
                 assert isinstance(item, _Waiting)
                 item.dispatched = True
-                self.rows[tenant] = self.rows.get(tenant, 0) + 1
-                self.max_rows[tenant] = max(self.max_rows.get(tenant, 0), self.rows[tenant])
+                if item.interactive:
+                    self.interactive_rows += 1
+                else:
+                    self.rows[tenant] = self.rows.get(tenant, 0) + 1
+                    self.max_rows[tenant] = max(self.max_rows.get(tenant, 0), self.rows[tenant])
             if item.listener is None:
                 self.engine.enqueue(item.request, _Deliver(self, item))
             else:  # only an engine with `streams_tokens` takes a listener
@@ -211,8 +273,9 @@ class RequestGate:
         return moved
 
     def _withdraw(self, item: _Waiting) -> None:
+        share = self._interactive if item.interactive else self._share
         with self._lock:
-            if not item.dispatched and self._share.discard(item.request.tenant, item):
+            if not item.dispatched and share.discard(item.request.tenant, item):
                 return
         self.engine.abort(item.request.request_id)
 
@@ -220,9 +283,14 @@ class RequestGate:
         tenant = item.request.tenant
         used = len(result.token_ids) if isinstance(result, Completion) else 0
         with self._lock:
-            self.rows[tenant] = self.rows.get(tenant, 1) - 1
-            self.tokens[tenant] = self.tokens.get(tenant, 0) + used
-            self._share.charge(tenant, used, item.cost)
+            if item.interactive:
+                self.interactive_rows -= 1
+                self._interactive_until = time.monotonic() + RESERVE_HOLD_S
+                self._interactive.charge(tenant, used, item.cost)
+            else:
+                self.rows[tenant] = self.rows.get(tenant, 1) - 1
+                self.tokens[tenant] = self.tokens.get(tenant, 0) + used
+                self._share.charge(tenant, used, item.cost)
         _resolve(item, result)
 
 

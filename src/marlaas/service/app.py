@@ -2,11 +2,16 @@
 key ensured, files of deleted jobs removed), `create_app` wires routes, middleware, error answers and the backend.
 
 Shutdown order (the lifespan's end): the backend is closed first (it checkpoints and
-stops its jobs, reporting through the still-open database), then the database pool.
+stops its jobs, reporting through the still-open database), for at most
+`shutdown_timeout_s`, then the database pool. `marlaas serve` gives open requests
+`GRACEFUL_SHUTDOWN_S` before that, so SIGTERM ends the process within 10 s whatever
+runs (past the backend's time, a job resumes from its previous checkpoint, as after
+a crash: checkpoints are written atomically).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -26,11 +31,14 @@ from marlaas.service.db import Database
 from marlaas.service.deletion import purge_deleted_jobs
 from marlaas.service.errors import InvalidField, ServiceError
 from marlaas.service.metrics import PipelineMetrics, make_registry
-from marlaas.service.middleware import BodyLimit, RequestTimer
+from marlaas.service.middleware import AllowedMethods, BodyLimit, RequestTimer
 from marlaas.service.reporter import JobReporter
 from marlaas.service.settings import ServiceSettings
 
 log = logging.getLogger(__name__)
+
+#: Seconds uvicorn lets open requests finish at shutdown before it cancels them.
+GRACEFUL_SHUTDOWN_S = 3
 
 
 def open_context(settings: ServiceSettings) -> tuple[ServiceContext, str | None]:
@@ -98,7 +106,15 @@ def create_app(ctx: ServiceContext, backend_factory: BackendFactory | None = Non
             yield
         finally:
             if ctx.backend is not None:
-                await ctx.backend.close()
+                limit = ctx.settings.shutdown_timeout_s
+                try:
+                    await asyncio.wait_for(ctx.backend.close(), limit)
+                except TimeoutError:
+                    log.error(
+                        "the job backend did not stop within %g s; exiting anyway (running "
+                        "jobs resume from their last checkpoint at the next start)",
+                        limit,
+                    )
                 ctx.backend = None
             ctx.db.close()
 
@@ -117,6 +133,7 @@ def create_app(ctx: ServiceContext, backend_factory: BackendFactory | None = Non
         app.include_router(module.router)
     for router in openai_ft.routers():  # OpenAI-compatible fine-tuning (files, jobs, graders)
         app.include_router(router)
+    app.add_middleware(AllowedMethods, paths=lambda: app.openapi()["paths"])
     # Added last = outermost: the timer sees the 413s that BodyLimit answers.
     app.add_middleware(
         BodyLimit,

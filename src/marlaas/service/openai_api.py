@@ -17,10 +17,16 @@ the plain format of `chat_prompt` (the embedded base has no template).
 
 Streaming (`stream: true`) answers server-sent events as `service.openai_stream`
 describes; the routes here only word each chunk.
+
+Every generation is admitted first (`service.inference`): its size against the engine's
+rows and the tenant's `max_inference_tokens` (400), then one of the tenant's
+`max_inference_requests` slots (429), held until the generation ends. Prompts are
+tokenized off the event loop, and a client that disconnects has its requests aborted.
 """
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
@@ -32,9 +38,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 
-from marlaas.service.api.deps import TenantCaller, tenant_id
+from marlaas.service.api.deps import AUTH_ERRORS, TenantCaller, responses, tenant_id
 from marlaas.service.errors import ServiceError
-from marlaas.service.inference import BadInferenceRequest, InferenceHub, InferenceServer
+from marlaas.service.inference import (
+    BadInferenceRequest,
+    InferenceHub,
+    InferenceServer,
+    check_request_size,
+    unless_disconnected,
+)
 from marlaas.service.models_catalog import ServedModel
 from marlaas.service.openai_schemas import (
     DEFAULT_CHAT_MAX_TOKENS,
@@ -162,7 +174,22 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await hub.close()
 
 
-router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute, lifespan=lifespan)
+router = APIRouter(
+    prefix="/v1",
+    tags=["openai"],
+    route_class=OpenAIRoute,
+    lifespan=lifespan,
+    responses={**AUTH_ERRORS, **responses({404: "No such model (or not yours)."})},
+)
+#: What a generation may answer besides 200 (OpenAI's error shape).
+_GENERATION = responses(
+    {
+        400: "An invalid or unsupported parameter (`param` names it), or a request larger "
+        "than the engine's rows or the tenant's max_inference_tokens.",
+        429: "The tenant has max_inference_requests requests in flight.",
+        503: "The engine cannot serve now (closed, or every adapter slot in use).",
+    }
+)
 
 
 def inference_hub(request: Request) -> InferenceHub:
@@ -175,6 +202,18 @@ def inference_hub(request: Request) -> InferenceHub:
 
 async def _server(request: Request) -> InferenceServer:
     return await inference_hub(request).server()
+
+
+async def _admit(
+    request: Request, caller: TenantCaller, prompts: int, n: int, max_tokens: int
+) -> Callable[[], None]:
+    """Admit a generation of `prompts` x `n` completions of up to `max_tokens` each
+    (see the module docstring); returns the release of its slot."""
+    hub = _hub(request)
+    quotas = await hub.quotas(tenant_id(caller))
+    max_rows = request.app.state.context.settings.max_batch_rows
+    check_request_size(prompts, n, max_tokens, quotas, max_rows)
+    return hub.slots.take(tenant_id(caller), quotas)
 
 
 @router.get("/models")
@@ -196,7 +235,7 @@ async def get_model(model: str, request: Request, caller: TenantCaller) -> dict[
     return _model_card(found, owner)
 
 
-@router.post("/completions", response_model=None)
+@router.post("/completions", response_model=None, responses=_GENERATION)
 async def create_completion(
     body: CompletionRequest, request: Request, caller: TenantCaller
 ) -> dict[str, Any] | StreamingResponse:
@@ -208,10 +247,32 @@ async def create_completion(
     n = body.n or 1
     if body.best_of is not None and body.best_of != n:
         raise BadInferenceRequest("best_of other than n is not supported", "best_of")
+    items = _prompt_items(body.prompt)
+    max_tokens = body.max_tokens or 16
+    release = await _admit(request, caller, len(items), n, max_tokens)
+    try:
+        answer = await _complete(body, request, caller, items, n, max_tokens, release)
+    except BaseException:
+        release()
+        raise
+    if not isinstance(answer, StreamingResponse):
+        release()  # a stream releases its slot when its generation ends
+    return answer
+
+
+async def _complete(
+    body: CompletionRequest,
+    request: Request,
+    caller: TenantCaller,
+    items: list[Any],
+    n: int,
+    max_tokens: int,
+    release: Callable[[], None],
+) -> dict[str, Any] | StreamingResponse:
     server = await _server(request)
     served = await server.resolve(tenant_id(caller), body.model)
-    prompts = _completion_prompts(body.prompt, server)
-    sampling = body.sampling(body.max_tokens or 16)
+    prompts = await asyncio.to_thread(_encode_prompts, items, server)
+    sampling = body.sampling(max_tokens)
     rid, created = f"cmpl-{secrets.token_hex(12)}", int(time.time())
     head = {"id": rid, "object": "text_completion", "created": created, "model": body.model}
 
@@ -226,9 +287,11 @@ async def create_completion(
             return sse({**head, "choices": [last]})
 
         chunks = Chunks(head, piece, finish)
-        return await stream_answer(server, served, prompts, sampling, n, body, chunks)
+        return await stream_answer(
+            server, served, prompts, sampling, n, body, chunks, request.receive, release
+        )
 
-    outs = await server.generate(served, prompts, sampling, n)
+    outs = await unless_disconnected(request.receive, server.generate(served, prompts, sampling, n))
     choices = [
         {"index": i, "text": c.text, "logprobs": None, "finish_reason": _finish(c)}
         for i, c in enumerate(outs)
@@ -237,7 +300,7 @@ async def create_completion(
     return {**head, "choices": choices, "usage": usage, "system_fingerprint": None}
 
 
-@router.post("/chat/completions", response_model=None)
+@router.post("/chat/completions", response_model=None, responses=_GENERATION)
 async def create_chat_completion(
     body: ChatRequest, request: Request, caller: TenantCaller
 ) -> dict[str, Any] | StreamingResponse:
@@ -252,10 +315,31 @@ async def create_chat_completion(
         raise BadInferenceRequest("only the text response format is supported", "response_format")
     n = body.n or 1
     messages = [(m.role, m.text()) for m in body.messages]
+    max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_CHAT_MAX_TOKENS
+    release = await _admit(request, caller, 1, n, max_tokens)
+    try:
+        answer = await _chat(body, request, caller, messages, n, max_tokens, release)
+    except BaseException:
+        release()
+        raise
+    if not isinstance(answer, StreamingResponse):
+        release()  # a stream releases its slot when its generation ends
+    return answer
+
+
+async def _chat(
+    body: ChatRequest,
+    request: Request,
+    caller: TenantCaller,
+    messages: Sequence[tuple[str, str]],
+    n: int,
+    max_tokens: int,
+    release: Callable[[], None],
+) -> dict[str, Any] | StreamingResponse:
     server = await _server(request)
     served = await server.resolve(tenant_id(caller), body.model)
-    prompt, default_stops = chat_prompt(server.provider.tokenizer, messages)
-    max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_CHAT_MAX_TOKENS
+    tokenizer = server.provider.tokenizer
+    prompt, default_stops = await asyncio.to_thread(chat_prompt, tokenizer, messages)
     sampling = body.sampling(max_tokens, default_stops)
     rid, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
 
@@ -277,9 +361,13 @@ async def create_chat_completion(
             finish=lambda i, c: chunk(i, {}, _finish(c)),
             opening=lambda i: chunk(i, {"role": "assistant", "content": ""}),
         )
-        return await stream_answer(server, served, [prompt], sampling, n, body, chunks)
+        return await stream_answer(
+            server, served, [prompt], sampling, n, body, chunks, request.receive, release
+        )
 
-    outs = await server.generate(served, [prompt], sampling, n)
+    outs = await unless_disconnected(
+        request.receive, server.generate(served, [prompt], sampling, n)
+    )
     head = {"id": rid, "object": "chat.completion", "created": created, "model": body.model}
     choices = [
         {
@@ -294,9 +382,8 @@ async def create_chat_completion(
     return {**head, "choices": choices, "usage": usage, "system_fingerprint": None}
 
 
-def _completion_prompts(
-    prompt: str | list[str] | list[int] | list[list[int]], server: InferenceServer
-) -> list[list[int]]:
+def _prompt_items(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Any]:
+    """The request's prompts, each a string or a list of token ids."""
     if isinstance(prompt, str):
         items: list[Any] = [prompt]
     elif prompt and all(isinstance(p, int) for p in prompt):
@@ -305,6 +392,11 @@ def _completion_prompts(
         items = list(prompt)
     if not items:
         raise BadInferenceRequest("prompt is empty", "prompt")
+    return items
+
+
+def _encode_prompts(items: list[Any], server: InferenceServer) -> list[list[int]]:
+    """Token ids of each prompt (blocking: run off the event loop)."""
     tokenizer = server.provider.tokenizer
     out = [encode(tokenizer, p) if isinstance(p, str) else list(p) for p in items]
     if any(not ids for ids in out):

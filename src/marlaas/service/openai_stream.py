@@ -9,7 +9,8 @@ each route words its chunks is its `Chunks`. The response starts once every choi
 request is admitted (has its first token), so errors of admission (a prompt too long,
 no free adapter slot) keep their status codes; an error after that ends the stream with
 a `data: {"error": ...}` event and no `[DONE]`. When the client disconnects, the
-choices' engine requests are aborted.
+choices' engine requests are aborted, whether it does so before the response started
+(while its requests wait for the engine) or while it streams.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from marlaas.service.errors import ServiceError
-from marlaas.service.inference import InferenceServer
+from marlaas.service.inference import InferenceServer, unless_disconnected
 from marlaas.service.models_catalog import ServedModel
 from marlaas.service.openai_schemas import SamplingRequest, error_body, usage_of
 from marlaas.service.streaming import ChoiceEvents, IncrementalText
@@ -69,15 +70,20 @@ async def stream_answer(
     n: int,
     body: SamplingRequest,
     chunks: Chunks,
+    receive: Receive,
+    release: Callable[[], None],
 ) -> StreamingResponse:
     """Start generating; once every choice is admitted, the response that streams it
-    (see the module docstring). Errors before that raise, as for a plain answer."""
+    (see the module docstring). Errors before that raise, as for a plain answer.
+    `receive`: the request's ASGI channel (to see a disconnect); `release`: called once
+    the generation has ended, however it ends."""
     count = len(prompts) * n
     events = ChoiceEvents(count)
     task = asyncio.ensure_future(server.generate(served, prompts, sampling, n, events))
     task.add_done_callback(functools.partial(_report_failure, events))
+    task.add_done_callback(lambda _: release())
     try:
-        await events.started()
+        await unless_disconnected(receive, events.started())
     except BaseException:
         task.cancel()
         raise

@@ -21,8 +21,11 @@ the next start resumes it.
 Crash recovery: at startup every job that the database says is queued, running or
 paused is submitted again with `resume=True`, so it continues from its latest checkpoint
 on disk (paused ones stay paused). Checkpoints that reached the disk but not the
-database (a crash between the two) are reported first. Steps after the last checkpoint
-are trained again, and reported again with their new metrics.
+database (a crash between the two) are reported first, then the step it resumes from
+(`JobReporter.resumed`). Steps after the last checkpoint are trained again, and
+reported again with their new metrics. A job that cannot start again (its stored spec
+no longer validates, its dataset is gone, its spec is beyond this server's sizes) is
+reported failed with the reason, never retried; the server serves regardless.
 
 Shutdown (`close`): the pipeline closes with `checkpoint=True` (every running job writes
 a checkpoint of its current step first), then the reports still queued are written.
@@ -171,12 +174,13 @@ class PipelineBackend:
 
     def inference_provider(self) -> EngineProvider | None:
         """The OpenAI endpoints serve from the pipeline's own engine (one base per
-        process); their requests go through the same fair-share gate as rollouts."""
+        process); their requests go through the same gate as rollouts, as interactive
+        requests (admitted ahead of training rows, see `RequestGate`)."""
         runtime = self._runtime_if_ready()
         if runtime is None:
             return None
         ctx = runtime.ctx
-        return EngineProvider(ctx.model, ctx.bank, ctx.tokenizer, ctx.gate.submit)
+        return EngineProvider(ctx.model, ctx.bank, ctx.tokenizer, ctx.gate.submit_interactive)
 
     def device_utilization(self, window_s: float, bin_s: float) -> list[BusyBin]:
         """The device executor's busy fraction over recent wall-clock bins."""
@@ -404,6 +408,8 @@ class PipelineBackend:
                 self._report(lambda: self._reporter.status(job_id, JobStatus.FAILED, reason))
         elif isinstance(progress, TenantResumed):
             log.info("job %s resumed from its checkpoint at step %d", job_id, progress.version)
+            version = progress.version
+            self._report(lambda: self._reporter.resumed(job_id, version))
 
     def _report_checkpoint(
         self, job_id: str, step: int, path: Path, metrics: dict[str, float]

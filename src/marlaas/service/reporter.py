@@ -13,6 +13,12 @@ call. Checkpoints and metrics are facts and are always recorded, with two except
 - a job the tenant deleted: every report about it is ignored (a late one of a backend
   still winding the job down; only a step still counts toward its steps used), and its
   files are removed by `deletion.purge_deleted_jobs`.
+
+A job resumed after a crash (`resumed`) continues from a checkpoint older than the
+steps it had reported: `steps_done` goes back to the checkpoint's step and the later
+steps' metrics are dropped, since that work is lost and is trained again. Each re-run
+step then updates the event it had already (same id), so the event stream holds one
+event per step and never repeats one; a `resumed` event marks where it continued.
 """
 
 from __future__ import annotations
@@ -22,17 +28,18 @@ import logging
 import math
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
 from marlaas.service.db import Database
 from marlaas.service.deletion import checkpoint_folder, remove_dirs
-from marlaas.service.errors import NotFound
+from marlaas.service.errors import NotFound, redact_paths
 from marlaas.service.events import JobNotifier
 from marlaas.service.jobs import add_event
 from marlaas.service.lifecycle import REPORTED, JobStatus
-from marlaas.service.models import Checkpoint, Job, Metric, utcnow
+from marlaas.service.models import Checkpoint, Job, JobEvent, Metric, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +51,12 @@ def _finite(metrics: Mapping[str, float | None]) -> dict[str, float | None]:
     }
 
 
+def _event_key(data: Mapping[str, Any]) -> tuple[int, tuple[str, ...]]:
+    """What identifies a step event: its step and its metrics' names (a step has a
+    train event and, when evaluated, an eval event)."""
+    return int(data["step"]), tuple(sorted(data["metrics"]))
+
+
 class JobReporter:
     """The backend's handle on the database; one per app."""
 
@@ -52,6 +65,9 @@ class JobReporter:
         self.artifact_dir = artifact_dir
         self.notifier = JobNotifier()
         """Woken after every committed report, so event streams need not poll."""
+        #: Per resumed job, the events of steps it trains again: (step, metric names) ->
+        #: event id (used and written from the event loop only).
+        self._rerun: dict[str, dict[tuple[int, tuple[str, ...]], int]] = {}
 
     @staticmethod
     def _job(session: Session, job_id: str, report: str) -> Job | None:
@@ -86,19 +102,52 @@ class JobReporter:
                 return False
             job.status = status
             job.updated_at = utcnow()
+            if reason is not None:  # the tenant reads it: no server paths
+                reason = redact_paths(reason)
             if status is JobStatus.FAILED:
                 job.failure_reason = reason or "failed (no reason given)"
             add_event(session, job, "status", {"status": str(status), "reason": reason})
             return True
 
+    async def resumed(self, job_id: str, step: int) -> None:
+        """Report that the job continues from its checkpoint at `step` (see the module
+        docstring)."""
+        rerun = await asyncio.to_thread(self._resumed, job_id, step)
+        self._rerun[job_id] = rerun
+        self.notifier.notify(job_id)
+
+    def _resumed(self, job_id: str, step: int) -> dict[tuple[int, tuple[str, ...]], int]:
+        with self._db.transaction() as session:
+            job = self._job(session, job_id, f"resumed at {step}")
+            if job is None:
+                return {}
+            job.steps_done = min(job.steps_done, step)
+            job.updated_at = utcnow()
+            session.execute(delete(Metric).where(Metric.job_id == job_id, Metric.step > step))
+            rows = session.execute(
+                select(JobEvent.id, JobEvent.data)
+                .where(JobEvent.job_id == job_id, JobEvent.kind == "step")
+                .order_by(JobEvent.id)
+            ).all()
+            rerun = {_event_key(data): event_id for event_id, data in rows if data["step"] > step}
+            add_event(session, job, "resumed", {"step": step})
+            return rerun
+
     async def step(self, job_id: str, step: int, metrics: Mapping[str, float | None]) -> None:
         """Report that optimizer step `step` (1-based) finished, with its scalars. A step
         reported again (trained again after a crash resumed the job from an earlier
-        checkpoint) replaces its earlier values: a metric has one value per step."""
-        await asyncio.to_thread(self._step, job_id, step, _finite(metrics))
+        checkpoint) replaces its earlier values: a metric has one value per step, and
+        the step's event is updated in place."""
+        values = _finite(metrics)
+        event_id = self._rerun.get(job_id, {}).pop(
+            _event_key({"step": step, "metrics": values}), None
+        )
+        await asyncio.to_thread(self._step, job_id, step, values, event_id)
         self.notifier.notify(job_id)
 
-    def _step(self, job_id: str, step: int, metrics: dict[str, float | None]) -> None:
+    def _step(
+        self, job_id: str, step: int, metrics: dict[str, float | None], event_id: int | None
+    ) -> None:
         now = utcnow()
         with self._db.transaction() as session:
             job = self._job(session, job_id, f"step {step}")
@@ -120,7 +169,12 @@ class JobReporter:
                 Metric(job_id=job_id, step=step, name=name, value=value, time=now)
                 for name, value in metrics.items()
             )
-            add_event(session, job, "step", {"step": step, "metrics": metrics})
+            data = {"step": step, "metrics": metrics}
+            event = session.get(JobEvent, event_id) if event_id is not None else None
+            if event is not None:  # a re-run step: its event says what it is now
+                event.data, event.time = data, now
+            else:
+                add_event(session, job, "step", data)
 
     async def checkpoint(
         self, job_id: str, step: int, path: Path, metrics: Mapping[str, float | None]

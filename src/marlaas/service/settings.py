@@ -66,7 +66,7 @@ class QuotaSpec(Spec):
         262_144, description=QUOTA_DOCS["max_tokens_per_step"]
     )
     max_inference_requests: InferenceRequests = Field(
-        4, description=QUOTA_DOCS["max_inference_requests"]
+        8, description=QUOTA_DOCS["max_inference_requests"]
     )
     max_inference_tokens: InferenceTokens = Field(
         65_536, description=QUOTA_DOCS["max_inference_tokens"]
@@ -126,6 +126,14 @@ class ServiceSettings(Spec):
         le=3600,
         description="Limit of one environment call (tool, grader); a job's tool latency "
         "must stay below it.",
+    )
+    shutdown_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        le=600,
+        description="Time the job backend gets at shutdown to checkpoint its running jobs "
+        "and stop; past it the server exits anyway (a job then resumes from its previous "
+        "checkpoint, as after a crash).",
     )
     validation_timeout_s: float = Field(
         30.0,

@@ -13,18 +13,18 @@ import asyncio
 import logging
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Query, Response, status
+from fastapi import APIRouter, Header, Path, Query, Response, status
 from fastapi.responses import StreamingResponse
 from sqlalchemy import select
 
-from marlaas.config.job import JobSpec
+from marlaas.config.job import MAX_STEPS, JobSpec
 from marlaas.service import jobs as ops
 from marlaas.service import quotas
-from marlaas.service.api.deps import Context, TenantCaller, tenant_id
+from marlaas.service.api.deps import AUTH_ERRORS, Context, TenantCaller, responses, tenant_id
 from marlaas.service.archive import ArchiveFormat, open_adapter, stream_archive
 from marlaas.service.context import ServiceContext
 from marlaas.service.deletion import purge_deleted_jobs
-from marlaas.service.errors import InvalidField, NotFound
+from marlaas.service.errors import NotFound
 from marlaas.service.events import stream_events
 from marlaas.service.inference import provider_of
 from marlaas.service.lifecycle import Action, JobStatus
@@ -43,12 +43,13 @@ from marlaas.service.schemas import (
 )
 
 log = logging.getLogger(__name__)
-router = APIRouter(prefix="/v1", tags=["jobs"])
+router = APIRouter(prefix="/v1", tags=["jobs"], responses=AUTH_ERRORS)
 
-_ERRORS: dict[int | str, dict[str, str]] = {
-    401: {"description": "Missing or invalid API key."},
-    404: {"description": "No such job (or not yours)."},
-}
+_ERRORS = responses({404: "No such job (or not yours)."})
+#: Largest id of an event (a 64-bit column).
+MAX_EVENT_ID = 2**63 - 1
+#: A step: an adapter version, at most a job's largest `steps`.
+Step = Annotated[int, Path(ge=0, le=MAX_STEPS, description="A step (= adapter version).")]
 
 
 @router.get("/me", response_model=MeOut, tags=["tenant"])
@@ -70,11 +71,14 @@ async def _fail(ctx: ServiceContext, job_id: str, error: Exception) -> None:
     "/jobs",
     status_code=status.HTTP_201_CREATED,
     response_model=JobOut,
-    responses={
-        409: {"description": "A job of that name exists."},
-        422: {"description": "Invalid spec; `detail` lists each field and what is wrong."},
-        429: {"description": "A quota would be exceeded; the message names it and its limit."},
-    },
+    responses=responses(
+        {
+            409: "A job of that name exists.",
+            422: "Invalid spec, or one this server's model and engine cannot run, or a task "
+            "that cannot start; `detail` lists each field and what to change.",
+            429: "A quota would be exceeded; the message names it and its limit.",
+        }
+    ),
 )
 async def create_job(spec: JobSpec, ctx: Context, caller: TenantCaller) -> JobOut:
     """Create a job from a validated spec. Nothing is stored unless every check passes:
@@ -115,7 +119,7 @@ def list_jobs(
         JobStatus | None, Query(alias="status", description="Only this status.")
     ] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=2**31 - 1)] = 0,
 ) -> JobList:
     """The caller's jobs, newest first, optionally only those in `status`."""
     with ctx.db.transaction() as session:
@@ -157,7 +161,9 @@ async def act(ctx: ServiceContext, caller: TenantCaller, job_id: str, action: Ac
     return out
 
 
-_ACTION_ERRORS = {**_ERRORS, 409: {"description": "The job's status does not allow this."}}
+_ACTION_ERRORS = responses(
+    {404: "No such job (or not yours).", 409: "The job's status does not allow this."}
+)
 
 
 @router.post("/jobs/{job_id}/cancel", response_model=JobOut, responses=_ACTION_ERRORS)
@@ -216,8 +222,10 @@ def job_metrics(
     ctx: Context,
     caller: TenantCaller,
     name: Annotated[list[str] | None, Query(description="Only these metrics.")] = None,
-    since_step: Annotated[int, Query(ge=0, description="Only steps >= this.")] = 0,
-    until_step: Annotated[int | None, Query(ge=0, description="Only steps <= this.")] = None,
+    since_step: Annotated[int, Query(ge=0, le=MAX_STEPS, description="Only steps >= this.")] = 0,
+    until_step: Annotated[
+        int | None, Query(ge=0, le=MAX_STEPS, description="Only steps <= this.")
+    ] = None,
     limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
 ) -> MetricsOut:
     """The job's scalars per step, ordered by step then name."""
@@ -243,24 +251,6 @@ def job_checkpoints(job_id: str, ctx: Context, caller: TenantCaller) -> Checkpoi
         return CheckpointList(job_id=job.id, checkpoints=[checkpoint_out(c) for c in rows])
 
 
-def _after(last_event_id: str | None, after: int) -> int:
-    """Where a stream resumes: the `Last-Event-ID` header (sent by reconnecting SSE
-    clients) wins over `?after=`."""
-    if last_event_id is None or not last_event_id.strip():
-        return after
-    try:
-        value = int(last_event_id.strip())
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise InvalidField(
-            ("header", "Last-Event-ID"),
-            f"Last-Event-ID must be the id of an event (a non-negative integer), got "
-            f"{last_event_id[:40]!r}",
-        )
-    return value
-
-
 @router.get(
     "/jobs/{job_id}/events",
     response_class=StreamingResponse,
@@ -281,7 +271,9 @@ async def job_events(
     job_id: str,
     ctx: Context,
     caller: TenantCaller,
-    after: Annotated[int, Query(ge=0, description="Only events with a larger id.")] = 0,
+    after: Annotated[
+        int, Query(ge=0, le=MAX_EVENT_ID, description="Only events with a larger id.")
+    ] = 0,
     follow: Annotated[
         bool,
         Query(
@@ -290,15 +282,19 @@ async def job_events(
         ),
     ] = True,
     last_event_id: Annotated[
-        str | None,
+        int | None,
         Header(
+            alias="Last-Event-ID",
+            ge=0,
+            le=MAX_EVENT_ID,
             description="Resume after this event id (sent by reconnecting SSE clients); "
-            "wins over `after`."
+            "wins over `after`.",
         ),
     ] = None,
 ) -> StreamingResponse:
     """Stream the job's progress as server-sent events, resumable after an event id."""
-    start = _after(last_event_id, after)
+    # The header (a reconnecting SSE client's) wins over `?after=`.
+    start = after if last_event_id is None else last_event_id
     await asyncio.to_thread(_get, ctx, tenant_id(caller), job_id)  # 404 before streaming
     return StreamingResponse(
         stream_events(ctx.db, ctx.reporter.notifier, job_id, after=start, follow=follow),
@@ -366,7 +362,7 @@ async def _download(
 )
 async def download_checkpoint_adapter(
     job_id: str,
-    step: int,
+    step: Step,
     ctx: Context,
     caller: TenantCaller,
     fmt: FormatQuery = ArchiveFormat.TAR_GZ,

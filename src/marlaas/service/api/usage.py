@@ -19,9 +19,8 @@ from fastapi import APIRouter, Query
 from pydantic import Field
 from sqlalchemy import func, select
 
-from marlaas.service.api.deps import Context, TenantCaller, tenant_id
+from marlaas.service.api.deps import AUTH_ERRORS, Context, TenantCaller, tenant_id
 from marlaas.service.context import ServiceContext
-from marlaas.service.errors import InvalidField
 from marlaas.service.models import Job, Metric, utcnow
 from marlaas.service.schemas import Wire
 from marlaas.service.usage import BusyBin, provider_of
@@ -47,7 +46,11 @@ class StepsPoint(Wire):
 
 class DeviceUsageOut(Wire):
     window_s: float
-    bin_s: float
+    bin_s: float = Field(
+        ...,
+        description="The bin width used (wider than asked when the "
+        "window would need more than 2000 bins).",
+    )
     source: str | None = Field(
         ..., description="What reported the device figures; None: nothing does yet."
     )
@@ -115,7 +118,7 @@ def _steps(ctx: ServiceContext, tenant: str, window_s: float, bin_s: float) -> l
     ]
 
 
-@router.get("/device", response_model=DeviceUsageOut)
+@router.get("/device", response_model=DeviceUsageOut, responses=AUTH_ERRORS)
 def device_usage(
     ctx: Context,
     caller: TenantCaller,
@@ -125,13 +128,10 @@ def device_usage(
     bin_s: Annotated[float, Query(ge=0.5, le=86400, description="Bin width, in seconds.")] = 10,
 ) -> DeviceUsageOut:
     """The shared device's busy fraction over time (when the backend reports it) and
-    your jobs' finished steps over the same bins."""
-    if window_s / bin_s > MAX_BINS:
-        raise InvalidField(
-            ("query", "bin_s"),
-            f"{window_s:g} s in bins of {bin_s:g} s is more than {MAX_BINS} bins; "
-            f"use bin_s >= {window_s / MAX_BINS:.3g}",
-        )
+    your jobs' finished steps over the same bins. A window that would need more than
+    2000 bins of `bin_s` gets wider bins (the answer's `bin_s` says which): every
+    window and bin width within their ranges is answered."""
+    bin_s = max(bin_s, window_s / MAX_BINS)
     source, device, note = _device(ctx, window_s, bin_s)
     return DeviceUsageOut(
         window_s=window_s,

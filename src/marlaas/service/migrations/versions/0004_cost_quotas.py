@@ -21,7 +21,7 @@ COLUMNS: tuple[tuple[str, type[sa.types.TypeEngine[int]], int], ...] = (
     ("max_samples_per_step", sa.BigInteger, 1024),
     ("max_eval_episodes", sa.Integer, 1024),
     ("max_tokens_per_step", sa.BigInteger, 262_144),
-    ("max_inference_requests", sa.Integer, 4),
+    ("max_inference_requests", sa.Integer, 8),
     ("max_inference_tokens", sa.BigInteger, 65_536),
 )
 
