@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -224,6 +227,24 @@ async def test_math_equivalence(completion: str, expected: float) -> None:
 async def test_math_unparseable_reference_is_an_error() -> None:
     with pytest.raises(GraderError, match="could not be parsed"):
         await score({"type": "math"}, "1", "")
+
+
+def test_the_math_grader_prints_nothing(tmp_path: Path) -> None:
+    """math-verify warns "Timeout is disabled ..." when its own (signal-based) timeout
+    is off, as we turn it off on purpose: a fresh interpreter grading twice writes
+    nothing but its own output, on stdout or stderr."""
+    script = (
+        "import asyncio\n"
+        "from marlaas.envs.graders import build_grader\n"
+        "g = build_grader({'type': 'math'})\n"
+        "async def main():\n"
+        "    print(await g('1/2', '0.5', {}), await g('x', '2', {}))\n"
+        "asyncio.run(main())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout == "1.0 0.0\n" and done.stderr == ""
 
 
 async def test_math_timeout_is_a_grader_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -30,6 +30,7 @@ import asyncio
 import dataclasses
 import functools
 import json
+import logging
 import math
 import re
 from collections.abc import Mapping
@@ -180,7 +181,22 @@ class RegexGrader:
 def _math_pool() -> ThreadPoolExecutor:
     # Separate from the loop's default executor: stuck math-verify calls must not starve
     # other users of asyncio.to_thread. Created once per process on first use.
+    _quiet_math_verify()
     return ThreadPoolExecutor(max_workers=4, thread_name_prefix="marlaas-math")
+
+
+class _NoTimeoutWarning(logging.Filter):
+    """Drops math-verify's "Timeout is disabled ..." warning: we disable its
+    signal-based timeout on purpose (it works only in the main thread) and bound each
+    call ourselves (`MathGrader`), so the warning is noise in every run's log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+def _quiet_math_verify() -> None:
+    for name in ("math_verify.grader", "math_verify.parser"):
+        logging.getLogger(name).addFilter(_NoTimeoutWarning())
 
 
 def _math_equal(completion: str, reference: str) -> bool:
