@@ -30,7 +30,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, TypeAdapter, ValidationError, ValidationInfo, field_validator
 
 from marlaas.config.openai_graders import OPENAI_GRADER_TYPES, OpenAIGrader
-from marlaas.config.specs import Spec
+from marlaas.config.specs import Float, Spec
 from marlaas.errors import GraderError
 
 #: The placeholder a regex pattern may contain; it is replaced by the escaped reference.
@@ -65,8 +65,8 @@ class NumericGraderSpec(Spec):
     pick: Literal["first", "last"] = Field(
         "last", description="Which number of the completion is the answer."
     )
-    abs_tol: float = Field(1e-6, ge=0, description="Absolute tolerance.")
-    rel_tol: float = Field(0.0, ge=0, description="Tolerance relative to the reference's size.")
+    abs_tol: Float = Field(1e-6, ge=0, description="Absolute tolerance.")
+    rel_tol: Float = Field(0.0, ge=0, description="Tolerance relative to the reference's size.")
 
 
 class RegexGraderSpec(Spec):
@@ -119,7 +119,7 @@ class MathGraderSpec(Spec):
     """
 
     type: Literal["math"] = Field(description="Selects this grader.")
-    timeout_s: float = Field(
+    timeout_s: Float = Field(
         5.0, gt=0, le=60, description="Give up (GraderError) after this many seconds."
     )
     max_chars: int = Field(
@@ -147,7 +147,7 @@ class PythonGraderSpec(Spec):
         max_length=100_000,
         description="Python source defining `def grade(completion, reference, row)`.",
     )
-    timeout_s: float = Field(
+    timeout_s: Float = Field(
         5.0, gt=0, le=300, description="Wall-clock (and CPU) limit of one call, in seconds."
     )
 
@@ -188,7 +188,7 @@ class PythonGraderSpec(Spec):
 class WeightedChild(Spec):
     """One child of a weighted grader."""
 
-    weight: float = Field(..., gt=0, description="Relative weight (> 0); weights are normalised.")
+    weight: Float = Field(..., gt=0, description="Relative weight (> 0); weights are normalised.")
     grader: GraderSpec = Field(..., description="The child grader (any type, nesting allowed).")
 
 

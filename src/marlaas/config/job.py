@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
+    BeforeValidator,
     Discriminator,
     Field,
     Tag,
@@ -25,6 +26,7 @@ from pydantic.config import JsonDict
 from marlaas.config.graders import GraderSpec
 from marlaas.config.ray import RaySpec
 from marlaas.config.specs import (
+    Float,
     GRPOSpec,
     Int,
     LoRASpec,
@@ -37,6 +39,7 @@ from marlaas.config.specs import (
     TaskSpec,
     check_target_names,
     describe_problems,
+    integer_only,
     read_yaml,
 )
 
@@ -53,6 +56,10 @@ NAME_SCHEMA: JsonDict = {"pattern": NAME_PATTERN}
 MAX_EVAL_EPISODES = 10_000
 #: Most optimizer steps of a job, and the largest step interval.
 MAX_STEPS = 1_000_000
+
+
+#: How many checkpoints to keep (bounds before the validator: see `specs.Seed`).
+KeepCount = Annotated[int, Field(ge=1, le=MAX_STEPS), BeforeValidator(integer_only)]
 
 
 def check_name(value: str) -> str:
@@ -84,7 +91,7 @@ class DatasetSpec(Spec):
         "gets '' and reads the row's own fields, as an OpenAI grader does).",
     )
     grader: GraderSpec = Field(..., description="How a completion is scored against the row.")
-    eval_fraction: float = Field(
+    eval_fraction: Float = Field(
         0.1, ge=0.0, lt=1.0, description="Fraction of rows held out for eval, in [0, 1)."
     )
     eval_path: str | None = Field(
@@ -160,14 +167,12 @@ class JobSpec(Spec):
         le=MAX_STEPS,
         description="Checkpoint every this many steps (0: only at the end).",
     )
-    keep_checkpoints: Int | None = Field(
+    keep_checkpoints: KeepCount | None = Field(
         None,
-        ge=1,
-        le=MAX_STEPS,
         description="Keep only the newest this many checkpoints, removing older ones as "
         "new ones land (None: the runner's default; the service keeps all).",
     )
-    priority: float = Field(
+    priority: Float = Field(
         1.0, gt=0.0, le=1000.0, description="Weight of this job's share of device time."
     )
     seed: Seed = Field(

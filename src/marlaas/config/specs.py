@@ -15,9 +15,9 @@ from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
-    Strict,
     ValidationError,
     field_validator,
     model_validator,
@@ -31,10 +31,30 @@ MAX_SEED = 2**63 - 1
 #: Longest simulated tool latency, seconds (well below the pipeline's env timeout).
 MAX_TOOL_LATENCY_S = 60.0
 
-#: An integer that is one: `true` or `4.0` are refused instead of read as 1 or 4.
-Int = Annotated[int, Strict()]
+
+def integer_only(value: object) -> object:
+    """Let integers through, and integral numbers such as 4.0 (JSON Schema's integers);
+    refuse booleans and strings, which pydantic's lax mode would read as 1 or 4."""
+    if isinstance(value, bool | str | bytes):
+        raise ValueError(f"must be an integer, not {type(value).__name__} {value!r:.40}")
+    return value
+
+
+def number_only(value: object) -> object:
+    """Let numbers through; refuse booleans and strings (lax mode reads `true` as 1.0)."""
+    if isinstance(value, bool | str | bytes):
+        raise ValueError(f"must be a number, not {type(value).__name__} {value!r:.40}")
+    return value
+
+
+#: An integer that is one: `true` and `"4"` are refused instead of read as 1 and 4.
+Int = Annotated[int, BeforeValidator(integer_only)]
+#: A number that is one: `true` and `"0.5"` are refused.
+Float = Annotated[float, BeforeValidator(number_only)]
+# Bounds go before the validator in `Annotated`: after it, pydantic writes them into the
+# JSON schema as raw `ge`/`le` keys instead of `minimum`/`maximum`.
 #: A seed: a non-negative 64-bit integer.
-Seed = Annotated[int, Strict(), Field(ge=0, le=MAX_SEED)]
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED), BeforeValidator(integer_only)]
 #: A short, non-empty name (a module, a field, a stop string).
 ShortStr = Annotated[str, Field(min_length=1, max_length=128)]
 
@@ -123,7 +143,7 @@ class LoRASpec(Spec):
         description="LoRA rank r (0-256); 0 means the plain base. A "
         "server allows at most its engine's max rank.",
     )
-    alpha: float = Field(
+    alpha: Float = Field(
         16.0, gt=0, le=1e6, description="LoRA alpha (0-1e6); the update is scaled by alpha/r."
     )
     target_modules: TargetModules = Field(
@@ -152,10 +172,10 @@ class LoRASpec(Spec):
 class SamplingSpec(Spec):
     """How rollouts are sampled."""
 
-    temperature: float = Field(
+    temperature: Float = Field(
         1.0, ge=0.0, le=10.0, description="Softmax temperature (0-10); 0 means greedy decoding."
     )
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (0-1].")
+    top_p: Float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass (0-1].")
     top_k: Int = Field(
         0, ge=0, le=1_000_000, description="Keep the k most likely tokens; 0 disables."
     )
@@ -172,7 +192,7 @@ class SamplingSpec(Spec):
 
 
 #: An Adam beta.
-Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
+Beta = Annotated[float, Field(ge=0.0, lt=1.0), BeforeValidator(number_only)]
 
 
 class GRPOSpec(Spec):
@@ -190,7 +210,7 @@ class GRPOSpec(Spec):
     prompts_per_step: Int = Field(
         4, ge=1, le=1024, description="P: prompts per optimizer step (1-1024)."
     )
-    learning_rate: float = Field(
+    learning_rate: Float = Field(
         3e-4,
         gt=0,
         le=1.0,
@@ -201,12 +221,12 @@ class GRPOSpec(Spec):
         "3e-4..5e-4 is stable (greedy +0.05..0.08 on calculator).",
     )
     betas: tuple[Beta, Beta] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1).")
-    weight_decay: float = Field(0.0, ge=0, le=10.0, description="AdamW weight decay (0-10).")
-    max_grad_norm: float = Field(
+    weight_decay: Float = Field(0.0, ge=0, le=10.0, description="AdamW weight decay (0-10).")
+    max_grad_norm: Float = Field(
         1.0, gt=0, le=1e6, description="Clip each step's gradient to this norm (0-1e6]."
     )
-    clip_low: float = Field(0.2, ge=0, description="PPO clip epsilon below 1, in [0, 1).")
-    clip_high: float = Field(
+    clip_low: Float = Field(0.2, ge=0, description="PPO clip epsilon below 1, in [0, 1).")
+    clip_high: Float = Field(
         0.2, ge=0, le=10.0, description="PPO clip epsilon above 1 (0-10; DAPO: 0.28)."
     )
     scale_rewards: bool = Field(True, description="Divide advantages by the group std.")
@@ -215,12 +235,12 @@ class GRPOSpec(Spec):
         description="token: DAPO token-level mean; sequence: GRPO per-sequence mean; "
         "constant: Dr. GRPO, divide by a fixed token budget.",
     )
-    kl_coef: float = Field(
+    kl_coef: Float = Field(
         0.0, ge=0, le=100.0, description="KL penalty to the base policy (0-100); 0 disables."
     )
     kl_estimator: Literal["k1", "k3"] = Field("k3", description="KL estimator (Schulman).")
-    tis_cap: float | None = Field(
-        None, gt=0, le=1e6, description="Truncated importance sampling cap; None disables."
+    tis_cap: Annotated[float, Field(gt=0, le=1e6), BeforeValidator(number_only)] | None = Field(
+        None, description="Truncated importance sampling cap (0-1e6]; None disables."
     )
     max_staleness: Int = Field(
         1,
@@ -245,7 +265,7 @@ AlgorithmSpec = Annotated[GRPOSpec, Field(discriminator="type")]
 
 
 #: One end of a tool latency range, in seconds.
-Latency = Annotated[float, Field(ge=0.0, le=MAX_TOOL_LATENCY_S)]
+Latency = Annotated[float, Field(ge=0.0, le=MAX_TOOL_LATENCY_S), BeforeValidator(number_only)]
 
 
 class TaskSpec(Spec):
@@ -271,7 +291,7 @@ class TaskSpec(Spec):
         description="Range of simulated tool latency, in seconds (each end 0-60): every "
         "tool call waits a uniform draw from it. The two ends may come in either order.",
     )
-    options: dict[ShortStr, Int | float | Annotated[str, Field(max_length=256)]] = Field(
+    options: dict[ShortStr, Int | Float | Annotated[str, Field(max_length=256)]] = Field(
         default_factory=dict,
         max_length=32,
         description="Family-specific knobs, e.g. {'max_digits': 2} for arithmetic (at most "

@@ -186,6 +186,7 @@ _GENERATION = responses(
     {
         400: "An invalid or unsupported parameter (`param` names it), or a request larger "
         "than the engine's rows or the tenant's max_inference_tokens.",
+        413: "The body is larger than this service's limit.",
         429: "The tenant has max_inference_requests requests in flight.",
         503: "The engine cannot serve now (closed, or every adapter slot in use).",
     }

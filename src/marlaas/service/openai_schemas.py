@@ -10,10 +10,11 @@ unsupported options) raise `BadInferenceRequest` naming the field.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
@@ -21,12 +22,21 @@ from pydantic import (
     field_validator,
 )
 
+from marlaas.config.specs import Float, Int, integer_only, number_only
 from marlaas.service.inference import BadInferenceRequest
 from marlaas.types import Completion, SamplingParams
 
 MAX_N = 16
 MAX_STOP = 4
 MAX_TOKENS = 32768
+
+# Bounded numbers that refuse booleans and strings (bounds before the validator, so the
+# JSON schema states them; see `config.specs.Seed`).
+Temperature = Annotated[float, Field(ge=0.0, le=2.0), BeforeValidator(number_only)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0), BeforeValidator(number_only)]
+Choices = Annotated[int, Field(ge=1, le=MAX_N), BeforeValidator(integer_only)]
+Seed64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1), BeforeValidator(integer_only)]
+Tokens = Annotated[int, Field(ge=1, le=MAX_TOKENS), BeforeValidator(integer_only)]
 
 
 # -- errors ---------------------------------------------------------------------------
@@ -84,9 +94,9 @@ class StreamOptions(_Request):
 
 class SamplingRequest(_Request):
     model: str = Field(min_length=1, max_length=200)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    n: int | None = Field(None, ge=1, le=MAX_N)
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    n: Choices | None = None
     stop: str | list[str] | None = None
 
     @field_validator("stop", mode="wrap")
@@ -94,11 +104,11 @@ class SamplingRequest(_Request):
     def _stop(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
         return _union(value, handler, "a string, a list of strings or null")
 
-    seed: int | None = None
+    seed: Seed64 | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
 
@@ -129,10 +139,10 @@ class SamplingRequest(_Request):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1, le=MAX_TOKENS)
+    max_tokens: Tokens | None = 16
     echo: bool | None = False
-    logprobs: int | None = None
-    best_of: int | None = None
+    logprobs: Int | None = None
+    best_of: Int | None = None
     suffix: str | None = None
 
     @field_validator("prompt", mode="wrap")
@@ -169,8 +179,8 @@ class ChatMessage(_Request):
 
 class ChatRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
-    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS)
+    max_tokens: Tokens | None = None
+    max_completion_tokens: Tokens | None = None
     logprobs: bool | None = None
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None

@@ -10,23 +10,23 @@ import os
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field, Strict, field_validator
+from pydantic import BeforeValidator, Field, field_validator
 
 from marlaas.config.job import MAX_EVAL_EPISODES
-from marlaas.config.specs import Spec
+from marlaas.config.specs import Spec, integer_only
 
 ADMIN_KEY_ENV = "MARLAAS_ADMIN_KEY"
 METRICS_TOKEN_ENV = "MARLAAS_METRICS_TOKEN"
 
 # The type of each quota, shared by `QuotaSpec` and the admin's `QuotaPatch`.
-ConcurrentJobs = Annotated[int, Strict(), Field(ge=0, le=10_000)]
-TotalSteps = Annotated[int, Strict(), Field(ge=0, le=10**12)]
-DatasetBytes = Annotated[int, Strict(), Field(ge=0, le=2**50)]
-SamplesPerStep = Annotated[int, Strict(), Field(ge=0, le=2**20)]
-EvalEpisodes = Annotated[int, Strict(), Field(ge=0, le=MAX_EVAL_EPISODES)]
-TokensPerStep = Annotated[int, Strict(), Field(ge=0, le=2**40)]
-InferenceRequests = Annotated[int, Strict(), Field(ge=0, le=10_000)]
-InferenceTokens = Annotated[int, Strict(), Field(ge=0, le=2**40)]
+ConcurrentJobs = Annotated[int, Field(ge=0, le=10_000), BeforeValidator(integer_only)]
+TotalSteps = Annotated[int, Field(ge=0, le=10**12), BeforeValidator(integer_only)]
+DatasetBytes = Annotated[int, Field(ge=0, le=2**50), BeforeValidator(integer_only)]
+SamplesPerStep = Annotated[int, Field(ge=0, le=2**20), BeforeValidator(integer_only)]
+EvalEpisodes = Annotated[int, Field(ge=0, le=MAX_EVAL_EPISODES), BeforeValidator(integer_only)]
+TokensPerStep = Annotated[int, Field(ge=0, le=2**40), BeforeValidator(integer_only)]
+InferenceRequests = Annotated[int, Field(ge=0, le=10_000), BeforeValidator(integer_only)]
+InferenceTokens = Annotated[int, Field(ge=0, le=2**40), BeforeValidator(integer_only)]
 
 #: What each quota limits (the description of its field here and in `QuotaPatch`).
 QUOTA_DOCS = {

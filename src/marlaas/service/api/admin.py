@@ -9,7 +9,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from marlaas.service import auth
-from marlaas.service.api.deps import AUTH_ERRORS, AdminCaller, Context, responses
+from marlaas.service.api.deps import AUTH_ERRORS, BODY_ERRORS, AdminCaller, Context, responses
 from marlaas.service.errors import Conflict, NotFound
 from marlaas.service.models import ApiKey, Tenant, new_id, utcnow
 from marlaas.service.schemas import (
@@ -43,7 +43,7 @@ def _apply(tenant: Tenant, patch: QuotaPatch) -> None:
     "/tenants",
     status_code=status.HTTP_201_CREATED,
     response_model=TenantOut,
-    responses=responses({409: "A tenant of that name exists."}),
+    responses={**BODY_ERRORS, **responses({409: "A tenant of that name exists."})},
 )
 def create_tenant(body: TenantCreate, ctx: Context, _: AdminCaller) -> TenantOut:
     """Create a tenant with the given quotas (the service's defaults for those left out)."""
@@ -75,7 +75,9 @@ def get_tenant(name: str, ctx: Context, _: AdminCaller) -> TenantOut:
         return tenant_out(_tenant(session, name))
 
 
-@router.patch("/tenants/{name}/quotas", response_model=TenantOut, responses=_NO_TENANT)
+@router.patch(
+    "/tenants/{name}/quotas", response_model=TenantOut, responses={**BODY_ERRORS, **_NO_TENANT}
+)
 def set_quotas(name: str, body: QuotaPatch, ctx: Context, _: AdminCaller) -> TenantOut:
     """Change some of a tenant's quotas. Lowering one never stops running jobs; it
     only refuses new work beyond the new limit."""
@@ -89,7 +91,7 @@ def set_quotas(name: str, body: QuotaPatch, ctx: Context, _: AdminCaller) -> Ten
     "/tenants/{name}/keys",
     status_code=status.HTTP_201_CREATED,
     response_model=IssuedKeyOut,
-    responses=_NO_TENANT,
+    responses={**BODY_ERRORS, **_NO_TENANT},
 )
 def issue_key(
     name: str, ctx: Context, _: AdminCaller, body: KeyCreate | None = None

@@ -62,7 +62,11 @@ def _check_name(name: str) -> None:
     openapi_extra={
         "requestBody": {
             "required": True,
-            "content": {"application/x-ndjson": {"schema": {"type": "string"}}},
+            # Any media type is taken; these two are the usual ones.
+            "content": {
+                "application/x-ndjson": {"schema": {"type": "string"}},
+                "text/plain": {"schema": {"type": "string"}},
+            },
         }
     },
 )

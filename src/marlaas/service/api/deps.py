@@ -45,6 +45,15 @@ AUTH_ERRORS = responses(
 )
 
 
+#: What a route with a request body may answer before it reads it.
+BODY_ERRORS = responses(
+    {
+        400: "The body is not valid JSON.",
+        413: "The body is larger than this service's limit.",
+    }
+)
+
+
 # The light dependencies are `async`: FastAPI runs a plain `def` dependency in a worker
 # thread, and each such hop costs more than the work itself under load.
 

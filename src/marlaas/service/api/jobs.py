@@ -73,9 +73,11 @@ async def _fail(ctx: ServiceContext, job_id: str, error: Exception) -> None:
     response_model=JobOut,
     responses=responses(
         {
+            400: "The body is not valid JSON.",
             409: "A job of that name exists.",
             422: "Invalid spec, or one this server's model and engine cannot run, or a task "
             "that cannot start; `detail` lists each field and what to change.",
+            413: "The body is larger than this service's limit.",
             429: "A quota would be exceeded; the message names it and its limit.",
         }
     ),
@@ -251,9 +253,20 @@ def job_checkpoints(job_id: str, ctx: Context, caller: TenantCaller) -> Checkpoi
         return CheckpointList(job_id=job.id, checkpoints=[checkpoint_out(c) for c in rows])
 
 
+_LAST_EVENT_ID = {
+    "name": "Last-Event-ID",
+    "in": "header",
+    "required": False,
+    "description": "Resume after this event id (sent by reconnecting SSE clients); wins "
+    "over `after`.",
+    "schema": {"type": "integer", "minimum": 0, "maximum": MAX_EVENT_ID},
+}
+
+
 @router.get(
     "/jobs/{job_id}/events",
     response_class=StreamingResponse,
+    openapi_extra={"parameters": [_LAST_EVENT_ID]},
     responses={
         **_ERRORS,
         200: {
@@ -283,13 +296,9 @@ async def job_events(
     ] = True,
     last_event_id: Annotated[
         int | None,
-        Header(
-            alias="Last-Event-ID",
-            ge=0,
-            le=MAX_EVENT_ID,
-            description="Resume after this event id (sent by reconnecting SSE clients); "
-            "wins over `after`.",
-        ),
+        # Documented by hand (`_LAST_EVENT_ID`): a header is never null, which the
+        # generated schema of an optional parameter would allow.
+        Header(alias="Last-Event-ID", ge=0, le=MAX_EVENT_ID, include_in_schema=False),
     ] = None,
 ) -> StreamingResponse:
     """Stream the job's progress as server-sent events, resumable after an event id."""
