@@ -235,3 +235,21 @@ def test_quota_patches_take_integers_only(
     assert r.status_code == 422, r.text
     quotas = client.get("/v1/admin/tenants/acme", headers=ADMIN).json()["quotas"]
     assert quotas["max_concurrent_jobs"] == 3  # unchanged (the test settings' default)
+
+
+def test_a_job_stored_before_todays_bounds_is_still_listed(
+    client: TestClient, tenants: Tenants, context: Any
+) -> None:
+    """An older server took `group_size: 1000000`; reading the job must not fail (the
+    pipeline backend fails such a job at its next start)."""
+    from marlaas.service.models import Job
+
+    acme = tenants.create("acme")
+    jid = client.post("/v1/jobs", json=job_body(), headers=acme).json()["id"]
+    with context.db.transaction() as session:
+        job = session.get(Job, jid)
+        job.spec = {**job.spec, "algorithm": {**job.spec["algorithm"], "group_size": 1_000_000}}
+    for r in (client.get(f"/v1/jobs/{jid}", headers=acme), client.get("/v1/jobs", headers=acme)):
+        assert r.status_code == 200, r.text
+    shown = client.get(f"/v1/jobs/{jid}", headers=acme).json()["spec"]
+    assert shown["algorithm"]["group_size"] == 1_000_000

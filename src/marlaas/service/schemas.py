@@ -122,7 +122,11 @@ class JobOut(Wire):
     failure_reason: str | None
     created_at: datetime
     updated_at: datetime
-    spec: JobSpec
+    spec: JobSpec | dict[str, Any] = Field(
+        ...,
+        description="The job's spec. A job stored by an older server may hold one that "
+        "today's bounds refuse: it is shown as stored (and the job was failed).",
+    )
 
 
 class JobList(Wire):
@@ -210,15 +214,15 @@ def job_out(job: Job) -> JobOut:
     )
 
 
-def stored_spec(job: Job) -> JobSpec:
-    """The job's spec as stored. A spec stored before today's bounds (an older server
-    took it) no longer validates; it is shown as stored rather than failing the read
-    (such a job is failed when the server starts, see `pipeline_backend`)."""
+def stored_spec(job: Job) -> JobSpec | dict[str, Any]:
+    """The job's spec. One stored before today's bounds (an older server took it) no
+    longer validates; it is shown as stored rather than failing the read (such a job is
+    failed when the server starts, see `pipeline_backend`)."""
     try:
         return JobSpec.model_validate(job.spec)
     except ValidationError:
         log.info("job %s: its stored spec no longer validates; shown as stored", job.id)
-        return JobSpec.model_construct(**job.spec)
+        return dict(job.spec)
 
 
 def metric_out(metric: Metric) -> MetricPoint:
