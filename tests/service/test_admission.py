@@ -253,3 +253,22 @@ def test_a_job_stored_before_todays_bounds_is_still_listed(
         assert r.status_code == 200, r.text
     shown = client.get(f"/v1/jobs/{jid}", headers=acme).json()["spec"]
     assert shown["algorithm"]["group_size"] == 1_000_000
+
+
+def test_failure_reasons_do_not_show_server_paths(
+    client: TestClient, tenants: Tenants, backend: ScriptedBackend, context: Any
+) -> None:
+    import asyncio
+
+    from marlaas.service.lifecycle import JobStatus
+
+    acme = tenants.create("acme")
+    backend.hold_at = 1
+    jid = client.post("/v1/jobs", json=job_body(), headers=acme).json()["id"]
+    where = context.settings.artifact_dir.resolve() / "datasets" / "ten_x" / "ds_1.jsonl"
+    assert backend.reporter is not None
+    asyncio.run(backend.reporter.status(jid, JobStatus.FAILED, f"DataError: {where}:3: bad row"))
+    reason = client.get(f"/v1/jobs/{jid}", headers=acme).json()["failure_reason"]
+    assert reason == "DataError: .../ds_1.jsonl:3: bad row"
+    r = client.get(f"/v1/jobs/{jid}/events", params={"follow": "false"}, headers=acme)
+    assert str(context.settings.data_dir) not in r.text
