@@ -152,13 +152,14 @@ async def test_the_gil_switch_interval_is_lowered_while_running_and_restored(
 
 
 @pytest.mark.parametrize("defer_s", [60.0, 0.0])
-async def test_a_ready_batch_waits_while_an_inference_row_decodes(
+async def test_a_ready_batch_waits_for_an_inference_window(
     tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, defer_s: float
 ) -> None:
     """An inference request and a train batch arrive together (the device thread is
-    held until both are queued). With a deferral window every decode iteration of the
-    completion runs before the train step; with none, the batch trains first."""
-    monkeypatch.setattr(executor_module, "MAX_TRAIN_DEFER_S", defer_s)
+    held until both are queued). With an inference window longer than the completion,
+    every decode iteration of it runs before the train step; with none, the batch
+    trains first."""
+    monkeypatch.setattr(executor_module, "MAX_INTERACTIVE_S", defer_s)
     recorder = MemoryRecorder()
     ctx = make_ctx(tiny_dir, tmp_path, recorder)
     ctx.executor.start()

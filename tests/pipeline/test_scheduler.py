@@ -233,7 +233,9 @@ async def test_inference_rows_go_first_and_training_leaves_rows_for_them(
     gate.fill()
     assert engine.running + engine.queued <= 4 and gate.waiting()["p1"] > 0
     second = gate.submit_interactive(request("p3"))
-    gate.fill()
+    rows = engine.running + engine.queued
+    assert gate.fill(training=False) == 1  # an inference window: inference only
+    assert engine.running + engine.queued == rows + 1 and gate.waiting()["p1"] > 0
     assert gate.interactive_rows == 1  # in the engine at once, in a reserved row
     for f in training:
         f.cancel()

@@ -130,7 +130,7 @@ def run_api_bench(
         with log.open("wb") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
-            _wait_ready(base, proc, log, 120)
+            _wait_ready(base, proc, log, 300)  # a loaded machine starts slowly
             result = _measure(
                 base, jobs, clients, steps, timeout_s, rate, idle_s, inference_clients
             )

@@ -10,9 +10,14 @@ Policy, one decision per turn of the loop:
 2. If train batches are ready, train all of them in one `trainer.step`, unless the
    previous turn was also a train step and the engine has rows to decode: a batch that
    waits blocks its tenant, so training goes first, but decode is never starved.
-   Except while inference rows run (`RequestGate.interactive_active`): then decode goes
-   first and a ready batch waits, for at most `MAX_TRAIN_DEFER_S` at a time, so that a
-   completion is not stretched by a train step after each of its tokens.
+   Except while inference rows run (`RequestGate.interactive_active`): the turns then
+   belong to inference for a window of at most `MAX_INTERACTIVE_S` -- no train step,
+   and no new training rows enter the engine (the ones running keep decoding in the
+   same batch) -- so that a completion is neither stretched by a train step after each
+   of its tokens nor by the prefill of training rows. When the window ends, training
+   gets its turn (the ready batch trains and training rows are admitted once), then
+   the next window opens. Inference asking without pause thus gets about half of the
+   device at most, and training always progresses.
 3. Otherwise move fairly-ordered requests into the engine (`RequestGate.fill`) and run
    one `engine.step()`.
 4. With nothing to do, wait on a `threading.Event` that every producer sets (submit,
@@ -66,8 +71,8 @@ from marlaas.train.trainer import MultiLaneTrainer
 
 #: The interpreter's thread switch interval while an executor runs (see the docstring).
 GIL_SWITCH_INTERVAL_S = 1e-5
-#: Longest a ready train batch waits while inference rows decode (policy step 2).
-MAX_TRAIN_DEFER_S = 1.0
+#: Longest the turns belong to inference rows at a time (policy step 2).
+MAX_INTERACTIVE_S = 2.0
 
 T = TypeVar("T")
 
@@ -108,7 +113,11 @@ class DeviceExecutor:
         self._started = 0.0
         self._stopped: float | None = None
         self._saved_switch_interval: float | None = None
-        self._deferring_since: float | None = None
+        #: Policy step 2: when the current inference window ends; what training is owed
+        #: before the next one (a train step if a batch was ready, one admission).
+        self._window_end: float | None = None
+        self._owed_train = False
+        self._owed_fill = False
         self.busy_decode_s = 0.0
         self.busy_train_s = 0.0
         self.idle_s = 0.0
@@ -236,13 +245,16 @@ class DeviceExecutor:
             with self._lock:
                 ready = bool(self._jobs)
             rows_waiting = self.decodes_here and (self.engine.has_work() or self.gate.has_waiting())
-            if ready and not (last_was_train and rows_waiting) and not self._defer_train():
+            inference = self._inference_turn(ready)
+            if ready and not (last_was_train and rows_waiting) and not inference:
+                self._owed_train = False
                 self._train()
                 last_was_train = True
                 continue
             last_was_train = False
             if self.decodes_here:
-                self.gate.fill()
+                self.gate.fill(training=not inference)
+                self._owed_fill = self._owed_fill and inference
                 if self.engine.has_work() and self._decode() > 0:
                     continue
             with self._lock:
@@ -252,17 +264,20 @@ class DeviceExecutor:
             self._wake.wait()
             self.idle_s += time.perf_counter() - t0
 
-    def _defer_train(self) -> bool:
-        """Whether a ready train batch waits this turn for inference rows (policy 2)."""
+    def _inference_turn(self, ready: bool) -> bool:
+        """Whether this turn belongs to inference rows (policy step 2)."""
         if not (self.decodes_here and self.gate.interactive_active()):
-            self._deferring_since = None
+            self._window_end, self._owed_train, self._owed_fill = None, False, False
             return False
+        if self._owed_train or self._owed_fill:
+            return False  # training's turn, between two windows
         now = time.perf_counter()
-        if self._deferring_since is None:
-            self._deferring_since = now
-        if now - self._deferring_since < MAX_TRAIN_DEFER_S:
+        if self._window_end is None:
+            self._window_end = now + MAX_INTERACTIVE_S
+        if now < self._window_end:
             return True
-        self._deferring_since = None  # train once, then inference goes first again
+        self._window_end = None
+        self._owed_train, self._owed_fill = ready, True
         return False
 
     def _decode(self) -> int:

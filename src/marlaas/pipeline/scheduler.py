@@ -24,9 +24,10 @@ own and enter the engine before any training request, and while interactive requ
 were seen in the last `RESERVE_HOLD_S` seconds, training requests leave `reserve` rows
 free, so that a completion never waits for a training row to finish. Training keeps
 the rest of the rows, and every row when nobody asks for inference (a `marlaas run`).
-The device executor, for its part, decodes instead of training while interactive rows
-run, for a bounded time (`executor.MAX_TRAIN_DEFER_S`), so training is delayed, never
-stopped. An interactive request asks for a handful of rows for a few iterations, and
+The device executor, for its part, gives inference rows windows of a bounded length
+(`executor.MAX_INTERACTIVE_S`) in which it neither trains nor admits training rows
+(`fill(training=False)`), with a turn for training between two windows, so training
+is delayed, never stopped. An interactive request asks for a handful of rows for a few iterations, and
 the service bounds how many it may ask (rows and tokens per request, requests in flight
 per tenant), so the priority cannot be used to starve training.
 
@@ -240,8 +241,9 @@ class RequestGate:
             self.on_submit()
         return future
 
-    def fill(self) -> int:
-        """Move waiting requests into the engine while it has free rows; returns how many.
+    def fill(self, *, training: bool = True) -> int:
+        """Move waiting requests into the engine while it has free rows; returns how many
+        (`training=False`: inference requests only).
 
         Call it from the thread that steps the engine, right before `engine.step()`.
         """
@@ -251,6 +253,8 @@ class RequestGate:
             with self._lock:
                 nxt = self._interactive.pop()
                 if nxt is None:
+                    if not training:
+                        break
                     if room <= self.reserve and time.monotonic() < self._interactive_until:
                         break  # the last rows stay free for inference
                     nxt = self._share.pop()
