@@ -272,3 +272,30 @@ def test_failure_reasons_do_not_show_server_paths(
     assert reason == "DataError: .../ds_1.jsonl:3: bad row"
     r = client.get(f"/v1/jobs/{jid}/events", params={"follow": "false"}, headers=acme)
     assert str(context.settings.data_dir) not in r.text
+
+
+def test_targets_and_formats_are_checked_against_the_served_model(
+    client: TestClient, tenants: Tenants
+) -> None:
+    """LoRA targets are resolved with the model's own layers ('all-linear' and its leaf
+    names pass, another architecture's names do not), and a chat task needs a chat
+    template, which the embedded base lacks."""
+    acme = tenants.create("acme")
+    for i, targets in enumerate(("all-linear", ["q_proj", "down_proj"])):
+        body = {**job_body(f"ok{i}"), "lora": {"target_modules": targets}}
+        assert client.post("/v1/jobs", json=body, headers=acme).status_code == 201
+    gpt2 = {**job_body("gpt2"), "lora": {"target_modules": ["c_attn"]}}
+    where, message = _problem(_refused_among(client, acme, gpt2))
+    assert where == ["body", "lora", "target_modules"] and "c_attn" in message
+    chat = {**job_body("chat"), "task": {"family": "arithmetic", "format": "chat"}}
+    where, message = _problem(_refused_among(client, acme, chat))
+    assert where == ["body", "task", "format"] and "chat template" in message
+
+
+def _refused_among(client: TestClient, headers: dict[str, str], body: dict[str, Any]) -> Any:
+    """`_refused` for a tenant that has jobs already: the job is not among them."""
+    r = client.post("/v1/jobs", json=body, headers=headers)
+    assert r.status_code == 422, r.text
+    names = [j["name"] for j in client.get("/v1/jobs", headers=headers).json()["jobs"]]
+    assert body["name"] not in names
+    return r

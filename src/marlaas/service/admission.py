@@ -4,13 +4,15 @@ quotas, checked before the job is created (201), off the event loop, in bounded 
 A job is refused at submission, never at run time, when
 - it cannot fit the machine (422, naming the field and the limit). The limits are
   computed from the served model and the engine's sizes (`MachineLimits`): the LoRA
-  rank and target modules the model's multi-LoRA layers cover (`LoRAModel.validate_spec`,
-  the model's own list), a group no larger than the engine's rows, a prompt plus one
-  turn within the model's context, a whole sequence within the trainer's micro-batch
-  budget, tool latency below the environment timeout;
+  targets resolved against the model's own layers and the rank it allows
+  (`LoRAModel.resolve`, `LoRAModel.validate_spec`), a chat format only with a chat
+  template, a group no larger than the engine's rows, a prompt plus one turn within the
+  model's context, a whole sequence within the trainer's micro-batch budget, tool
+  latency below the environment timeout;
 - or it cannot start: its task is built here as the pipeline builds it (a dataset read
-  and checked row by row, its grader compiled, a family's options checked) and its
-  prompts are tokenized with the served model's tokenizer (422 naming the field);
+  and checked row by row, its grader compiled, a family's options checked, chat rows
+  rendered) and its prompts, as its episodes will see them, are tokenized with the
+  served model's tokenizer (422 naming the field);
 - or its step or eval would ask more than the tenant's quotas (`JobCost`, checked by
   `quotas.check_job_cost` in the transaction that creates the job: 429).
 
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -190,13 +192,20 @@ def assess_job(
     deadline: Deadline,
 ) -> JobCost:
     """Every check of the module docstring, in order of cost; the job's `JobCost`."""
-    from marlaas.errors import ModelError
+    from marlaas.errors import ConfigError, ModelError
+    from marlaas.model.chat import has_chat_template
 
     try:
-        model.validate_spec(spec.lora)
-    except ModelError as e:
+        model.validate_spec(model.resolve(spec.lora))
+    except (ConfigError, ModelError) as e:
         field = "rank" if spec.lora.rank > model.max_rank else "target_modules"
         raise InvalidField(("body", "lora", field), str(e)) from None
+    if spec.task.format == "chat" and not has_chat_template(tokenizer):
+        raise InvalidField(
+            ("body", "task", "format"),
+            "task.format chat needs the served model's chat template, and its tokenizer "
+            "has none; use format text (or auto), or a server on a chat model",
+        )
     group = spec.algorithm.group_size
     if group > limits.max_batch_rows:
         raise InvalidField(
@@ -211,11 +220,13 @@ def assess_job(
             f"a tool latency of {task.tool_latency_s[1]:g} s would reach this server's "
             f"environment timeout of {limits.env_timeout_s:g} s; keep it below",
         )
-    family = _build(spec, runnable)
+    family = _build(spec, runnable, tokenizer)
     deadline.check("building the task")
     examples = _sample(family, runnable)
     deadline.check("drawing the task's examples")
-    longest, where = _longest_prompt(tokenizer, examples, deadline)
+    prompts = _prompts(family, examples)
+    deadline.check("rendering the prompts")
+    longest, where = _longest_prompt(tokenizer, prompts, deadline)
     cost = JobCost(
         samples_per_step=spec.algorithm.samples_per_step,
         eval_episodes=spec.eval_episodes,
@@ -228,14 +239,14 @@ def assess_job(
     return cost
 
 
-def _build(spec: JobSpec, runnable: JobSpec) -> TaskFamily:
+def _build(spec: JobSpec, runnable: JobSpec, tokenizer: PreTrainedTokenizerBase) -> TaskFamily:
     """The task as the pipeline builds it; its errors name the field to fix and never
     the server's path of a dataset."""
     from marlaas.errors import DataError, GraderError
     from marlaas.pipeline.data import build_task
 
     try:
-        return build_task(runnable)
+        return build_task(runnable, tokenizer)
     except (MarlaasError, ValueError, TypeError, OSError) as e:
         task, text = spec.task, str(e)
         field: tuple[str, ...] = ("body", "task")
@@ -269,21 +280,52 @@ def _sample(family: TaskFamily, runnable: JobSpec) -> list[Example]:
         raise InvalidField(("body", "task"), f"the task gives no examples: {e}") from None
 
 
-def _chunks(items: Sequence[Example], size: int) -> Iterator[Sequence[Example]]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
+@dataclass(frozen=True)
+class _Prompt:
+    """An example's first prompt as its episode sends it: text, and whether a chat
+    template rendered it (its special tokens are then part of the text)."""
+
+    example: str
+    text: str
+    rendered: bool
+
+
+def _prompts(family: TaskFamily, examples: Sequence[Example]) -> list[_Prompt]:
+    """Each example's initial observation, from a fresh env (what the episode sends)."""
+
+    async def observe() -> list[_Prompt]:
+        out = []
+        for example in examples:
+            env = family.make_env(example)
+            text = await env.initial_observation()
+            out.append(_Prompt(example.id, text, bool(getattr(env, "chat", False))))
+        return out
+
+    try:
+        return asyncio.run(observe())  # this worker thread has no loop of its own
+    except (MarlaasError, ValueError) as e:
+        raise InvalidField(("body", "task"), f"the task's prompts cannot be made: {e}") from None
 
 
 def _longest_prompt(
-    tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], deadline: Deadline
+    tokenizer: PreTrainedTokenizerBase, prompts: Sequence[_Prompt], deadline: Deadline
 ) -> tuple[int, str]:
-    """The longest prompt in tokens (as episodes encode them) and which example it is."""
+    """The longest prompt in tokens, as episodes encode them (`model.chat.encode_text`:
+    BOS as the tokenizer expects, for text; nothing added to rendered text), and which
+    example it is. Tokenized in chunks, with the deadline checked between them."""
+    from marlaas.model.chat import adds_bos
+
+    bos = adds_bos(tokenizer)
     longest, where = 0, ""
-    for chunk in _chunks(examples, TOKENIZE_CHUNK):
-        encoded: Any = tokenizer([ex.prompt for ex in chunk], add_special_tokens=False)
-        for example, ids in zip(chunk, encoded["input_ids"], strict=True):
-            if len(ids) > longest:
-                longest, where = len(ids), example.id
+    for start in range(0, len(prompts), TOKENIZE_CHUNK):
+        chunk = prompts[start : start + TOKENIZE_CHUNK]
+        encoded: Any = tokenizer([p.text for p in chunk], add_special_tokens=False)
+        for prompt, ids in zip(chunk, encoded["input_ids"], strict=True):
+            n = len(ids)
+            if bos is not None and not prompt.rendered and (not ids or ids[0] != bos):
+                n += 1
+            if n > longest:
+                longest, where = n, prompt.example
         deadline.check("tokenizing the prompts")
     return longest, where
 
