@@ -72,7 +72,7 @@ from marlaas.train.trainer import MultiLaneTrainer
 #: The interpreter's thread switch interval while an executor runs (see the docstring).
 GIL_SWITCH_INTERVAL_S = 1e-5
 #: Longest the turns belong to inference rows at a time (policy step 2).
-MAX_INTERACTIVE_S = 2.0
+MAX_INTERACTIVE_S = 4.0
 
 T = TypeVar("T")
 
