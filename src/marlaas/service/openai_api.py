@@ -210,7 +210,7 @@ async def _admit(
 ) -> Callable[[], None]:
     """Admit a generation of `prompts` x `n` completions of up to `max_tokens` each
     (see the module docstring); returns the release of its slot."""
-    hub = _hub(request)
+    hub = inference_hub(request)
     quotas = await hub.quotas(tenant_id(caller))
     max_rows = request.app.state.context.settings.max_batch_rows
     check_request_size(prompts, n, max_tokens, quotas, max_rows)

@@ -21,6 +21,7 @@ from fastapi import APIRouter, Query, Request
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from marlaas.config.job import JobSpec
 from marlaas.service import datasets
 from marlaas.service import jobs as ops
 from marlaas.service.api.deps import Context, TenantCaller, tenant_id
@@ -132,12 +133,21 @@ async def create_job(body: convert.CreateJob, ctx: Context, caller: TenantCaller
     resolved = convert.resolve(body, grader, rows[0], rows[1] if len(rows) > 1 else None)
     spec = convert.job_spec(body, resolved)
 
-    def create() -> tuple[dict[str, Any], Any]:
+    def runnable_spec() -> JobSpec:
+        with ctx.db.transaction() as session:
+            return datasets.resolve_spec(session, tenant, spec, ctx.settings.artifact_dir)
+
+    # The native route's checks of the job's cost (service.admission), before a row exists.
+    runnable = await asyncio.to_thread(runnable_spec)
+    cost = await ctx.admission.assess(spec, runnable, provider_of(ctx.inference, ctx.backend))
+
+    def create() -> dict[str, Any]:
         with ctx.db.transaction() as session:
             job = ops.create_job(
                 session,
                 tenant,
                 spec,
+                cost,
                 max_rank=ctx.settings.max_lora_rank,
                 max_staleness=ctx.settings.max_staleness,
             )
@@ -156,10 +166,9 @@ async def create_job(body: convert.CreateJob, ctx: Context, caller: TenantCaller
             )
             session.add(ft)
             session.flush()
-            runnable = datasets.resolve_spec(session, tenant, spec, ctx.settings.artifact_dir)
-            return _object(session, job, ft), runnable
+            return _object(session, job, ft)
 
-    out, runnable = await asyncio.to_thread(create)
+    out = await asyncio.to_thread(create)
     job_id = out["id"]
     ctx.reporter.notifier.notify(job_id)
     if ctx.backend is not None:
