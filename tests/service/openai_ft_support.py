@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ import openai
 from live_support import AdapterBackend, LiveServer, make_tenant_key
 from service_support import ADMIN_KEY
 
+from marlaas.model.base import default_base_path
 from marlaas.service.app import create_app, open_context
 from marlaas.service.context import ServiceContext
 from marlaas.service.db import Database
@@ -66,11 +68,34 @@ class Served:
     ctx: ServiceContext
 
 
+#: The embedded base's prompt format as a chat template: system text as it is, user
+#: turns `Q: ...`, assistant turns `A: ...`, one line each.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'user' %}Q: {% elif m['role'] == 'assistant' %}A: {% endif %}"
+    "{{ m['content'] }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}A: {% endif %}"
+)
+
+
+def chat_base(where: Path) -> Path:
+    """A copy of the embedded base whose tokenizer has `CHAT_TEMPLATE`."""
+    shutil.copytree(default_base_path(), where)
+    config = where / "tokenizer_config.json"
+    config.write_text(
+        json.dumps({**json.loads(config.read_text()), "chat_template": CHAT_TEMPLATE})
+    )
+    return where
+
+
 @contextmanager
 def serving(data_dir: Path) -> Iterator[Served]:
-    """The service on `data_dir` with tenants acme and globex."""
+    """The service on `data_dir` (the embedded base with a chat template, which the job
+    checks read) with tenants acme and globex."""
     settings = ServiceSettings(
         data_dir=data_dir,
+        serve_base_model=chat_base(data_dir / "chat-base"),
         admin_key=ADMIN_KEY,
         default_quotas=QuotaSpec(max_concurrent_jobs=8, max_total_steps=1000),
     )

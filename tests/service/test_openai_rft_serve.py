@@ -13,7 +13,6 @@ import io
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -25,33 +24,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
-
-from marlaas.model.base import default_base_path
+from openai_ft_support import chat_base
 
 pytestmark = pytest.mark.slow
 
 ADMIN_KEY = "rft-serve-admin-key-0123456789"
-
-
-#: The embedded base's prompt format as a chat template: system text as it is, user
-#: turns `Q: ...`, assistant turns `A: ...`, one line each.
-CHAT_TEMPLATE = (
-    "{% for m in messages %}"
-    "{% if m['role'] == 'user' %}Q: {% elif m['role'] == 'assistant' %}A: {% endif %}"
-    "{{ m['content'] }}\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}A: {% endif %}"
-)
-
-
-def chat_base(where: Path) -> Path:
-    """A copy of the embedded base whose tokenizer has `CHAT_TEMPLATE`."""
-    shutil.copytree(default_base_path(), where)
-    config = where / "tokenizer_config.json"
-    config.write_text(
-        json.dumps({**json.loads(config.read_text()), "chat_template": CHAT_TEMPLATE})
-    )
-    return where
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 
+from marlaas.service.api.deps import AUTH_ERRORS, responses
 from marlaas.service.errors import ServiceError
 from marlaas.service.openai_schemas import error_body
 
@@ -79,3 +80,18 @@ class FineTuningRoute(APIRoute):
                 )
 
         return route
+
+
+#: What every fine-tuning route may answer, in OpenAI's error shape (the key's checks,
+#: a request this server refuses and why, a tenant quota).
+ERRORS = AUTH_ERRORS | responses(
+    {
+        400: "The request is invalid; the error names the parameter and what to fix.",
+        409: "The object is in a state that does not allow this (in use, finished).",
+        413: "The body is larger than this service's limit.",
+        422: "The job cannot run on this server as asked (the message says what to change).",
+        429: "A quota would be exceeded; the message names it and its limit.",
+    }
+)
+#: Routes that name one object: another tenant's is missing alike.
+NOT_FOUND = responses({404: "No such object, or another tenant's."})

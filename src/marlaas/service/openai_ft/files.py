@@ -31,11 +31,19 @@ from marlaas.service import datasets as store
 from marlaas.service.api.deps import Context, TenantCaller, tenant_id
 from marlaas.service.errors import Conflict
 from marlaas.service.models import File, new_id, utcnow
-from marlaas.service.openai_ft.errors import FineTuningRoute, bad_request, not_found
+from marlaas.service.openai_ft.errors import (
+    ERRORS,
+    NOT_FOUND,
+    FineTuningRoute,
+    bad_request,
+    not_found,
+)
 from marlaas.service.openai_ft.file_check import check_chat_file
 
 log = logging.getLogger(__name__)
-router = APIRouter(prefix="/v1/files", tags=["openai fine-tuning"], route_class=FineTuningRoute)
+router = APIRouter(
+    prefix="/v1/files", tags=["openai fine-tuning"], route_class=FineTuningRoute, responses=ERRORS
+)
 
 PURPOSE = "fine-tune"
 _EXPIRY_S = (3600, 30 * 24 * 3600)
@@ -234,13 +242,13 @@ def page(items: list[dict[str, Any]], after: str | None, limit: int) -> dict[str
     }
 
 
-@router.get("/{file_id}")
+@router.get("/{file_id}", responses=NOT_FOUND)
 def retrieve_file(file_id: str, ctx: Context, caller: TenantCaller) -> dict[str, Any]:
     with ctx.db.transaction() as session:
         return file_object(_get(session, tenant_id(caller), file_id))
 
 
-@router.get("/{file_id}/content", response_model=None)
+@router.get("/{file_id}/content", response_model=None, responses=NOT_FOUND)
 def file_content(file_id: str, ctx: Context, caller: TenantCaller) -> FileResponse:
     """The file's bytes as uploaded."""
     tenant = tenant_id(caller)
@@ -250,7 +258,7 @@ def file_content(file_id: str, ctx: Context, caller: TenantCaller) -> FileRespon
     return FileResponse(path, media_type="application/jsonl", filename=name)
 
 
-@router.delete("/{file_id}")
+@router.delete("/{file_id}", responses=NOT_FOUND)
 def delete_file(file_id: str, ctx: Context, caller: TenantCaller) -> dict[str, Any]:
     """Delete a file no active job uses (409 otherwise); its bytes stop counting."""
     tenant = tenant_id(caller)

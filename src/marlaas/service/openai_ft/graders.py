@@ -35,11 +35,14 @@ from marlaas.service.errors import ServiceError
 from marlaas.service.inference import InferenceHub
 from marlaas.service.models_catalog import ModelNotFound
 from marlaas.service.openai_api import chat_prompt, inference_hub
-from marlaas.service.openai_ft.errors import FineTuningRoute, bad_request
+from marlaas.service.openai_ft.errors import ERRORS, FineTuningRoute, bad_request
 from marlaas.types import SamplingParams
 
 router = APIRouter(
-    prefix="/v1/fine_tuning/alpha/graders", tags=["openai fine-tuning"], route_class=FineTuningRoute
+    prefix="/v1/fine_tuning/alpha/graders",
+    tags=["openai fine-tuning"],
+    route_class=FineTuningRoute,
+    responses=ERRORS,
 )
 _GRADER = TypeAdapter(OpenAIGrader)
 

@@ -31,14 +31,23 @@ from marlaas.service.inference import provider_of
 from marlaas.service.lifecycle import Action, JobStatus
 from marlaas.service.models import Checkpoint, FineTuningJob, Job, JobEvent, Metric, Tenant
 from marlaas.service.openai_ft import convert, wire
-from marlaas.service.openai_ft.errors import FineTuningRoute, bad_request, not_found
+from marlaas.service.openai_ft.errors import (
+    ERRORS,
+    NOT_FOUND,
+    FineTuningRoute,
+    bad_request,
+    not_found,
+)
 from marlaas.service.openai_ft.file_check import check_prompts
 from marlaas.service.openai_ft.files import file_path, find_file
 from marlaas.service.openai_ft.names import fine_tuned_model
 
 log = logging.getLogger(__name__)
 router = APIRouter(
-    prefix="/v1/fine_tuning/jobs", tags=["openai fine-tuning"], route_class=FineTuningRoute
+    prefix="/v1/fine_tuning/jobs",
+    tags=["openai fine-tuning"],
+    route_class=FineTuningRoute,
+    responses=ERRORS,
 )
 _HINT = "List your fine-tuning jobs with GET /v1/fine_tuning/jobs."
 
@@ -230,7 +239,7 @@ def list_jobs(
     }
 
 
-@router.get("/{job_id}")
+@router.get("/{job_id}", responses=NOT_FOUND)
 def retrieve_job(job_id: str, ctx: Context, caller: TenantCaller) -> dict[str, Any]:
     return _read(ctx, tenant_id(caller), job_id)
 
@@ -244,25 +253,25 @@ async def _action(
     return await asyncio.to_thread(_read, ctx, tenant, job_id)
 
 
-@router.post("/{job_id}/cancel")
+@router.post("/{job_id}/cancel", responses=NOT_FOUND)
 async def cancel_job(job_id: str, ctx: Context, caller: TenantCaller) -> dict[str, Any]:
     """Stop a queued, running or paused job for good."""
     return await _action(ctx, caller, job_id, Action.CANCEL)
 
 
-@router.post("/{job_id}/pause")
+@router.post("/{job_id}/pause", responses=NOT_FOUND)
 async def pause_job(job_id: str, ctx: Context, caller: TenantCaller) -> dict[str, Any]:
     """Pause a queued or running job; it keeps its state (and its quota slot)."""
     return await _action(ctx, caller, job_id, Action.PAUSE)
 
 
-@router.post("/{job_id}/resume")
+@router.post("/{job_id}/resume", responses=NOT_FOUND)
 async def resume_job(job_id: str, ctx: Context, caller: TenantCaller) -> dict[str, Any]:
     """Continue a paused job from where it stopped."""
     return await _action(ctx, caller, job_id, Action.RESUME)
 
 
-@router.get("/{job_id}/events")
+@router.get("/{job_id}/events", responses=NOT_FOUND)
 def list_events(
     job_id: str,
     ctx: Context,
@@ -283,7 +292,7 @@ def list_events(
     return {"object": "list", "data": data, "has_more": len(rows) > limit}
 
 
-@router.get("/{job_id}/checkpoints")
+@router.get("/{job_id}/checkpoints", responses=NOT_FOUND)
 def list_checkpoints(
     job_id: str,
     ctx: Context,
