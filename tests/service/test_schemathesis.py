@@ -11,7 +11,10 @@ operation, nowhere else):
 - `POST /v1/jobs`: 422 for a family that does not exist, a dataset not uploaded, a job
   the served model and engine cannot run (see `service.admission`);
 - `PUT /v1/datasets/{name}`: 422 for a body that is not JSONL;
-- the completions: 400 for options that are not supported (tools, best_of != n, ...).
+- the completions: 400 for options that are not supported (tools, best_of != n, ...);
+- the OpenAI fine-tuning routes: 400 in OpenAI's error shape, as OpenAI's API answers,
+  for what their schema leaves open (a grader's fields by its type, a file's JSONL, a
+  multipart upload's parts), and for a job 422 of the job checks as `POST /v1/jobs`.
 """
 
 from __future__ import annotations
@@ -46,6 +49,14 @@ checks.positive_data_acceptance.expected-statuses = ["2xx", "401", "403", "404",
 [[operations]]
 include-name = ["POST /v1/completions", "POST /v1/chat/completions"]
 checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "403", "404", "409", "429", "503"]
+
+[[operations]]
+include-name = ["POST /v1/files", "POST /v1/fine_tuning/alpha/graders/run", "POST /v1/fine_tuning/alpha/graders/validate"]
+checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "403", "404", "409", "413", "429"]
+
+[[operations]]
+include-name = "POST /v1/fine_tuning/jobs"
+checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "403", "404", "409", "422", "429"]
 """
 
 
