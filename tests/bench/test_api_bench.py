@@ -41,8 +41,10 @@ def test_bench_api_runs_a_real_server_to_the_end(tmp_path: Path) -> None:
     assert saved["create"]["n"] == 2 and saved["config"]["rate_per_client"] == 20.0
     assert set(saved["phases"]) == {"training", "idle"}
     for phase in saved["phases"].values():
-        assert set(phase["latency"]) == {"list", "get", "metrics", "checkpoints"}
+        # The pollers' four endpoints, and the completions of the one inference client.
+        assert set(phase["latency"]) == {"list", "get", "metrics", "checkpoints", "complete"}
         assert phase["latency"]["get"]["n"] > 0 and phase["requests_per_s"] > 0
+        assert phase["latency"]["complete"]["n"] > 0
     # On its schedule, a client sends at most `rate` requests per second.
     idle = saved["phases"]["idle"]
     assert idle["requests_per_s"] <= 2 * 20.0 * 1.05
