@@ -12,6 +12,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Literal
 
+from marlaas.errors import DataError
+
 FinishReason = Literal["stop", "eos", "length", "aborted"]
 
 _request_ids = itertools.count()
@@ -113,6 +115,42 @@ class Trajectory:
         n = len(self.token_ids)
         if len(self.loss_mask_T) != n or len(self.logprobs_T) != n:
             raise ValueError("token_ids, loss_mask_T and logprobs_T must have equal lengths")
+
+
+@dataclass(frozen=True)
+class Datum:
+    """One row of training data for a `forward_backward` or `forward` call.
+
+    The model reads `input_ids`; position `t` is scored on `target_ids[t]` (next-token
+    data has `target_ids == input_ids[1:] + (next,)`) with weight `weights_T[t]` in the
+    loss, a plain weighted sum (see `marlaas.train.objectives`). A weight of 0 means the
+    position carries no loss (a prompt or tool-output token). `sampling_logprobs_T[t]`
+    (the log-prob of `target_ids[t]` under the policy that sampled it) and
+    `advantages_T[t]` are given when the loss needs them, else left empty.
+
+    Rows of one tenant that start with the same tokens before their first weighted
+    position share that prefix's forward in the trainer (a GRPO group's samples).
+    """
+
+    input_ids: tuple[int, ...]
+    target_ids: tuple[int, ...]
+    weights_T: tuple[float, ...]
+    sampling_logprobs_T: tuple[float, ...] = ()
+    advantages_T: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        n = len(self.input_ids)
+        if n == 0:
+            raise DataError("a datum needs at least one input token")
+        if len(self.target_ids) != n or len(self.weights_T) != n:
+            raise DataError(
+                f"input_ids, target_ids and weights_T must have equal lengths, got {n}, "
+                f"{len(self.target_ids)} and {len(self.weights_T)}"
+            )
+        for name in ("sampling_logprobs_T", "advantages_T"):
+            got = len(getattr(self, name))
+            if got not in (0, n):
+                raise DataError(f"{name} must be empty or have {n} entries, got {got}")
 
 
 class JobStatus(enum.StrEnum):

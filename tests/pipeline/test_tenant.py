@@ -6,7 +6,7 @@ import pytest
 from pipeline_support import job
 
 from marlaas.pipeline.tenant import PipelineError, TenantState, describe_failure
-from marlaas.train.batch import NUM_SUMS, TenantStepResult, TrainBatch
+from marlaas.train.batch import TenantStepResult, TrainBatch
 from marlaas.types import JobStatus, Trajectory
 
 
@@ -31,8 +31,8 @@ def group(tenant: str, version: int, G: int = 2) -> list[Trajectory]:
 
 
 def result_for(batch: TrainBatch) -> TenantStepResult:
-    sums = [0.0] * NUM_SUMS
-    sums[1] = 4.0  # tokens
+    sums: dict[str, float] = {}
+    sums["tokens"] = 4.0
     return TenantStepResult.from_sums(batch, batch.step + 1, sums, 0.0, 1e-3, False)
 
 
@@ -125,7 +125,7 @@ def test_version_goes_up_by_exactly_one() -> None:
     state.group_done(group("t", 0))
     batch = state.take_batch()
     assert batch is not None
-    wrong = TenantStepResult.from_sums(batch, 2, [0.0] * NUM_SUMS, 0.0, 1e-3, False)
+    wrong = TenantStepResult.from_sums(batch, 2, {}, 0.0, 1e-3, False)
     with pytest.raises(PipelineError, match="exactly one"):
         state.on_trained(batch, wrong)
     state.on_trained(batch, result_for(batch))

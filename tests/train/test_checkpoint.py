@@ -19,14 +19,14 @@ from marlaas.train.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from marlaas.train.trainer import MultiLaneTrainer
+from marlaas.train.grpo import GRPOTrainer
 
 LORA = LoRASpec(rank=4, alpha=8.0, target_modules=("v_proj", "q_proj", "up_proj"))
 ALGO = GRPOSpec(group_size=4, prompts_per_step=2, weight_decay=0.05, kl_coef=0.1)
 
 
-def _trainer(model: LoRAModel) -> MultiLaneTrainer:
-    trainer = MultiLaneTrainer(model, max_tokens_per_microbatch=96)
+def _trainer(model: LoRAModel) -> GRPOTrainer:
+    trainer = GRPOTrainer(model, max_tokens_per_microbatch=96)
     trainer.register("t", LORA, ALGO, seed=3, temperature=0.9, warmup_steps=2)
     trainer.register("other", LoRASpec(rank=2), ALGO, seed=4)
     return trainer
@@ -49,7 +49,7 @@ def test_resume_equals_training_straight_through(lora_model: LoRAModel, tmp_path
     path = save_checkpoint(tmp_path, first.snapshot("t"), extra={"cursor": 17, "epoch": [1, 2]})
     assert path.name == "ckpt-00000002" and latest_checkpoint(tmp_path) == path
 
-    resumed = MultiLaneTrainer(lora_model, max_tokens_per_microbatch=96)
+    resumed = GRPOTrainer(lora_model, max_tokens_per_microbatch=96)
     loaded = load_checkpoint(path, lora_model)
     assert loaded.extra == {"cursor": 17, "epoch": [1, 2]}
     assert (loaded.snapshot.lora, loaded.snapshot.algo) == (LORA, ALGO)

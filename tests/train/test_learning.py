@@ -30,7 +30,7 @@ from marlaas.model.lora import LoRAModel
 from marlaas.rollout.engine import RolloutEngine
 from marlaas.rollout.episode import run_episode
 from marlaas.train.batch import TrainBatch
-from marlaas.train.trainer import MultiLaneTrainer
+from marlaas.train.grpo import GRPOTrainer
 from marlaas.types import SamplingParams, Trajectory
 
 pytestmark = pytest.mark.slow
@@ -107,7 +107,7 @@ async def train_together(plan: dict[str, tuple[str, int]]) -> dict[str, tuple[fl
     model = LoRAModel(base, max_rank=8)
     bank = AdapterBank(model, num_slots=8, versions_kept=2)
     engine = RolloutEngine(model, bank, tok, max_batch_size=128, seed=0)
-    trainer = MultiLaneTrainer(model, max_tokens_per_microbatch=8192)
+    trainer = GRPOTrainer(model, max_tokens_per_microbatch=8192)
     lora = LoRASpec(rank=8, alpha=16)
     algo = GRPOSpec(group_size=8, prompts_per_step=8, learning_rate=5e-4, max_staleness=0)
     tenants: list[Tenant] = []

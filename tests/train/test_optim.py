@@ -9,17 +9,17 @@ from marlaas.config.specs import GRPOSpec, LoRASpec
 from marlaas.errors import ConfigError
 from marlaas.model.lora import LoRAModel
 from marlaas.train.optim import (
+    AdamParams,
     AdamState,
-    AdamWConfig,
     AdapterLayout,
     adamw_step_,
     clip_grad_norms_,
 )
 
 CONFIGS = [
-    AdamWConfig(lr=1e-2),
-    AdamWConfig(lr=3e-3, betas=(0.8, 0.95), weight_decay=0.1, eps=1e-6),
-    AdamWConfig(lr=5e-2, betas=(0.5, 0.9), weight_decay=0.01, warmup_steps=3),
+    AdamParams(lr=1e-2),
+    AdamParams(lr=3e-3, betas=(0.8, 0.95), weight_decay=0.1, eps=1e-6),
+    AdamParams(lr=5e-2, betas=(0.5, 0.9), weight_decay=0.01, warmup_steps=3),
 ]
 
 
@@ -78,17 +78,17 @@ def test_clipping_uses_each_tenants_own_norm() -> None:
 
 
 def test_warmup_schedule_and_validation() -> None:
-    c = AdamWConfig(lr=1.0, warmup_steps=4)
+    c = AdamParams(lr=1.0, warmup_steps=4)
     assert [c.lr_at(k) for k in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
-    assert AdamWConfig(lr=2.0).lr_at(0) == 2.0
+    assert AdamParams(lr=2.0).lr_at(0) == 2.0
     spec = GRPOSpec(learning_rate=1e-3, betas=(0.8, 0.9), weight_decay=0.2, max_grad_norm=3.0)
-    from_spec = AdamWConfig.from_spec(spec, warmup_steps=2)
+    from_spec = AdamParams.from_spec(spec, warmup_steps=2)
     assert (from_spec.lr, from_spec.betas, from_spec.weight_decay) == (1e-3, (0.8, 0.9), 0.2)
     assert (from_spec.max_grad_norm, from_spec.warmup_steps) == (3.0, 2)
     with pytest.raises(ConfigError):
-        AdamWConfig(lr=0.0)
+        AdamParams(lr=0.0)
     with pytest.raises(ConfigError):
-        AdamWConfig(lr=1.0, warmup_steps=-1)
+        AdamParams(lr=1.0, warmup_steps=-1)
 
 
 def test_layout_views_share_the_flat_buffer(lora_model: LoRAModel) -> None:

@@ -12,8 +12,8 @@ from train_data import VOCAB, make_batch
 import marlaas.train.prefix as prefix
 from marlaas.model.lora import LoRAModel
 from marlaas.train.batch import TrainBatch, plan_microbatches, tensorise
+from marlaas.train.grpo import GRPOTrainer
 from marlaas.train.prefix import SharedPrefix
-from marlaas.train.trainer import MultiLaneTrainer
 from tiny_archs import ARCHS, WINDOW, tiny_model
 
 
@@ -41,8 +41,8 @@ def _data(model: LoRAModel, steps: int) -> dict[str, list[TrainBatch]]:
 
 def _train(
     model: LoRAModel, data: dict[str, list[TrainBatch]], steps: int
-) -> tuple[MultiLaneTrainer, list[dict[str, object]]]:
-    trainer = MultiLaneTrainer(model, max_tokens_per_microbatch=4096)
+) -> tuple[GRPOTrainer, list[dict[str, object]]]:
+    trainer = GRPOTrainer(model, max_tokens_per_microbatch=4096)
     for i, name in enumerate(TENANTS):
         _register(trainer, name, seed=i)
     results = [trainer.step([data[name][k] for name in TENANTS]) for k in range(steps)]

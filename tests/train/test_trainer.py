@@ -26,8 +26,8 @@ from marlaas.train.batch import (
     tensorise,
 )
 from marlaas.train.bench import run_trainer_bench, tenant_lengths
+from marlaas.train.grpo import GRPOTrainer
 from marlaas.train.losses import policy_loss, token_logprobs
-from marlaas.train.trainer import MultiLaneTrainer
 
 SMALL: dict[str, Any] = {"group_size": 4, "prompts_per_step": 2}
 
@@ -67,7 +67,7 @@ TENANTS: dict[str, tuple[LoRASpec, GRPOSpec, float, int]] = {
 }
 
 
-def _register(trainer: MultiLaneTrainer, name: str, seed: int) -> None:
+def _register(trainer: GRPOTrainer, name: str, seed: int) -> None:
     lora, algo, temperature, warmup = TENANTS[name]
     trainer.register(
         name,
@@ -104,7 +104,7 @@ def _minus(a: AdapterTensors, b: AdapterTensors) -> AdapterTensors:
 def test_together_equals_alone(lora_model: LoRAModel) -> None:
     steps = 3
     data = _data(lora_model, steps)
-    together = MultiLaneTrainer(lora_model, max_tokens_per_microbatch=160)
+    together = GRPOTrainer(lora_model, max_tokens_per_microbatch=160)
     for i, name in enumerate(TENANTS):
         _register(together, name, seed=i)
     clipped = 0.0
@@ -118,7 +118,7 @@ def test_together_equals_alone(lora_model: LoRAModel) -> None:
     assert together.stats.max_microbatch_lanes >= 2
 
     for i, name in enumerate(TENANTS):
-        alone = MultiLaneTrainer(lora_model, max_tokens_per_microbatch=4096)
+        alone = GRPOTrainer(lora_model, max_tokens_per_microbatch=4096)
         _register(alone, name, seed=i)
         for k in range(steps):
             alone.step([data[name][k]])
@@ -137,7 +137,7 @@ def test_microbatch_split_does_not_change_the_update(lora_model: LoRAModel) -> N
     batch = _data(lora_model, 1)[name][0]
     adapters = []
     for budget in (24, 64, 10_000):
-        trainer = MultiLaneTrainer(lora_model, max_tokens_per_microbatch=budget)
+        trainer = GRPOTrainer(lora_model, max_tokens_per_microbatch=budget)
         _register(trainer, name, seed=0)
         trainer.step([batch])
         adapters.append(trainer.adapter(name))
@@ -148,7 +148,7 @@ def test_microbatch_split_does_not_change_the_update(lora_model: LoRAModel) -> N
 @pytest.mark.parametrize("num_tenants", [1, 5, 12])
 def test_token_budget_bounds_every_microbatch(lora_model: LoRAModel, num_tenants: int) -> None:
     budget = 48
-    trainer = MultiLaneTrainer(lora_model, max_tokens_per_microbatch=budget)
+    trainer = GRPOTrainer(lora_model, max_tokens_per_microbatch=budget)
     algo = GRPOSpec(group_size=2, prompts_per_step=2)
     batches = []
     for i in range(num_tenants):
@@ -173,7 +173,7 @@ def test_microbatches_pad_at_most_a_quarter_whatever_the_mix_of_lengths() -> Non
         mask_NT=torch.zeros(n, 40),
         behaviour_NT=torch.zeros(n, 40),
         weights_NT=torch.zeros(n, 40),
-        advantages_N=torch.zeros(n),
+        advantages_NT=torch.zeros(n, 40),
         lengths_N=torch.tensor(lengths),
         tenant_N=torch.tensor([i % 3 for i in range(n)]),
         prompt_N=torch.arange(n),
@@ -192,7 +192,7 @@ def test_microbatches_pad_at_most_a_quarter_whatever_the_mix_of_lengths() -> Non
 
 def test_versions_adapter_copies_and_frozen_base(lora_model: LoRAModel) -> None:
     base_before = {k: v.clone() for k, v in lora_model.base.state_dict().items()}
-    trainer = MultiLaneTrainer(lora_model)
+    trainer = GRPOTrainer(lora_model)
     _register(trainer, "t-rank2", seed=0)
     _register(trainer, "t-rank8-kl", seed=1)
     assert trainer.version("t-rank2") == 0
@@ -232,7 +232,7 @@ def test_masked_tokens_carry_no_gradient(lora_model: LoRAModel) -> None:
     edited = replace(batch, trajectories=tuple(trajs))
     adapters = []
     for b in (batch, edited):
-        trainer = MultiLaneTrainer(lora_model)
+        trainer = GRPOTrainer(lora_model)
         _register(trainer, name, seed=0)
         trainer.step([b])
         adapters.append(trainer.adapter(name))
@@ -242,7 +242,7 @@ def test_masked_tokens_carry_no_gradient(lora_model: LoRAModel) -> None:
 def test_on_policy_at_the_tenant_temperature(lora_model: LoRAModel) -> None:
     """Behaviour log-probs recorded at the tenant's temperature give ratio 1 exactly."""
     algo = GRPOSpec(**SMALL)
-    trainer = MultiLaneTrainer(lora_model)
+    trainer = GRPOTrainer(lora_model)
     trainer.register("hot", LoRASpec(rank=4), algo, temperature=1.7)
     batch = make_batch("hot", 0, algo, seed=3, model=lora_model, temperature=1.7, noise=0.0)
     result = trainer.step([batch])["hot"]
@@ -267,7 +267,7 @@ def test_kl_to_base_uses_the_plain_base(lora_model: LoRAModel) -> None:
     batch = TrainBatch.from_groups("kl", 0, [flat[:4], flat[4:]], scale_rewards=True)
     assert set(batch.advantages) == {0.0}
 
-    trainer = MultiLaneTrainer(lora_model)
+    trainer = GRPOTrainer(lora_model)
     trainer.register("kl", lora, algo, tensors=tensors)
     result = trainer.step([batch])["kl"]
     assert result.grad_norm > 0 and result.kl_base is not None
@@ -291,7 +291,7 @@ def test_kl_to_base_uses_the_plain_base(lora_model: LoRAModel) -> None:
 
 def test_metrics_from_the_batch(lora_model: LoRAModel) -> None:
     algo = GRPOSpec(**SMALL, max_staleness=2)
-    trainer = MultiLaneTrainer(lora_model)
+    trainer = GRPOTrainer(lora_model)
     trainer.register("m", LoRASpec(rank=2), algo)
     trainer.step([make_batch("m", 0, algo, seed=1)])
     batch = make_batch("m", 1, algo, seed=2, staleness=1)
@@ -322,7 +322,7 @@ def test_train_batch_advantages_and_staleness() -> None:
 
 def test_a_bad_batch_changes_nothing(lora_model: LoRAModel) -> None:
     algo = GRPOSpec(**SMALL, max_staleness=0)
-    trainer = MultiLaneTrainer(lora_model, max_tokens_per_microbatch=64)
+    trainer = GRPOTrainer(lora_model, max_tokens_per_microbatch=64)
     trainer.register("good", LoRASpec(rank=2), algo, seed=0)
     trainer.register("bad", LoRASpec(rank=2), algo, seed=1)
     trainer.step([make_batch("bad", 0, algo, seed=1)])
@@ -362,7 +362,7 @@ def test_one_tenant_matches_peft_and_torch_adamw(lora_model: LoRAModel) -> None:
     lora, algo, _, _ = TENANTS["t-rank2"]
     algo = algo.model_copy(update={"weight_decay": 0.05, "max_grad_norm": 0.1})
     batches = _data(lora_model, 3)["t-rank2"]
-    trainer = MultiLaneTrainer(lora_model, max_tokens_per_microbatch=64)
+    trainer = GRPOTrainer(lora_model, max_tokens_per_microbatch=64)
     trainer.register("t-rank2", lora, algo, seed=0)
     for batch in batches:
         trainer.step([batch])
@@ -386,7 +386,7 @@ def test_one_tenant_matches_peft_and_torch_adamw(lora_model: LoRAModel) -> None:
         loss, _ = policy_loss(
             token_logprobs(logits, rows.target_ids_NT),
             rows.behaviour_NT,
-            rows.advantages_N,
+            rows.advantages_NT,
             rows.mask_NT,
             clip_low=algo.clip_low,
             clip_high=algo.clip_high,
@@ -431,7 +431,7 @@ def test_benchmark_reports_every_mode(tiny_llama_path: Path, tmp_path: Path) -> 
 def test_a_batch_without_model_tokens_still_counts_as_a_step(lora_model: LoRAModel) -> None:
     """All-observation trajectories carry no gradient but the step (and version) happen."""
     algo = GRPOSpec(**SMALL)
-    trainer = MultiLaneTrainer(lora_model)
+    trainer = GRPOTrainer(lora_model)
     trainer.register("empty", LoRASpec(rank=2), algo)
     trainer.register("full", LoRASpec(rank=2), algo, seed=1)
     batch = make_batch("empty", 0, algo, seed=4)

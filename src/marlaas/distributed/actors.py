@@ -6,7 +6,7 @@
   batching over every concurrent request it holds. Adapters arrive as tensors only
   (`publish`, `sync`), numbered exactly like the in-process bank.
 - `TrainerWorker` (threaded with one thread: strictly one call at a time): a
-  `MultiLaneTrainer` on its own copy of the base. `step` returns the step results and,
+  `GRPOTrainer` on its own copy of the base. `step` returns the step results and,
   as separate return objects, each tenant's new adapter, so the caller can hand those
   objects to the replicas without fetching them.
 - `EnvWorker` (async actor, CPU) lives in `env_worker.py`, which imports no torch.
@@ -41,8 +41,8 @@ from marlaas.model.base import load_base
 from marlaas.model.lora import AdapterTensors, LoRAModel
 from marlaas.rollout.engine import RolloutEngine
 from marlaas.train.batch import TenantStepResult, TrainBatch, TrainBatchError
-from marlaas.train.optim import TenantSnapshot
-from marlaas.train.trainer import MultiLaneTrainer
+from marlaas.train.grpo import GRPOSnapshot as TenantSnapshot
+from marlaas.train.grpo import GRPOTrainer
 from marlaas.types import Completion, RolloutRequest
 
 
@@ -203,7 +203,7 @@ class EngineReplica:
 
 
 class TrainerWorker:
-    """A `MultiLaneTrainer` on its own copy of the base (see the module docstring)."""
+    """A `GRPOTrainer` on its own copy of the base (see the module docstring)."""
 
     def __init__(
         self,
@@ -217,9 +217,7 @@ class TrainerWorker:
     ) -> None:
         _threads(torch_threads)
         base, _ = load_base(Path(base_path), dtype=dtype, device=_device(device))
-        self.trainer = MultiLaneTrainer(
-            LoRAModel(base, max_rank=max_rank), max_tokens_per_microbatch
-        )
+        self.trainer = GRPOTrainer(LoRAModel(base, max_rank=max_rank), max_tokens_per_microbatch)
         self.incarnation = uuid.uuid4().hex
         self.busy_s = 0.0
 

@@ -27,7 +27,7 @@ from marlaas.pipeline.executor import DeviceExecutor
 from marlaas.pipeline.scheduler import RequestGate
 from marlaas.rollout.engine import RolloutEngine
 from marlaas.train.batch import TenantStepResult, TrainBatch
-from marlaas.train.trainer import MultiLaneTrainer
+from marlaas.train.grpo import GRPOTrainer
 
 
 class RayExecutor(DeviceExecutor):
@@ -41,9 +41,7 @@ class RayExecutor(DeviceExecutor):
         recorder: Recorder | None = None,
     ) -> None:
         # The clients serve the surfaces the base class and the pipeline use.
-        super().__init__(
-            cast(RolloutEngine, engine), cast(MultiLaneTrainer, trainer), gate, recorder
-        )
+        super().__init__(cast(RolloutEngine, engine), cast(GRPOTrainer, trainer), gate, recorder)
         self.ray_engine = engine
         self.ray_trainer = trainer
         gate.on_submit = self.pump

@@ -6,7 +6,7 @@ baseline and `run_jobs` drive them unchanged.
 | ------------- | --------------------- | ------------------------------------------------ |
 | `engine`      | `RolloutEngine`       | `RayEngineClient` over `EngineReplica` actors     |
 | `bank`        | `AdapterBank`         | `RayBank`: registers/publishes/removes on every replica |
-| `trainer`     | `MultiLaneTrainer`    | `RayTrainerClient` over a `TrainerWorker` actor   |
+| `trainer`     | `GRPOTrainer`    | `RayTrainerClient` over a `TrainerWorker` actor   |
 | `executor`    | `DeviceExecutor`      | `RayExecutor`                                     |
 | `envs`        | `EnvPool`             | `RayEnvPool` over `EnvWorker` actors              |
 | `gate`        | `RequestGate`         | the same `RequestGate`, over the engine client    |
@@ -59,7 +59,7 @@ from marlaas.pipeline.context import PipelineContext, PipelineOptions
 from marlaas.pipeline.data import build_task
 from marlaas.pipeline.scheduler import RequestGate
 from marlaas.rollout.engine import RolloutEngine
-from marlaas.train.trainer import MultiLaneTrainer
+from marlaas.train.grpo import GRPOTrainer
 
 
 class RayBank:
@@ -212,7 +212,7 @@ def build_ray_context(
         tokenizer=tokenizer,
         bank=cast(AdapterBank, RayBank(engine, versions_kept)),
         engine=cast(RolloutEngine, engine),
-        trainer=cast(MultiLaneTrainer, trainer),
+        trainer=cast(GRPOTrainer, trainer),
         gate=gate,
         executor=executor,
         envs=envs,

@@ -37,7 +37,7 @@ from marlaas.model.lora import AdapterTensors, LoRAModel
 from marlaas.obs.recorder import NullRecorder, Recorder
 from marlaas.train.batch import TenantStepResult, TrainBatch, TrainBatchError
 from marlaas.train.checkpoint import latest_checkpoint, load_checkpoint
-from marlaas.train.optim import TenantSnapshot
+from marlaas.train.grpo import GRPOSnapshot as TenantSnapshot
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -244,7 +244,12 @@ class RayTrainerClient:
         assert path is not None
         snapshot = load_checkpoint(path, self.model).snapshot
         # The schedule in force is the one the tenant was registered or restored with.
-        return replace(snapshot, algo=record.origin.algo, temperature=record.origin.temperature)
+        origin = record.origin
+        if isinstance(origin, TenantSnapshot):
+            training = origin.training
+        else:
+            training = replace(snapshot.training, algo=origin.algo, temperature=origin.temperature)
+        return replace(snapshot, training=training)
 
 
 def _register_args(reg: _Registration) -> tuple[Any, ...]:

@@ -27,7 +27,7 @@ from marlaas.pipeline.envpool import EnvPool
 from marlaas.pipeline.executor import DeviceExecutor
 from marlaas.pipeline.scheduler import RequestGate
 from marlaas.rollout.engine import RolloutEngine
-from marlaas.train.trainer import MultiLaneTrainer
+from marlaas.train.grpo import GRPOTrainer
 
 
 class PipelineOptions(Spec):
@@ -67,7 +67,7 @@ class PipelineContext:
     tokenizer: PreTrainedTokenizerBase
     bank: AdapterBank
     engine: RolloutEngine
-    trainer: MultiLaneTrainer
+    trainer: GRPOTrainer
     gate: RequestGate
     executor: DeviceExecutor
     envs: EnvPool

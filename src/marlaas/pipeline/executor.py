@@ -67,7 +67,7 @@ from marlaas.obs.recorder import NullRecorder, Recorder
 from marlaas.pipeline.scheduler import RequestGate
 from marlaas.rollout.engine import RolloutEngine
 from marlaas.train.batch import TenantStepResult, TrainBatch, TrainBatchError
-from marlaas.train.trainer import MultiLaneTrainer
+from marlaas.train.grpo import GRPOTrainer
 
 #: The interpreter's thread switch interval while an executor runs (see the docstring).
 GIL_SWITCH_INTERVAL_S = 1e-5
@@ -93,7 +93,7 @@ class DeviceExecutor:
     def __init__(
         self,
         engine: RolloutEngine,
-        trainer: MultiLaneTrainer,
+        trainer: GRPOTrainer,
         gate: RequestGate,
         recorder: Recorder | None = None,
     ) -> None:

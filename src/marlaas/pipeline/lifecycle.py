@@ -40,7 +40,7 @@ from marlaas.pipeline.executor import ExecutorClosed
 from marlaas.pipeline.tenant import PipelineError, TenantState
 from marlaas.train.batch import TenantStepResult, TrainBatch
 from marlaas.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from marlaas.train.optim import TenantSnapshot
+from marlaas.train.grpo import GRPOSnapshot as TenantSnapshot
 from marlaas.types import SamplingParams, Trajectory
 
 T = TypeVar("T")
@@ -110,7 +110,12 @@ class TenantRuntime:
             # The job's current algorithm and temperature apply from here on (a resume
             # may change the schedule); the optimizer state is layout-compatible.
             snapshot = replace(
-                ckpt.snapshot, algo=job.algorithm, temperature=job.sampling.temperature
+                ckpt.snapshot,
+                training=replace(
+                    ckpt.snapshot.training,
+                    algo=job.algorithm,
+                    temperature=job.sampling.temperature,
+                ),
             )
             extra = ckpt.extra
         self.registered = True  # from here on, teardown removes whatever got registered
@@ -261,7 +266,7 @@ class TenantRuntime:
             snapshot,
             extra,
             self.job.keep_checkpoints or self.ctx.options.keep_checkpoints,
-            fan_in_fan_out=model_fan_in_fan_out(self.ctx.model, snapshot.tensors),
+            fan_in_fan_out=model_fan_in_fan_out(self.ctx.model, snapshot.state.tensors),
         )
         self.last_checkpoint = snapshot.version
         self.ctx.recorder.span("checkpoint", "save", t0, time.perf_counter(), tenant=self.name)

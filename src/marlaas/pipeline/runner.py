@@ -40,7 +40,7 @@ from marlaas.pipeline.orchestrator import Orchestrator
 from marlaas.pipeline.scheduler import RequestGate
 from marlaas.pipeline.tenant import TenantState
 from marlaas.rollout.engine import RolloutEngine
-from marlaas.train.trainer import MultiLaneTrainer
+from marlaas.train.grpo import GRPOTrainer
 
 Mode = Literal["async", "sync"]
 
@@ -180,9 +180,7 @@ def build_context(
         background=False,
         seed=options.engine_seed,
     )
-    trainer = MultiLaneTrainer(
-        model, max_tokens_per_microbatch=run.trainer.max_tokens_per_microbatch
-    )
+    trainer = GRPOTrainer(model, max_tokens_per_microbatch=run.trainer.max_tokens_per_microbatch)
     gate = RequestGate(engine, capacity=run.engine.max_batch_size)
     executor = DeviceExecutor(engine, trainer, gate, recorder)
     envs = EnvPool(options.env_concurrency, options.env_timeout_s, recorder)

@@ -1,18 +1,20 @@
-"""Train batches: one tenant's data for one optimizer step, and how the trainer turns the
-batches of many tenants into padded rows and token-bounded micro-batches.
+"""Train batches and rows: a GRPO tenant's data for one optimizer step (`TrainBatch`,
+turned into `Datum` rows by `batch_data`), and how the trainer turns the data of many
+tenants into padded rows and token-bounded micro-batches.
 
-A row is one trajectory as a next-token problem: the model reads `prompt + tokens[:-1]`
-and position `t` predicts `(prompt + tokens)[t + 1]`. Only targets that the model wrote
-(`loss_mask_T == 1`) are valid: prompt and tool-output targets never carry gradient.
-A row is cut after its last valid target (later positions cannot influence earlier
-ones under causal attention), and a row without any valid target is not run at all.
+A datum is one next-token problem: the model reads `input_ids` and position `t` is
+scored on `target_ids[t]` with weight `weights_T[t]`. A GRPO trajectory is the row
+`prompt + tokens[:-1]` predicting `(prompt + tokens)[1:]`, weighted only on the tokens
+the model wrote (`loss_mask_T == 1`): prompt and tool-output targets never carry
+gradient. A row is cut after its last weighted position (later positions cannot
+influence earlier ones under causal attention), and a row without any is not run.
 
 Invariants:
 - A `TrainBatch` belongs to one tenant and one optimizer step; its advantages are the
   group-relative advantages of its rewards, one per trajectory.
-- Token weights are computed over a tenant's *whole* step batch (`token_weights`), so
-  however rows are split into micro-batches, and whoever they share them with, each
-  tenant's loss is exactly its full-batch loss.
+- GRPO token weights are computed over a tenant's *whole* step batch (`token_weights`
+  in `batch_data`), so however rows are split into micro-batches or calls, and whoever
+  they share them with, each tenant's loss is exactly its full-batch loss.
 - Every micro-batch's padded size (rows x longest row) is at most the token budget, and
   its rows are grouped by tenant (lanes in batch order), so each tenant's rows are one
   contiguous slice.
@@ -21,7 +23,7 @@ Invariants:
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from statistics import fmean, pstdev
 
@@ -32,7 +34,7 @@ from marlaas.errors import DataError
 from marlaas.packing import pack_longest_first
 from marlaas.train.advantages import group_advantages
 from marlaas.train.losses import LossNorm, token_weights
-from marlaas.types import Trajectory
+from marlaas.types import Datum, Trajectory
 
 
 class TrainBatchError(DataError):
@@ -119,14 +121,38 @@ class TrainBatch:
         return tuple(t.reward for t in self.trajectories)
 
 
-#: Columns of the trainer's per-tenant sums over micro-batches (see `from_sums`).
-LOSS, TOKENS, CLIPPED, RATIO, KL_BEHAVIOUR, KL_BASE, ENTROPY = range(7)
-NUM_SUMS = 7
+def batch_data(
+    batch: TrainBatch, loss_norm: LossNorm, constant_norm_tokens: float | None = None
+) -> tuple[Datum, ...]:
+    """The rows of a GRPO batch as data: each trajectory's prompt and tokens as one
+    next-token row, its advantage on every token, its behaviour log-probs, and weights
+    from `token_weights` over the whole batch (so the batch's loss is its normalised
+    loss however it is split; prompt and tool-output targets weigh 0)."""
+    trajs = batch.trajectories
+    masks = [(0,) * (len(t.prompt_ids) - 1) + tuple(t.loss_mask_T) for t in trajs]
+    T = max(len(m) for m in masks)
+    mask_NT = torch.zeros(len(trajs), T, dtype=torch.bool)
+    for i, m in enumerate(masks):
+        mask_NT[i, : len(m)] = torch.tensor(m, dtype=torch.bool)
+    weights_NT = token_weights(mask_NT, loss_norm, constant_norm_tokens=constant_norm_tokens)
+    out: list[Datum] = []
+    for t, m, w_T, adv in zip(trajs, masks, weights_NT.tolist(), batch.advantages, strict=True):
+        n = len(m)
+        out.append(
+            Datum(
+                input_ids=(*t.prompt_ids, *t.token_ids)[:-1],
+                target_ids=(*t.prompt_ids[1:], *t.token_ids),
+                weights_T=tuple(w_T[:n]),
+                sampling_logprobs_T=(0.0,) * (len(t.prompt_ids) - 1) + tuple(t.logprobs_T),
+                advantages_T=(float(adv),) * n,
+            )
+        )
+    return tuple(out)
 
 
 @dataclass(frozen=True)
 class TenantStepResult:
-    """What one optimizer step did for one tenant. Means are over its valid tokens."""
+    """What one GRPO optimizer step did for one tenant. Means are over its valid tokens."""
 
     tenant: str
     version: int  # the new adapter version
@@ -152,28 +178,31 @@ class TenantStepResult:
         cls,
         batch: TrainBatch,
         version: int,
-        sums: Sequence[float],
+        sums: Mapping[str, float],
         grad_norm: float,
         lr: float,
         has_kl: bool,
     ) -> TenantStepResult:
-        """Token-weighted means from the step's sums; batch statistics from `batch`."""
-        n = max(sums[TOKENS], 1.0)
+        """Token-weighted means from the step's sums (the names of
+        `objectives.PolicyGradient`; missing ones count 0); batch statistics from
+        `batch`."""
+        tokens = sums.get("tokens", 0.0)
+        n = max(tokens, 1.0)
         staleness = batch.staleness()
         return cls(
             tenant=batch.tenant,
             version=version,
-            loss=sums[LOSS],
-            clip_frac=sums[CLIPPED] / n,
-            ratio_mean=sums[RATIO] / n if sums[TOKENS] > 0 else 1.0,
-            kl_base=sums[KL_BASE] / n if has_kl else None,
-            kl_behaviour=sums[KL_BEHAVIOUR] / n,
-            entropy=sums[ENTROPY] / n,
+            loss=sums.get("loss", 0.0),
+            clip_frac=sums.get("clipped", 0.0) / n,
+            ratio_mean=sums.get("ratio", 0.0) / n if tokens > 0 else 1.0,
+            kl_base=sums.get("kl_base", 0.0) / n if has_kl else None,
+            kl_behaviour=sums.get("kl_behaviour", 0.0) / n,
+            entropy=sums.get("entropy", 0.0) / n,
             reward_mean=fmean(batch.rewards),
             reward_std=pstdev(batch.rewards),
             advantage_mean=fmean(batch.advantages),
             advantage_std=pstdev(batch.advantages),
-            tokens=round(sums[TOKENS]),
+            tokens=round(tokens),
             rows=len(batch.trajectories),
             staleness_max=max(staleness),
             staleness_mean=fmean(staleness),
@@ -184,12 +213,14 @@ class TenantStepResult:
 
 @dataclass(frozen=True)
 class Rows:
-    """The rows of one trainer step (all tenants), right-padded to `T`, on the CPU.
+    """The rows of one training pass (all tenants), right-padded to `T`, on the CPU.
 
-    `tenant_N` indexes the step's batches; `lengths_N` is the number of positions run
-    (0 for a row without valid targets); `weights_NT` is each token's weight in its
-    tenant's loss; `prompt_N` numbers the distinct (tenant, prompt) pairs, so rows with
-    the same number start with the same `prompt_len_N` tokens (a GRPO group).
+    `tenant_N` indexes the pass's inputs; `lengths_N` is the number of positions run (0
+    for a row without weighted targets); `mask_NT` marks the weighted positions and
+    `weights_NT` holds their weights; `behaviour_NT` the sampling log-probs and
+    `advantages_NT` the advantages (0 where the data gave none); `prompt_N` numbers the
+    distinct (tenant, prefix) pairs, so rows with the same number start with the same
+    `prompt_len_N - 1` tokens before their first weighted position (a GRPO group).
     """
 
     input_ids_NT: Tensor
@@ -197,23 +228,23 @@ class Rows:
     mask_NT: Tensor
     behaviour_NT: Tensor
     weights_NT: Tensor
-    advantages_N: Tensor
+    advantages_NT: Tensor
     lengths_N: Tensor
     tenant_N: Tensor
     prompt_N: Tensor
     prompt_len_N: Tensor
 
 
-def tensorise(
-    batches: Sequence[TrainBatch], norms: Sequence[tuple[LossNorm, float | None]]
-) -> Rows:
-    """Rows of every batch, in batch order; `norms[k]` is batch k's loss normalisation
-    (`loss_norm`, `constant_norm_tokens`)."""
-    trajs = [t for b in batches for t in b.trajectories]
-    # Position t of a row predicts (prompt + tokens)[t + 1]: P - 1 prompt targets first.
-    full_lengths = [len(t.prompt_ids) - 1 + len(t.token_ids) for t in trajs]
-    N, T = len(trajs), max([*full_lengths, 1])
-    valid_NT = torch.arange(T) < torch.tensor(full_lengths)[:, None]
+def tensorise_data(data: Sequence[Sequence[Datum]], whole: Sequence[bool] | None = None) -> Rows:
+    """Rows of every tenant's data, in order (`data[k]` is tenant k's). A row is cut
+    after its last weighted position (later positions cannot change it) unless
+    `whole[k]`: then every position is run, and none is shared with another row (the
+    caller wants every position's log-prob)."""
+    whole = list(whole) if whole is not None else [False] * len(data)
+    rows = [d for tenant in data for d in tenant]
+    whole_N = [w for tenant, w in zip(data, whole, strict=True) for _ in tenant]
+    N, T = len(rows), max([len(d.input_ids) for d in rows] + [1])
+    valid_NT = torch.arange(T) < torch.tensor([len(d.input_ids) for d in rows])[:, None]
     chain = itertools.chain.from_iterable
 
     def fill(values: Sequence[Sequence[float]], dtype: torch.dtype) -> Tensor:
@@ -221,62 +252,77 @@ def tensorise(
         out[valid_NT] = torch.tensor(list(chain(values)), dtype=dtype)
         return out
 
-    input_ids = fill([(*t.prompt_ids, *t.token_ids)[:-1] for t in trajs], torch.long)
-    target_ids = fill([(*t.prompt_ids[1:], *t.token_ids) for t in trajs], torch.long)
-    pad = [(0,) * (len(t.prompt_ids) - 1) for t in trajs]
-    mask_NT = fill([(*p, *t.loss_mask_T) for p, t in zip(pad, trajs, strict=True)], torch.long)
-    mask_NT = mask_NT != 0
-    behaviour_NT = fill(
-        [(*p, *t.logprobs_T) for p, t in zip(pad, trajs, strict=True)], torch.float32
-    )
-    counts = [len(b.trajectories) for b in batches]
-    tenant_N = torch.repeat_interleave(torch.arange(len(batches)), torch.tensor(counts))
-    weights_NT = torch.cat(
-        [
-            token_weights(m, norm, constant_norm_tokens=const)
-            for m, (norm, const) in zip(torch.split(mask_NT, counts), norms, strict=True)
-        ]
-    )
-    # Cut each row after its last valid target: a later position never affects it.
-    last_N = torch.where(mask_NT, torch.arange(1, T + 1), 0).amax(dim=1)
-    prompts: dict[tuple[int, tuple[int, ...]], int] = {}
-    prompt_N = [
-        prompts.setdefault((k, t.prompt_ids), len(prompts))
-        for k, b in enumerate(batches)
-        for t in b.trajectories
-    ]
+    def given(values: tuple[float, ...], d: Datum) -> tuple[float, ...]:
+        return values or (0.0,) * len(d.input_ids)
+
+    input_ids = fill([d.input_ids for d in rows], torch.long)
+    target_ids = fill([d.target_ids for d in rows], torch.long)
+    weights_NT = fill([d.weights_T for d in rows], torch.float32)
+    behaviour_NT = fill([given(d.sampling_logprobs_T, d) for d in rows], torch.float32)
+    advantages_NT = fill([given(d.advantages_T, d) for d in rows], torch.float32)
+    mask_NT = weights_NT != 0
+    positions = torch.arange(1, T + 1)
+    last_N = torch.where(mask_NT, positions, 0).amax(dim=1)
+    full_N = valid_NT.sum(dim=1)
+    whole_t = torch.tensor(whole_N, dtype=torch.bool)
+    lengths_N = torch.where(whole_t & (full_N > 0), full_N, last_N)
+    # The shareable prefix: the positions before the first weighted one.
+    first_N = torch.where(mask_NT, positions - 1, T).amin(dim=1)
+    counts = [len(tenant) for tenant in data]
+    tenant_N = torch.repeat_interleave(torch.arange(len(data)), torch.tensor(counts))
+    prefixes: dict[tuple[int, tuple[int, ...]], int] = {}
+    prompt_N: list[int] = []
+    prompt_len_N: list[int] = []
+    for i, (d, k) in enumerate(zip(rows, tenant_N.tolist(), strict=True)):
+        start = 0 if whole_N[i] else min(int(first_N[i]), len(d.input_ids))
+        key = (k, d.input_ids[:start]) if start > 0 else (k, (-1 - i,))  # -1 - i: its own
+        prompt_N.append(prefixes.setdefault(key, len(prefixes)))
+        prompt_len_N.append(start + 1)
     return Rows(
         input_ids_NT=input_ids,
         target_ids_NT=target_ids,
         mask_NT=mask_NT,
         behaviour_NT=behaviour_NT,
         weights_NT=weights_NT,
-        advantages_N=torch.tensor([a for b in batches for a in b.advantages], dtype=torch.float32),
-        lengths_N=last_N,
+        advantages_NT=advantages_NT,
+        lengths_N=lengths_N,
         tenant_N=tenant_N,
         prompt_N=torch.tensor(prompt_N, dtype=torch.long),
-        prompt_len_N=torch.tensor([len(t.prompt_ids) for t in trajs], dtype=torch.long),
+        prompt_len_N=torch.tensor(prompt_len_N, dtype=torch.long),
     )
 
 
-def check_rows(batches: Sequence[TrainBatch], rows: Rows, vocab: int, max_tokens: int) -> None:
+def tensorise(
+    batches: Sequence[TrainBatch], norms: Sequence[tuple[LossNorm, float | None]]
+) -> Rows:
+    """Rows of GRPO batches, in batch order; `norms[k]` is batch k's loss normalisation
+    (`loss_norm`, `constant_norm_tokens`)."""
+    return tensorise_data(
+        [batch_data(b, norm, const) for b, (norm, const) in zip(batches, norms, strict=True)]
+    )
+
+
+def check_rows(tenants: Sequence[str], rows: Rows, vocab: int, max_tokens: int) -> None:
     """Reject a tenant's data that would fail (or poison) the shared forward."""
-    K = len(batches)
+    K = len(tenants)
     ids_N = torch.maximum(rows.input_ids_NT.amax(1), rows.target_ids_NT.amax(1))
     neg_N = (rows.input_ids_NT.amin(1) < 0) | (rows.target_ids_NT.amin(1) < 0)
-    bad_lp_N = (rows.mask_NT & ~torch.isfinite(rows.behaviour_NT)).any(1)
-    per_row_N4 = torch.stack([ids_N, neg_N.long(), bad_lp_N.long(), rows.lengths_N], 1)
+    finite_NT = torch.isfinite(rows.behaviour_NT) & torch.isfinite(rows.advantages_NT)
+    bad_N = (rows.mask_NT & ~finite_NT).any(1) | ~torch.isfinite(rows.weights_NT).all(1)
+    per_row_N4 = torch.stack([ids_N, neg_N.long(), bad_N.long(), rows.lengths_N], 1)
     worst = torch.zeros(K, 4, dtype=torch.long).scatter_reduce_(
         0, rows.tenant_N[:, None].expand(-1, 4), per_row_N4, "amax"
     )
-    for batch, (max_id, neg, bad_lp, length) in zip(batches, worst.tolist(), strict=True):
+    for tenant, (max_id, neg, bad, length) in zip(tenants, worst.tolist(), strict=True):
         if neg or max_id >= vocab:
-            raise TrainBatchError(batch.tenant, f"token ids outside [0, {vocab})")
-        if bad_lp:
-            raise TrainBatchError(batch.tenant, "non-finite behaviour log-probs on model tokens")
+            raise TrainBatchError(tenant, f"token ids outside [0, {vocab})")
+        if bad:
+            raise TrainBatchError(
+                tenant, "non-finite weights, behaviour log-probs or advantages on model tokens"
+            )
         if length > max_tokens:
             raise TrainBatchError(
-                batch.tenant,
+                tenant,
                 f"a trajectory of {length} tokens exceeds max_tokens_per_microbatch {max_tokens}",
             )
 

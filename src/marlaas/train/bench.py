@@ -29,8 +29,9 @@ from marlaas.model.base import default_base_path, load_base
 from marlaas.model.lora import LoRAModel
 from marlaas.model.peft_io import peft_target_modules
 from marlaas.train.batch import TrainBatch, tensorise
+from marlaas.train.grpo import GRPOTrainer
 from marlaas.train.losses import policy_loss, token_logprobs
-from marlaas.train.trainer import MultiLaneTrainer, vocab_size
+from marlaas.train.trainer import vocab_size
 from marlaas.types import Trajectory
 
 MODES = ("multi-lane", "single-lane", "peft")
@@ -108,7 +109,7 @@ def _bench_lanes(
     budget: int,
     together: bool,
 ) -> list[float]:
-    trainer = MultiLaneTrainer(model, max_tokens_per_microbatch=budget)
+    trainer = GRPOTrainer(model, max_tokens_per_microbatch=budget)
     for i, tenant in enumerate(data):
         trainer.register(tenant, lora, algo, seed=i)
 
@@ -173,7 +174,7 @@ def _bench_peft(
             loss, _ = policy_loss(
                 token_logprobs(logits.float(), rows.target_ids_NT[:, :T]),
                 rows.behaviour_NT[:, :T],
-                rows.advantages_N,
+                rows.advantages_NT[:, :T],
                 rows.mask_NT[:, :T],
                 clip_low=algo.clip_low,
                 clip_high=algo.clip_high,

@@ -1,5 +1,6 @@
-"""Atomic tenant checkpoints: adapter, optimizer state, version, RNG state and an opaque
-`extra` dict (the pipeline's data cursor), in one directory per checkpoint.
+"""Atomic tenant checkpoints of GRPO tenants (`GRPOSnapshot`): adapter, optimizer state,
+version, RNG state, the GRPO settings and an opaque `extra` dict (the pipeline's data
+cursor), in one directory per checkpoint.
 
 Layout of `<root>/ckpt-<version, 8 digits>/`:
 - `adapter/`: the adapter in PEFT format (`save_peft`), loadable by PEFT itself;
@@ -38,8 +39,8 @@ from marlaas.config.specs import GRPOSpec, LoRASpec
 from marlaas.errors import ConfigError, ModelError
 from marlaas.model.lora import LoRAModel
 from marlaas.model.peft_io import load_peft, save_peft
-from marlaas.train.optim import AdamState
-from marlaas.train.trainer import TenantSnapshot
+from marlaas.train.grpo import GRPOSnapshot, GRPOTraining
+from marlaas.train.optim import AdamState, TenantSnapshot
 
 FORMAT = "marlaas-tenant-checkpoint/1"
 ADAPTER_DIR = "adapter"
@@ -52,10 +53,10 @@ _TRASH_PREFIX = ".trash-ckpt-"
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A loaded checkpoint: the tenant's trainer state and the caller's `extra`."""
+    """A loaded checkpoint: the tenant's state and settings, and the caller's `extra`."""
 
     path: Path
-    snapshot: TenantSnapshot
+    snapshot: GRPOSnapshot
     extra: dict[str, Any]
 
 
@@ -84,29 +85,37 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 def save_checkpoint(
     root: str | Path,
-    snapshot: TenantSnapshot,
+    snapshot: GRPOSnapshot,
     extra: Mapping[str, Any] | None = None,
     keep_last: int = 3,
     *,
     fan_in_fan_out: bool = False,
 ) -> Path:
-    """Write `snapshot` (from `MultiLaneTrainer.snapshot`) and `extra` (JSON-able) as
-    `<root>/ckpt-<version>`, atomically; keep the newest `keep_last` checkpoints.
-    `fan_in_fan_out`: the adapter's layers are Conv1D (`save_peft`)."""
+    """Write `snapshot` (the device's `TenantSnapshot` and the tenant's GRPO settings)
+    and `extra` (JSON-able) as `<root>/ckpt-<version>`, atomically; keep the newest
+    `keep_last` checkpoints. `fan_in_fan_out`: the adapter's layers are Conv1D
+    (`save_peft`)."""
     if keep_last < 1:
         raise ConfigError(f"keep_last must be >= 1, got {keep_last}")
+    snap, training = snapshot.state, snapshot.training
+    if snap.adam is None or snap.rng_state is None:
+        raise ConfigError(
+            f"tenant {snap.tenant!r}: a checkpoint needs the optimizer and RNG state; take "
+            "the snapshot from the device"
+        )
+    adam, rng_state = snap.adam, snap.rng_state
     extra_dict = dict(extra or {})
     try:
         state = {
             "format": FORMAT,
-            "tenant": snapshot.tenant,
-            "version": snapshot.version,
-            "optimizer_step": snapshot.adam.step,
-            "lora": snapshot.lora.model_dump(mode="json"),
-            "algo": snapshot.algo.model_dump(mode="json"),
-            "temperature": snapshot.temperature,
-            "warmup_steps": snapshot.warmup_steps,
-            "constant_norm_tokens": snapshot.constant_norm_tokens,
+            "tenant": snap.tenant,
+            "version": snap.version,
+            "optimizer_step": adam.step,
+            "lora": snap.lora.model_dump(mode="json"),
+            "algo": training.algo.model_dump(mode="json"),
+            "temperature": training.temperature,
+            "warmup_steps": training.warmup_steps,
+            "constant_norm_tokens": training.constant_norm_tokens,
             "extra": extra_dict,
         }
         state_text = json.dumps(state, indent=2, sort_keys=True, allow_nan=False) + "\n"
@@ -116,16 +125,16 @@ def save_checkpoint(
     base = Path(root)
     base.mkdir(parents=True, exist_ok=True)
     _remove_leftovers(base)
-    final = base / checkpoint_name(snapshot.version)
+    final = base / checkpoint_name(snap.version)
     tmp = base / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
     tmp.mkdir()
     try:
-        save_peft(tmp / ADAPTER_DIR, snapshot.lora, snapshot.tensors, fan_in_fan_out=fan_in_fan_out)
+        save_peft(tmp / ADAPTER_DIR, snap.lora, snap.tensors, fan_in_fan_out=fan_in_fan_out)
         save_file(
             {
-                "exp_avg": snapshot.adam.exp_avg_P.detach().cpu().contiguous(),
-                "exp_avg_sq": snapshot.adam.exp_avg_sq_P.detach().cpu().contiguous(),
-                "rng_state": snapshot.rng_state.detach().cpu().contiguous(),
+                "exp_avg": adam.exp_avg_P.detach().cpu().contiguous(),
+                "exp_avg_sq": adam.exp_avg_sq_P.detach().cpu().contiguous(),
+                "rng_state": rng_state.detach().cpu().contiguous(),
             },
             str(tmp / OPTIMIZER_NAME),
         )
@@ -170,21 +179,25 @@ def load_checkpoint(path: str | Path, model: LoRAModel) -> Checkpoint:
         flat = load_file(str(root / OPTIMIZER_NAME))
     except (OSError, ValueError, RuntimeError) as e:
         raise ModelError(f"cannot read {str(root / OPTIMIZER_NAME)!r}: {e}") from e
-    snapshot = TenantSnapshot(
-        tenant=str(state["tenant"]),
-        lora=lora,
-        algo=GRPOSpec.model_validate(state["algo"]),
-        temperature=float(state["temperature"]),
-        warmup_steps=int(state["warmup_steps"]),
-        constant_norm_tokens=state["constant_norm_tokens"],
-        version=int(state["version"]),
-        tensors=tensors,
-        adam=AdamState(
-            step=int(state["optimizer_step"]),
-            exp_avg_P=flat["exp_avg"],
-            exp_avg_sq_P=flat["exp_avg_sq"],
+    snapshot = GRPOSnapshot(
+        TenantSnapshot(
+            tenant=str(state["tenant"]),
+            lora=lora,
+            version=int(state["version"]),
+            tensors=tensors,
+            adam=AdamState(
+                step=int(state["optimizer_step"]),
+                exp_avg_P=flat["exp_avg"],
+                exp_avg_sq_P=flat["exp_avg_sq"],
+            ),
+            rng_state=flat["rng_state"],
         ),
-        rng_state=flat["rng_state"],
+        GRPOTraining(
+            algo=GRPOSpec.model_validate(state["algo"]),
+            temperature=float(state["temperature"]),
+            warmup_steps=int(state["warmup_steps"]),
+            constant_norm_tokens=state["constant_norm_tokens"],
+        ),
     )
     return Checkpoint(path=root, snapshot=snapshot, extra=dict(state["extra"]))
 

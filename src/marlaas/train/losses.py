@@ -75,7 +75,7 @@ def token_weights(
 def policy_loss(
     logprobs_BT: Tensor,
     behaviour_logprobs_BT: Tensor,
-    advantages_B: Tensor,
+    advantages: Tensor,
     mask_BT: Tensor,
     *,
     clip_low: float,
@@ -88,7 +88,8 @@ def policy_loss(
     """PPO clipped surrogate against the behaviour policy, reduced with token weights.
 
     Per valid token, with `r = exp(logprobs - behaviour_logprobs) = pi_theta / mu` and the
-    row's advantage `A` (Schulman et al. 2017, eq. 7, with the decoupled clip range of
+    token's advantage `A` (`advantages` is `[B]`, one per row as in GRPO, or `[B, T]`, one
+    per token) (Schulman et al. 2017, eq. 7, with the decoupled clip range of
     DAPO's clip-higher, Yu et al. 2025, sec. 3.1):
 
         l = -min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A)
@@ -123,10 +124,10 @@ def policy_loss(
     if tis_cap is not None and not tis_cap > 0:
         raise ConfigError(f"tis_cap must be > 0 or None, got {tis_cap}")
     _check_shapes(logprobs_BT, behaviour_logprobs_BT=behaviour_logprobs_BT, mask_BT=mask_BT)
-    if advantages_B.shape != logprobs_BT.shape[:1]:
+    if advantages.shape not in (logprobs_BT.shape[:1], logprobs_BT.shape):
         raise ConfigError(
-            f"advantages must have shape [B] = {tuple(logprobs_BT.shape[:1])}, "
-            f"got {tuple(advantages_B.shape)}"
+            f"advantages must have shape [B] = {tuple(logprobs_BT.shape[:1])} or [B, T] = "
+            f"{tuple(logprobs_BT.shape)}, got {tuple(advantages.shape)}"
         )
     if weights_BT is None:
         weights_BT = token_weights(
@@ -144,7 +145,8 @@ def policy_loss(
         valid_BT, logprobs_BT - behaviour_logprobs_BT, torch.zeros_like(logprobs_BT)
     )
     ratio_BT = torch.exp(log_ratio_BT)
-    adv_BT = advantages_B.to(ratio_BT.dtype).unsqueeze(1)
+    adv_BT = advantages.to(ratio_BT.dtype)
+    adv_BT = adv_BT.unsqueeze(1) if adv_BT.dim() == 1 else adv_BT
     unclipped_BT = ratio_BT * adv_BT
     clipped_BT = torch.clamp(ratio_BT, 1.0 - clip_low, 1.0 + clip_high) * adv_BT
     loss_BT = -torch.minimum(unclipped_BT, clipped_BT)

@@ -88,19 +88,22 @@ class AdapterLayout:
 
 
 @dataclass(frozen=True)
-class AdamWConfig:
-    """One tenant's optimizer hyper-parameters and learning-rate schedule.
+class AdamParams:
+    """The AdamW hyper-parameters of one optimizer step of one tenant, with an optional
+    learning-rate schedule over the tenant's optimizer steps.
 
-    Schedule: constant when `warmup_steps == 0`, else linear warmup to `lr` over the
-    first `warmup_steps` optimizer steps (step k, 0-based, uses `lr * (k + 1) / warmup`),
-    then constant.
+    `max_grad_norm`: clip the tenant's gradient to this global norm first (None: no
+    clipping). Schedule: constant when `warmup_steps == 0`, else linear warmup to `lr`
+    over the first `warmup_steps` optimizer steps (step k, 0-based, uses
+    `lr * (k + 1) / warmup`), then constant; a caller that schedules for itself passes
+    the step's `lr` with `warmup_steps=0`.
     """
 
     lr: float
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 0.0
     eps: float = 1e-8
-    max_grad_norm: float = 1.0
+    max_grad_norm: float | None = 1.0
     warmup_steps: int = 0
 
     def __post_init__(self) -> None:
@@ -110,13 +113,16 @@ class AdamWConfig:
                 f"AdamW needs lr > 0, 0 <= betas < 1 and eps > 0; got lr={self.lr}, "
                 f"betas={self.betas}, eps={self.eps}"
             )
-        if self.weight_decay < 0 or self.max_grad_norm <= 0 or self.warmup_steps < 0:
+        clip_ok = self.max_grad_norm is None or self.max_grad_norm > 0
+        if self.weight_decay < 0 or not clip_ok or self.warmup_steps < 0:
             raise ConfigError(
-                "AdamW needs weight_decay >= 0, max_grad_norm > 0 and warmup_steps >= 0"
+                "AdamW needs weight_decay >= 0, max_grad_norm > 0 (or None: no clipping) "
+                f"and warmup_steps >= 0; got {self.weight_decay}, {self.max_grad_norm}, "
+                f"{self.warmup_steps}"
             )
 
     @classmethod
-    def from_spec(cls, algo: GRPOSpec, warmup_steps: int = 0) -> AdamWConfig:
+    def from_spec(cls, algo: GRPOSpec, warmup_steps: int = 0) -> AdamParams:
         return cls(
             lr=algo.learning_rate,
             betas=(float(algo.betas[0]), float(algo.betas[1])),
@@ -158,29 +164,28 @@ class AdamState:
 
 @dataclass(frozen=True)
 class TenantSnapshot:
-    """A detached copy of everything the trainer holds for a tenant (what checkpoints
-    store). Tensors are float32 on the CPU."""
+    """A detached copy of everything the device holds for a trainable tenant: its LoRA
+    spec, adapter version and tensors (PEFT layout), AdamW state and RNG state. Tensors
+    are float32 on the CPU. Restoring one with `adam=None` starts a fresh optimizer
+    (moments zero, step 0); `rng_state=None` a fresh RNG seeded with 0."""
 
     tenant: str
     lora: LoRASpec
-    algo: GRPOSpec
-    temperature: float
-    warmup_steps: int
-    constant_norm_tokens: float | None
     version: int
     tensors: AdapterTensors
-    adam: AdamState
-    rng_state: Tensor
+    adam: AdamState | None = None
+    rng_state: Tensor | None = None
 
 
 @torch.no_grad()
-def clip_grad_norms_(grads: Sequence[Tensor], max_norms: Sequence[float]) -> Tensor:
-    """Clip each tenant's gradient by its own global norm, in place; return the norms
-    before clipping as a `[K]` tensor (no device sync)."""
+def clip_grad_norms_(grads: Sequence[Tensor], max_norms: Sequence[float | None]) -> Tensor:
+    """Clip each tenant's gradient by its own global norm, in place (a norm of None: no
+    clipping); return the norms before clipping as a `[K]` tensor (no device sync)."""
     if not grads:
         return torch.zeros(0)
     norms_K = torch.stack(torch._foreach_norm(list(grads)))
-    limits_K = torch.tensor(list(max_norms), dtype=norms_K.dtype, device=norms_K.device)
+    limits = [torch.inf if n is None else n for n in max_norms]
+    limits_K = torch.tensor(limits, dtype=norms_K.dtype, device=norms_K.device)
     coef_K = (limits_K / (norms_K + _CLIP_EPS)).clamp(max=1.0)
     torch._foreach_mul_(list(grads), list(coef_K.unbind()))
     return norms_K
@@ -191,7 +196,7 @@ def adamw_step_(
     params: Sequence[Tensor],
     grads: Sequence[Tensor],
     states: Sequence[AdamState],
-    configs: Sequence[AdamWConfig],
+    configs: Sequence[AdamParams],
 ) -> list[float]:
     """One AdamW update of every tenant `k` (`params[k]` in place, `states[k]` advanced).
 

@@ -1,37 +1,40 @@
-"""The multi-lane trainer: one forward/backward over the shared base updates the adapters
-of every tenant that has a ready batch, each with its own loss, optimizer and clipping.
+"""The multi-lane trainer: one forward/backward over the shared base computes the losses
+and gradients of every tenant in it, each tenant with its own data and objective; each
+tenant's gradients accumulate until its optimizer step.
 
-A step packs the rows of all the given batches into micro-batches of at most
-`max_tokens_per_microbatch` padded tokens (rows of different tenants mixed), runs each
-micro-batch once with one LoRA lane per tenant present (lane tensors are views of the
-tenants' flat leaf parameters, stacked by `LoRAModel.lane_batch`), and accumulates
-gradients; then every tenant takes one AdamW step on its own clipped gradient.
+`forward_backward(inputs)` packs the rows of all the given tenants' data into
+micro-batches of at most `max_tokens_per_microbatch` padded tokens (rows of different
+tenants mixed), runs each micro-batch once with one LoRA lane per tenant present (lane
+tensors are views of the tenants' flat leaf parameters, stacked by
+`LoRAModel.lane_batch`), and backpropagates the sum of the tenants' losses, so each
+tenant's flat gradient accumulates its own rows' gradient only. `forward(inputs)` is
+the same pass under `no_grad`. `optim_step(steps)` then clips each named tenant's
+accumulated gradient by its own norm and takes one AdamW step per tenant (batched over
+tenants, `train.optim`), clears the gradient and bumps the version.
 
-Per tenant, per micro-batch, on that tenant's contiguous slice of rows:
-`loss = policy_loss(log pi, log mu, A, mask; clip_low, clip_high, tis_cap)` with
-`weights_BT` from `token_weights` over the tenant's whole step batch, plus
-`kl_coef * sum(w * kl_penalty(log pi, log pi_base))` when `kl_coef > 0`, where
-`log pi_base` comes from the same rows run with no lane batch (the plain base) under
-`no_grad`. Log-probs are `log_softmax(logits / temperature)` at the tenant's sampling
-temperature. The micro-batch's loss is the sum over its tenants, so its gradient
-reaches each tenant's adapter from that tenant's rows only. Where a micro-batch holds
-several samples of one prompt (GRPO groups), the prompt runs once and its rows share its
-cache (`marlaas.train.prefix`), when that saves tokens.
+Per tenant, per micro-batch, on that tenant's contiguous slice of rows, the tenant's
+objective (`train.objectives`) maps `LossInputs` to its loss and sums. Log-probs are
+`log_softmax(logits / temperature)` at the input's temperature; an objective with
+`needs_base_logprobs` also gets the plain base's log-probs of its rows (the rows run
+again with no lane batch, under `no_grad`). Where a micro-batch holds several rows that
+start with the same unweighted prefix (a GRPO group's prompt), the prefix runs once and
+its rows share its cache (`marlaas.train.prefix`), when that saves tokens.
 
 Invariants:
-- Training tenants together gives the adapters each would get alone (same batches,
-  same seeds), up to floating-point noise: losses are per-tenant weighted sums, lanes
-  are independent, optimizer updates are element-wise per tenant.
-- A tenant's version goes up by exactly one per optimizer step, and `step` takes at
-  most one batch per tenant, built for the tenant's current version, with staleness
-  within its `max_staleness`.
-- `step` validates every batch before touching any state; a bad batch raises
-  `TrainBatchError` naming its tenant and changes nothing (drop it and retry the rest).
+- Training tenants together gives the adapters each would get alone (same data, same
+  seeds), up to floating-point noise: losses are per-tenant weighted sums, lanes are
+  independent, optimizer updates are element-wise per tenant. Likewise one call or the
+  same data split over several calls before one `optim_step`.
+- A tenant's version goes up by exactly one per optimizer step.
+- `forward_backward` and `forward` validate every input before touching any state; a
+  bad input raises `TrainBatchError` naming its tenant and changes nothing (drop it and
+  retry the rest). A failure after validation (the device itself) leaves gradients
+  half-accumulated: it is fatal for the device's owner.
 - Memory is bounded by the token budget: a micro-batch never exceeds it and holds lanes
   only for the tenants among its rows (`stats.max_microbatch_tokens` records it).
 - The base is never written. No module-level state: everything lives in the trainer.
 
-Not thread-safe: one `step` at a time per trainer (the rollout engine may run forwards
+Not thread-safe: one call at a time per trainer (the rollout engine may run forwards
 in other threads; `LoRAModel.lanes` serialises the lane batches).
 """
 
@@ -43,37 +46,37 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from marlaas.config.specs import GRPOSpec, LoRASpec
-from marlaas.errors import ConfigError, TenantNotFound
+from marlaas.config.specs import LoRASpec
+from marlaas.errors import ConfigError, ModelError, TenantNotFound
 from marlaas.model.lora import AdapterTensors, LoRAModel
 from marlaas.train.batch import (
-    NUM_SUMS,
     MicroBatch,
     Rows,
-    TenantStepResult,
-    TrainBatch,
     TrainBatchError,
     check_rows,
     plan_microbatches,
+    tensorise_data,
 )
-from marlaas.train.batch import tensorise as tensorise_rows
-from marlaas.train.losses import entropy_from_logits, kl_penalty, policy_loss, token_logprobs
+from marlaas.train.losses import token_logprobs
+from marlaas.train.objectives import LossInputs
 from marlaas.train.optim import (
+    AdamParams,
     AdamState,
-    AdamWConfig,
     AdapterLayout,
     TenantSnapshot,
     adamw_step_,
     clip_grad_norms_,
 )
 from marlaas.train.prefix import SharedPrefix
+from marlaas.train.records import OptimResult, TrainInput, TrainOutput, tenants_of
 
 
 @dataclass
 class TrainerStats:
     """Counters over the trainer's life (the memory bound is checked against these)."""
 
-    steps: int = 0
+    passes: int = 0
+    optim_steps: int = 0
     microbatches: int = 0
     rows: int = 0
     max_microbatch_tokens: int = 0
@@ -86,10 +89,6 @@ class TrainerStats:
 class _Tenant:
     name: str
     lora: LoRASpec
-    algo: GRPOSpec
-    optim: AdamWConfig
-    temperature: float
-    constant_norm_tokens: float | None
     layout: AdapterLayout
     flat_P: Tensor  # the leaf parameter: every module's A and B, flattened
     adam: AdamState
@@ -119,55 +118,26 @@ class MultiLaneTrainer:
 
     # -- tenants ---------------------------------------------------------------------
 
-    def register(
+    def add(
         self,
         tenant: str,
         lora: LoRASpec,
-        algo: GRPOSpec,
-        tensors: AdapterTensors | None = None,
-        seed: int = 0,
-        temperature: float = 1.0,
         *,
-        warmup_steps: int = 0,
-        constant_norm_tokens: float | None = None,
-    ) -> None:
-        """Add a tenant at version 0 with `tensors` or a fresh PEFT-style init from `seed`.
-
-        `temperature` is the rollout's sampling temperature (log-probs are computed at
-        it; pass 1.0 for greedy). `warmup_steps` gives a linear learning-rate warmup.
-        `constant_norm_tokens` is required by `loss_norm="constant"` (Dr. GRPO: rows x
-        max new tokens).
-        """
+        seed: int = 0,
+        snapshot: TenantSnapshot | None = None,
+    ) -> int:
+        """Add a tenant: a fresh PEFT-style adapter from `seed` at version 0, or the
+        state of `snapshot` (adapter, optimizer, RNG, version). Returns the version."""
         if tenant in self._tenants:
             raise ConfigError(f"tenant {tenant!r} is already registered; remove it first")
-        if lora.rank < 1:
-            raise ConfigError(f"tenant {tenant!r}: a rank-0 adapter has nothing to train")
-        if not temperature > 0:
-            raise ConfigError(f"temperature must be > 0 (use 1.0 for greedy), got {temperature}")
-        if algo.loss_norm == "constant" and constant_norm_tokens is None:
-            raise ConfigError(
-                f"tenant {tenant!r}: loss_norm='constant' needs constant_norm_tokens "
-                "(rows per step x max new tokens)"
-            )
-        layout = AdapterLayout.for_spec(self.model, lora)
-        if tensors is None:
-            tensors = self.model.init_adapter(lora, seed)
-        else:
-            self.model.check_tensors(lora, tensors)
-        flat_P = layout.flatten(tensors, self.model.device).requires_grad_(True)
-        self._tenants[tenant] = _Tenant(
-            name=tenant,
-            lora=lora,
-            algo=algo,
-            optim=AdamWConfig.from_spec(algo, warmup_steps),
-            temperature=float(temperature),
-            constant_norm_tokens=constant_norm_tokens,
-            layout=layout,
-            flat_P=flat_P,
-            adam=AdamState.zeros_like(flat_P.detach()),
-            version=0,
-            generator=torch.Generator().manual_seed(seed),
-        )
+        self._tenants[tenant] = self._build(tenant, lora, seed, snapshot)
+        return self._tenants[tenant].version
+
+    def restore(self, snapshot: TenantSnapshot) -> int:
+        """Put `snapshot.tenant` (back) in exactly the state of `snapshot`, replacing it
+        if present (an invalid snapshot leaves it as it was). Returns the version."""
+        self._tenants[snapshot.tenant] = self._build(snapshot.tenant, snapshot.lora, 0, snapshot)
+        return snapshot.version
 
     def remove(self, tenant: str) -> None:
         del self._tenants[self._get(tenant).name]
@@ -182,8 +152,8 @@ class MultiLaneTrainer:
         return self._get(tenant).version
 
     def generator(self, tenant: str) -> torch.Generator:
-        """The tenant's own RNG (seeded at registration, saved in checkpoints), for
-        callers that need tenant-scoped randomness; a step itself draws nothing."""
+        """The tenant's own RNG (seeded at registration, saved in snapshots), for
+        callers that need tenant-scoped randomness; a pass itself draws nothing."""
         return self._get(tenant).generator
 
     def adapter(self, tenant: str) -> AdapterTensors:
@@ -194,79 +164,87 @@ class MultiLaneTrainer:
         return {p: (A.clone(), B.clone()) for p, (A, B) in views.items()}
 
     def snapshot(self, tenant: str) -> TenantSnapshot:
+        """The tenant's state at its version (accumulated gradients are not in it)."""
         s = self._get(tenant)
         return TenantSnapshot(
             tenant=s.name,
             lora=s.lora,
-            algo=s.algo,
-            temperature=s.temperature,
-            warmup_steps=s.optim.warmup_steps,
-            constant_norm_tokens=s.constant_norm_tokens,
             version=s.version,
             tensors=self.adapter(tenant),
             adam=s.adam.copy("cpu"),
             rng_state=s.generator.get_state(),
         )
 
-    def restore(self, snapshot: TenantSnapshot) -> None:
-        """Put a tenant (back) in exactly the state of `snapshot`, replacing it if present."""
-        previous = self._tenants.pop(snapshot.tenant, None)
-        try:
-            self.register(
-                snapshot.tenant,
-                snapshot.lora,
-                snapshot.algo,
-                snapshot.tensors,
-                temperature=snapshot.temperature,
-                warmup_steps=snapshot.warmup_steps,
-                constant_norm_tokens=snapshot.constant_norm_tokens,
+    def _build(
+        self, tenant: str, lora: LoRASpec, seed: int, snapshot: TenantSnapshot | None
+    ) -> _Tenant:
+        if lora.rank < 1:
+            raise ConfigError(f"tenant {tenant!r}: a rank-0 adapter has nothing to train")
+        if snapshot is not None and snapshot.lora != lora:
+            raise ConfigError(
+                f"tenant {tenant!r}: the snapshot is of another LoRA spec ({snapshot.lora}); "
+                "add the tenant with the snapshot's spec"
             )
-        except Exception:
-            if previous is not None:  # an invalid snapshot leaves the tenant as it was
-                self._tenants[snapshot.tenant] = previous
-            raise
-        state = self._tenants[snapshot.tenant]
-        state.adam = snapshot.adam.copy(self.model.device)
-        state.version = snapshot.version
-        state.generator.set_state(snapshot.rng_state.clone())
+        layout = AdapterLayout.for_spec(self.model, lora)
+        if snapshot is None:
+            tensors = self.model.init_adapter(lora, seed)
+        else:
+            tensors = snapshot.tensors
+            self.model.check_tensors(lora, tensors)
+        flat_P = layout.flatten(tensors, self.model.device).requires_grad_(True)
+        adam = AdamState.zeros_like(flat_P.detach())
+        if snapshot is not None and snapshot.adam is not None:
+            if tuple(snapshot.adam.exp_avg_P.shape) != tuple(flat_P.shape):
+                raise ModelError(
+                    f"tenant {tenant!r}: the snapshot's optimizer state has "
+                    f"{snapshot.adam.exp_avg_P.numel()} entries, the adapter {layout.numel}"
+                )
+            adam = snapshot.adam.copy(self.model.device)
+        generator = torch.Generator().manual_seed(seed)
+        if snapshot is not None and snapshot.rng_state is not None:
+            generator.set_state(snapshot.rng_state.clone())
+        version = 0 if snapshot is None else snapshot.version
+        if version < 0:
+            raise ConfigError(f"tenant {tenant!r}: a snapshot's version must be >= 0")
+        return _Tenant(tenant, lora, layout, flat_P, adam, version, generator)
 
-    # -- the step --------------------------------------------------------------------
+    # -- passes and steps ------------------------------------------------------------
 
-    def step(self, batches: Sequence[TrainBatch]) -> dict[str, TenantStepResult]:
-        """One optimizer step for each batch's tenant, all in one pass over the base."""
-        if not batches:
+    def forward_backward(self, inputs: Sequence[TrainInput]) -> dict[str, TrainOutput]:
+        """Each input's loss and sums; its gradient accumulates into its tenant's."""
+        return self._pass(inputs, backward=True)
+
+    def forward(self, inputs: Sequence[TrainInput]) -> dict[str, TrainOutput]:
+        """Each input's loss and sums (and log-probs when asked), without gradient."""
+        with torch.no_grad():
+            return self._pass(inputs, backward=False)
+
+    def optim_step(self, steps: Sequence[tuple[str, AdamParams]]) -> dict[str, OptimResult]:
+        """One AdamW step for each named tenant on its accumulated (clipped) gradient,
+        all batched; each tenant's version goes up by one and its gradient is cleared."""
+        names = [tenant for tenant, _ in steps]
+        if len(set(names)) != len(names):
+            raise ConfigError("an optimizer step takes each tenant at most once")
+        states = [self._get(name) for name in names]
+        params = [p for _, p in steps]
+        if not states:
             return {}
-        states = self._admit(batches)
-        rows = tensorise_rows(batches, [(s.algo.loss_norm, s.constant_norm_tokens) for s in states])
-        check_rows(batches, rows, self._vocab, self.max_tokens_per_microbatch)
-        plans = plan_microbatches(rows, self.max_tokens_per_microbatch)
-        acc_KM = torch.zeros(len(states), NUM_SUMS, device=self.model.device)
         try:
-            for plan in plans:
-                self._run_microbatch(plan, rows, states, acc_KM)
             grads = [
                 s.flat_P.grad if s.flat_P.grad is not None else torch.zeros_like(s.flat_P)
                 for s in states
             ]
-            norms_K = clip_grad_norms_(grads, [s.optim.max_grad_norm for s in states])
-            lrs = adamw_step_(
-                [s.flat_P for s in states],
-                grads,
-                [s.adam for s in states],
-                [s.optim for s in states],
-            )
+            norms_K = clip_grad_norms_(grads, [p.max_grad_norm for p in params])
+            lrs = adamw_step_([s.flat_P for s in states], grads, [s.adam for s in states], params)
         finally:
             for s in states:
                 s.flat_P.grad = None
         for s in states:
             s.version += 1
-        self.stats.steps += 1
-        self.stats.rows += int(rows.tenant_N.shape[0])
+        self.stats.optim_steps += 1
         return {
-            s.name: TenantStepResult.from_sums(batch, s.version, sums, norm, lr, s.algo.kl_coef > 0)
-            for batch, s, sums, norm, lr in zip(
-                batches, states, acc_KM.tolist(), norms_K.tolist(), lrs, strict=True
-            )
+            s.name: OptimResult(s.name, s.version, norm, lr)
+            for s, norm, lr in zip(states, norms_K.tolist(), lrs, strict=True)
         }
 
     def _get(self, tenant: str) -> _Tenant:
@@ -275,47 +253,90 @@ class MultiLaneTrainer:
             raise TenantNotFound(f"no tenant {tenant!r} is registered in the trainer")
         return state
 
-    def _admit(self, batches: Sequence[TrainBatch]) -> list[_Tenant]:
-        names = [b.tenant for b in batches]
-        if len(set(names)) != len(names):
-            raise ConfigError("a trainer step takes at most one batch per tenant")
-        states = [self._get(name) for name in names]
-        for batch, state in zip(batches, states, strict=True):
-            if batch.step != state.version:
+    def _admit(self, inputs: Sequence[TrainInput]) -> list[_Tenant]:
+        tenants_of(inputs)  # one input per tenant
+        states = [self._get(i.tenant) for i in inputs]
+        for inp, state in zip(inputs, states, strict=True):
+            if inp.version is not None and inp.version != state.version:
                 raise TrainBatchError(
-                    batch.tenant,
-                    f"batch is for step {batch.step} but the adapter is at version "
+                    inp.tenant,
+                    f"batch is for step {inp.version} but the adapter is at version "
                     f"{state.version}; build batches for the current version",
                 )
-            staleness = batch.staleness()
-            if min(staleness) < 0:
-                raise TrainBatchError(batch.tenant, "a trajectory has a version from the future")
-            if max(staleness) > state.algo.max_staleness:
-                raise TrainBatchError(
-                    batch.tenant,
-                    f"batch staleness {max(staleness)} exceeds max_staleness "
-                    f"{state.algo.max_staleness}",
-                )
         return states
+
+    def _pass(self, inputs: Sequence[TrainInput], *, backward: bool) -> dict[str, TrainOutput]:
+        if not inputs:
+            return {}
+        states = self._admit(inputs)
+        rows = tensorise_data([i.data for i in inputs], [i.return_logprobs for i in inputs])
+        check_rows([i.tenant for i in inputs], rows, self._vocab, self.max_tokens_per_microbatch)
+        plans = plan_microbatches(rows, self.max_tokens_per_microbatch)
+        sums: list[dict[str, Tensor]] = [{} for _ in inputs]
+        want = any(i.return_logprobs for i in inputs)
+        lp_NT = torch.zeros(rows.weights_NT.shape) if want else None
+        for plan in plans:
+            self._run_microbatch(plan, rows, inputs, states, sums, lp_NT, backward)
+        self.stats.passes += 1
+        self.stats.rows += int(rows.tenant_N.shape[0])
+        return self._outputs(inputs, states, rows, sums, lp_NT)
+
+    def _outputs(
+        self,
+        inputs: Sequence[TrainInput],
+        states: Sequence[_Tenant],
+        rows: Rows,
+        sums: Sequence[dict[str, Tensor]],
+        lp_NT: Tensor | None,
+    ) -> dict[str, TrainOutput]:
+        # Every tenant's sums in one stack: one device sync for the whole pass.
+        keys = [(k, name) for k, tenant_sums in enumerate(sums) for name in sorted(tenant_sums)]
+        values = (
+            torch.stack([sums[k][name].to(torch.float64) for k, name in keys]).tolist()
+            if keys
+            else []
+        )
+        by_tenant: list[dict[str, float]] = [{"loss": 0.0, "tokens": 0.0} for _ in inputs]
+        for (k, name), value in zip(keys, values, strict=True):
+            by_tenant[k][name] = value
+        out: dict[str, TrainOutput] = {}
+        first = 0
+        for k, (inp, state) in enumerate(zip(inputs, states, strict=True)):
+            logprobs = None
+            if inp.return_logprobs and lp_NT is not None:
+                logprobs = tuple(
+                    tuple(lp_NT[first + i, : len(d.input_ids)].tolist())
+                    for i, d in enumerate(inp.data)
+                )
+            first += len(inp.data)
+            out[inp.tenant] = TrainOutput(inp.tenant, state.version, by_tenant[k], logprobs)
+        return out
 
     def _logits(self, ids_BT: Tensor, attn_BT: Tensor) -> Tensor:
         return self.model.base(input_ids=ids_BT, attention_mask=attn_BT, use_cache=False).logits
 
     def _run_microbatch(
-        self, plan: MicroBatch, rows: Rows, states: Sequence[_Tenant], acc_KM: Tensor
+        self,
+        plan: MicroBatch,
+        rows: Rows,
+        inputs: Sequence[TrainInput],
+        states: Sequence[_Tenant],
+        sums: Sequence[dict[str, Tensor]],
+        lp_NT: Tensor | None,
+        backward: bool,
     ) -> None:
         dev = self.model.device
         T, idx_B = plan.length, plan.rows_B
         ids_BT = rows.input_ids_NT[idx_B, :T].to(dev)
         tgt_BT = rows.target_ids_NT[idx_B, :T].to(dev)
-        mask_BT = rows.mask_NT[idx_B, :T].to(dev)
         beh_BT = rows.behaviour_NT[idx_B, :T].to(dev)
         w_BT = rows.weights_NT[idx_B, :T].to(dev)
-        adv_B = rows.advantages_N[idx_B].to(dev)
+        adv_BT = rows.advantages_NT[idx_B, :T].to(dev)
         attn_BT = (torch.arange(T) < rows.lengths_N[idx_B, None]).long().to(dev)
+        lane_inputs = [inputs[k] for k in plan.lanes]
         lane_states = [states[k] for k in plan.lanes]
         lane_B = plan.lane_B.to(dev)
-        temps_L = [s.temperature for s in lane_states]
+        temps_L = [i.temperature for i in lane_inputs]
         temp_B = (
             None if all(t == 1.0 for t in temps_L) else torch.tensor(temps_L, device=dev)[lane_B]
         )
@@ -324,10 +345,10 @@ class MultiLaneTrainer:
         self.stats.max_microbatch_lanes = max(self.stats.max_microbatch_lanes, len(plan.lanes))
 
         ref_BT = None
-        kl_lanes = [lane for lane, s in enumerate(lane_states) if s.algo.kl_coef > 0]
-        if kl_lanes:  # the plain base on the rows that need it: no lane batch set
+        base_lanes = [lane for lane, i in enumerate(lane_inputs) if i.loss.needs_base_logprobs]
+        if base_lanes:  # the plain base on the rows that need it: no lane batch set
             sel = torch.cat(
-                [torch.arange(plan.offsets[lane], plan.offsets[lane + 1]) for lane in kl_lanes]
+                [torch.arange(plan.offsets[lane], plan.offsets[lane + 1]) for lane in base_lanes]
             ).to(dev)
             with torch.no_grad():
                 z_base = _scaled(
@@ -347,56 +368,35 @@ class MultiLaneTrainer:
                 logits_BTV = self._logits(ids_BT, attn_BT)
         else:  # from here on, every [B, T] tensor is in the suffix layout
             self.stats.shared_prefix_microbatches += 1
-            ids_BT, tgt_BT, mask_BT, beh_BT, w_BT = (
-                shared.suffix(x) for x in (ids_BT, tgt_BT, mask_BT, beh_BT, w_BT)
+            ids_BT, tgt_BT, beh_BT, w_BT, adv_BT = (
+                shared.suffix(x) for x in (ids_BT, tgt_BT, beh_BT, w_BT, adv_BT)
             )
             ref_BT = None if ref_BT is None else shared.suffix(ref_BT)
             logits_BTV = shared.logits(self.model, lane_batch, ids_BT)
         # The backward needs no lane context: autograd keeps the lane tensors it used.
         z_BTV = _scaled(logits_BTV, temp_B)
         lp_BT = token_logprobs(z_BTV, tgt_BT)
+        if lp_NT is not None and shared is None:  # rows that want log-probs never share
+            lp_NT[idx_B, :T] = lp_BT.detach().to("cpu", torch.float32)
         losses: list[Tensor] = []
-        stats: list[Tensor] = []
-        for lane, s in enumerate(lane_states):
+        for lane, inp in enumerate(lane_inputs):
             a, b = plan.offsets[lane], plan.offsets[lane + 1]
-            loss, m = policy_loss(
-                lp_BT[a:b],
-                beh_BT[a:b],
-                adv_B[a:b],
-                mask_BT[a:b],
-                clip_low=s.algo.clip_low,
-                clip_high=s.algo.clip_high,
-                tis_cap=s.algo.tis_cap,
-                weights_BT=w_BT[a:b],
-            )
-            kl_sum = loss.new_zeros(())
-            if ref_BT is not None and s.algo.kl_coef > 0:
-                kl_BT = kl_penalty(
-                    lp_BT[a:b], ref_BT[a:b], s.algo.kl_estimator, mask_BT=mask_BT[a:b]
+            loss, lane_sums = inp.loss(
+                LossInputs(
+                    logprobs_BT=lp_BT[a:b],
+                    logits_BTV=z_BTV[a:b],
+                    weights_BT=w_BT[a:b],
+                    sampling_logprobs_BT=beh_BT[a:b],
+                    advantages_BT=adv_BT[a:b],
+                    base_logprobs_BT=None if ref_BT is None else ref_BT[a:b],
                 )
-                loss = loss + s.algo.kl_coef * (w_BT[a:b] * kl_BT).sum()
-                kl_sum = kl_BT.detach().sum()
+            )
             losses.append(loss)
-            tokens = m["tokens"].to(loss.dtype)
-            # Columns LOSS .. KL_BASE of `batch.NUM_SUMS`; ENTROPY is appended below.
-            stats.append(
-                torch.stack(
-                    [
-                        loss.detach(),
-                        tokens,
-                        m["clip_frac"] * tokens,
-                        m["ratio_mean"] * tokens,
-                        m["kl_behaviour"] * tokens,
-                        kl_sum,
-                    ]
-                )
-            )
-        torch.stack(losses).sum().backward()
-        with torch.no_grad():
-            ent_B = torch.where(mask_BT, entropy_from_logits(z_BTV.detach()), 0.0).sum(1)
-            ent_L = torch.zeros(len(lane_states), device=dev).index_add_(0, lane_B, ent_B)
-            lane_KM = torch.cat([torch.stack(stats), ent_L[:, None]], dim=1)
-            acc_KM.index_add_(0, torch.tensor(plan.lanes, device=dev), lane_KM.to(acc_KM.dtype))
+            acc = sums[plan.lanes[lane]]
+            for name, value in lane_sums.items():
+                acc[name] = acc[name] + value if name in acc else value
+        if backward:
+            torch.stack(losses).sum().backward()
 
 
 def _scaled(logits_BTV: Tensor, temp_B: Tensor | None) -> Tensor:

@@ -1,0 +1,213 @@
+"""Training objectives: the loss a `forward_backward` call names for a tenant's data, as
+pure functions over that tenant's per-token inputs, found through one registry.
+
+Shapes are named by suffix: `_B` rows, `_T` token positions, `_V` vocabulary. An
+objective is a small frozen dataclass (its configuration) whose `__call__` maps the
+`LossInputs` of one tenant's rows in one micro-batch to `(loss, sums)`:
+
+- `loss` is a 0-dim tensor, a plain sum over tokens `sum_{b,t} w[b, t] * l[b, t]` with
+  the data's own weights `w` (the `weights` of each `Datum`). Because it is a sum, any
+  split of the rows into micro-batches, and any split of a batch into several
+  `forward_backward` calls before one `optim_step`, gives the same gradient: a caller
+  that wants a mean (GRPO's normalisation over a tenant's whole step batch, `"token"`,
+  `"sequence"` or `"constant"`) passes weights that already carry it
+  (`marlaas.train.losses.token_weights`). Tinker's losses are sums with the data's
+  weights as they come.
+- `sums` are detached 0-dim tensors, each a sum over these rows' weighted tokens, so
+  they add up across micro-batches and calls: always `"loss"` and `"tokens"` (positions
+  with a non-zero weight), plus the objective's own (means are `sum / tokens`).
+
+Adding an objective (Tinker's `importance_sampling`, `ppo`, `cispo`, `dro`) is one
+dataclass here and one line in `OBJECTIVES`; `inputs` names the per-token inputs it
+needs beyond targets and weights, so bad data is refused before the shared pass.
+
+Nothing here holds state or reads a config file; the device runs whatever objective
+each tenant's data names, several in one multi-lane pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Protocol
+
+import torch
+from torch import Tensor
+
+from marlaas.errors import ConfigError
+from marlaas.train.losses import KLEstimator, entropy_from_logits, kl_penalty, policy_loss
+
+#: Per-token inputs an objective may need beyond targets and weights (see `Datum`).
+SAMPLING_LOGPROBS = "sampling_logprobs"
+ADVANTAGES = "advantages"
+
+
+@dataclass(frozen=True)
+class LossInputs:
+    """One tenant's rows of one micro-batch; every `[B, T]` tensor covers the same rows.
+
+    `logprobs_BT` is `log_softmax(logits / temperature)` at each target, with gradient;
+    `logits_BTV` the temperature-scaled logits it came from (for entropy terms).
+    Positions whose weight is 0 (prompt, tool output, padding) carry no loss and count
+    as no token; `sampling_logprobs_BT` and `advantages_BT` are 0 where the data gave
+    none. `base_logprobs_BT` (the plain base, no gradient) is set only for objectives
+    with `needs_base_logprobs`.
+    """
+
+    logprobs_BT: Tensor
+    logits_BTV: Tensor
+    weights_BT: Tensor
+    sampling_logprobs_BT: Tensor
+    advantages_BT: Tensor
+    base_logprobs_BT: Tensor | None = None
+
+    @property
+    def mask_BT(self) -> Tensor:
+        return self.weights_BT != 0
+
+
+class Objective(Protocol):
+    """A loss over one tenant's per-token inputs (see the module docstring)."""
+
+    #: The registry name (what a `TrainInput` is made from on the wire).
+    name: ClassVar[str]
+    #: Per-token inputs every datum must carry (`SAMPLING_LOGPROBS`, `ADVANTAGES`).
+    inputs: ClassVar[frozenset[str]]
+
+    @property
+    def needs_base_logprobs(self) -> bool:
+        """Whether the device must also run the rows on the plain base (no adapter)."""
+        ...
+
+    def __call__(self, x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]: ...
+
+
+@dataclass(frozen=True)
+class CrossEntropy:
+    """Supervised next-token loss with per-token weights:
+
+        loss = -sum_{b,t} w[b, t] * log pi_theta(y[b, t] | x[b, :t + 1])
+
+    (the negative log-likelihood, e.g. Radford et al. 2018, eq. 1, with weights; Tinker's
+    `cross_entropy`). Sums: `loss`, `tokens`, `nll` (unweighted, over weighted tokens).
+    """
+
+    name: ClassVar[str] = "cross_entropy"
+    inputs: ClassVar[frozenset[str]] = frozenset()
+
+    @property
+    def needs_base_logprobs(self) -> bool:
+        return False
+
+    def __call__(self, x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
+        mask_BT = x.mask_BT
+        # `where`, not a product: a masked position's log-prob may be -inf.
+        lp_BT = torch.where(mask_BT, x.logprobs_BT, torch.zeros_like(x.logprobs_BT))
+        loss = -(x.weights_BT.to(lp_BT.dtype) * lp_BT).sum()
+        with torch.no_grad():
+            sums = {"loss": loss.detach(), "tokens": mask_BT.sum(), "nll": -lp_BT.detach().sum()}
+        return loss, sums
+
+
+@dataclass(frozen=True)
+class PolicyGradient:
+    """The trainer's RL objective: the clipped surrogate against the sampling policy with
+    the decoupled clip range, optional truncated importance sampling and an optional
+    KL penalty to the plain base (`marlaas.train.losses.policy_loss`, `kl_penalty`):
+
+        loss = sum_{b,t} w * l_PPO(r, A; clip_low, clip_high, tis_cap)
+               + kl_coef * sum_{b,t} w * KL_est(pi_theta || pi_base)
+
+    (Schulman et al. 2017, eq. 7; Yu et al. 2025, sec. 3.1; Shao et al. 2024, eq. 4).
+    With per-row advantages broadcast to tokens and GRPO's weights it is the GRPO step.
+    Sums: `loss`, `tokens`, and over tokens `clipped`, `ratio`, `kl_behaviour` (k3 of
+    KL(mu || pi)), `entropy` (of pi at the temperature), plus `kl_base` when `kl_coef > 0`.
+    """
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    tis_cap: float | None = None
+    kl_coef: float = 0.0
+    kl_estimator: KLEstimator = "k3"
+
+    name: ClassVar[str] = "policy_gradient"
+    inputs: ClassVar[frozenset[str]] = frozenset({SAMPLING_LOGPROBS, ADVANTAGES})
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.clip_low < 1.0 or self.clip_high < 0.0:
+            raise ConfigError(
+                f"need 0 <= clip_low < 1 and clip_high >= 0, got {self.clip_low}, {self.clip_high}"
+            )
+        if self.tis_cap is not None and not self.tis_cap > 0:
+            raise ConfigError(f"tis_cap must be > 0 or None, got {self.tis_cap}")
+        if self.kl_coef < 0:
+            raise ConfigError(f"kl_coef must be >= 0, got {self.kl_coef}")
+        if self.kl_estimator not in ("k1", "k3"):
+            raise ConfigError(f"kl_estimator must be 'k1' or 'k3', got {self.kl_estimator!r}")
+
+    @property
+    def needs_base_logprobs(self) -> bool:
+        return self.kl_coef > 0
+
+    def __call__(self, x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
+        mask_BT = x.mask_BT
+        loss, m = policy_loss(
+            x.logprobs_BT,
+            x.sampling_logprobs_BT,
+            x.advantages_BT,
+            mask_BT,
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            tis_cap=self.tis_cap,
+            weights_BT=x.weights_BT,
+        )
+        kl_sum: Tensor | None = None
+        if self.kl_coef > 0:
+            if x.base_logprobs_BT is None:
+                raise ConfigError("policy_gradient with kl_coef > 0 needs the base log-probs")
+            kl_BT = kl_penalty(
+                x.logprobs_BT, x.base_logprobs_BT, self.kl_estimator, mask_BT=mask_BT
+            )
+            loss = loss + self.kl_coef * (x.weights_BT.to(kl_BT.dtype) * kl_BT).sum()
+            kl_sum = kl_BT.detach().sum()
+        with torch.no_grad():
+            tokens = m["tokens"].to(loss.dtype)
+            entropy_BT = entropy_from_logits(x.logits_BTV.detach())
+            sums = {
+                "loss": loss.detach(),
+                "tokens": m["tokens"],
+                "clipped": m["clip_frac"] * tokens,
+                "ratio": m["ratio_mean"] * tokens,
+                "kl_behaviour": m["kl_behaviour"] * tokens,
+                "entropy": torch.where(mask_BT, entropy_BT, 0.0).sum(),
+            }
+            if kl_sum is not None:
+                sums["kl_base"] = kl_sum
+        return loss, sums
+
+
+#: Every objective by its registry name.
+OBJECTIVES: dict[str, type[CrossEntropy] | type[PolicyGradient]] = {
+    CrossEntropy.name: CrossEntropy,
+    PolicyGradient.name: PolicyGradient,
+}
+
+
+def make_objective(name: str, config: Mapping[str, Any] | None = None) -> Objective:
+    """The objective registered as `name` with `config` (its fields, e.g. `clip_low`).
+
+    Raises `ConfigError` naming the known objectives, or the fields a config may set."""
+    cls = OBJECTIVES.get(name)
+    if cls is None:
+        raise ConfigError(f"unknown loss {name!r}; known: {', '.join(sorted(OBJECTIVES))}")
+    allowed = {f.name for f in fields(cls)}
+    unknown = sorted(set(config or {}) - allowed)
+    if unknown:
+        raise ConfigError(
+            f"loss {name!r} has no option {', '.join(map(repr, unknown))}; "
+            f"its options: {', '.join(sorted(allowed)) or 'none'}"
+        )
+    try:
+        return cls(**dict(config or {}))
+    except TypeError as e:
+        raise ConfigError(f"loss {name!r}: {e}") from e
