@@ -88,7 +88,7 @@ def test_the_spec_imports_without_ray() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
     )
     assert done.returncode == 0 and done.stdout.strip() == "2", done.stderr[-2000:]
-    blocked = "import sys; sys.modules['ray'] = None; from marlaas.config.ray import RaySpec; from marlaas.distributed import build_ray_context"
+    blocked = "import sys; sys.modules['ray'] = None; from marlaas.config.ray import RaySpec; from marlaas.distributed import open_ray_backend"
     done = subprocess.run(
         [sys.executable, "-c", blocked], capture_output=True, text=True, timeout=120, check=False
     )

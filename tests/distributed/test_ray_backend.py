@@ -52,11 +52,15 @@ from typer.testing import CliRunner
 from marlaas.cli.main import app as cli
 from marlaas.config.job import EngineSpec, JobSpec, RunSpec
 from marlaas.config.ray import ActorResources, RaySpec
-from marlaas.distributed import RayBank, build_ray_context
+from marlaas.device import BASE
+from marlaas.device.device import ExecutorDevice
+from marlaas.distributed import RayCompute, open_ray_backend
 from marlaas.distributed.engine_client import RayEngineClient
 from marlaas.distributed.envs import RayEnvPool
+from marlaas.distributed.ray_backend import build_ray_backend
 from marlaas.distributed.trainer_client import RayTrainerClient
 from marlaas.errors import ConfigError
+from marlaas.obs.recorder import NullRecorder
 from marlaas.pipeline import Orchestrator, PipelineContext, PipelineOptions
 from marlaas.pipeline.data import build_task
 from marlaas.pipeline.runtime import PipelineRuntime, RuntimeSpec
@@ -117,19 +121,23 @@ async def ctx(
     run = RunSpec(
         base_model=str(tiny_base),
         backend="ray",
+        ray=SPEC,
         jobs=(job("warmup", steps=1),),
         engine=EngineSpec(max_batch_size=16, max_rank=4),
     )
     out = tmp_path_factory.mktemp("ray-run")
-    context = await asyncio.to_thread(
-        build_ray_context, run, out, PipelineOptions(device="cpu"), ray_spec=SPEC, max_staleness=2
+    context = await PipelineContext.open(
+        run,
+        out,
+        backend=open_ray_backend,
+        recorder=NullRecorder(),
+        options=PipelineOptions(device="cpu"),
+        max_staleness=2,
     )
-    context.executor.start()
     try:
         yield context
     finally:
-        await context.executor.stop()
-        await asyncio.to_thread(context.engine.shutdown)
+        await context.backend.close()
 
 
 class Runner:
@@ -142,7 +150,7 @@ class Runner:
         self, jobs: Sequence[JobSpec], recorder: MemoryRecorder
     ) -> dict[str, TenantState]:
         ctx = self.ctx
-        ctx.recorder = ctx.executor.recorder = ctx.envs.recorder = recorder
+        ctx.recorder = self.device.recorder = ctx.envs.recorder = recorder
         self.trainer.recorder = recorder
         tasks = dict(ctx.tasks)
         for spec in jobs:
@@ -151,16 +159,24 @@ class Runner:
         return await Orchestrator(ctx, jobs).run()
 
     @property
+    def device(self) -> ExecutorDevice:
+        device = self.ctx.device
+        assert isinstance(device, ExecutorDevice)
+        return device
+
+    @property
+    def compute(self) -> RayCompute:
+        compute = self.device.compute
+        assert isinstance(compute, RayCompute)
+        return compute
+
+    @property
     def engine(self) -> RayEngineClient:
-        engine = self.ctx.engine
-        assert isinstance(engine, RayEngineClient)
-        return engine
+        return self.compute.engine
 
     @property
     def trainer(self) -> RayTrainerClient:
-        trainer = self.ctx.trainer
-        assert isinstance(trainer, RayTrainerClient)
-        return trainer
+        return self.compute.trainer
 
     @property
     def envs(self) -> RayEnvPool:
@@ -218,15 +234,18 @@ def test_roles_are_placed_on_the_nodes_that_offer_their_resources(runner: Runner
     assert replicas == [by_resource["engine"]] * 2
     assert workers == [by_resource["env"]] * 2
     assert runner.trainer.info.node_id == by_resource["trainer"]
-    assert runner.ctx.model.device == torch.device("meta")  # no weights on the driver
+    assert runner.ctx.device.model.device == torch.device("meta")  # no weights on the driver
 
 
 def test_a_role_no_node_can_host_fails_fast_with_a_clear_error(
     ctx: PipelineContext, tmp_path: Path
 ) -> None:
     spec = SPEC.model_copy(update={"env": ActorResources(num_cpus=0, resources={"gpu-box": 1})})
+    run = ctx.run.model_copy(update={"ray": spec})
     with pytest.raises(ConfigError, match="no node of the Ray cluster offers"):
-        build_ray_context(ctx.run, tmp_path, PipelineOptions(device="cpu"), ray_spec=spec)
+        build_ray_backend(
+            run, options=PipelineOptions(device="cpu"), recorder=NullRecorder(), max_staleness=2
+        )
 
 
 # -- runs ----------------------------------------------------------------------------
@@ -240,7 +259,7 @@ async def test_jobs_finish_and_every_replica_holds_the_published_versions(
     jobs = [small("plain-a", staleness=1), small("plain-b", "reverse", staleness=0)]
     states = await runner.run(jobs, recorder)
     check_finished(states, recorder)
-    kept = runner.ctx.bank.versions_kept
+    kept = runner.ctx.device.versions_kept
     held = await asyncio.to_thread(runner.engine.held_versions)
     assert sorted(held) == [0, 1]
     for name, state in states.items():
@@ -400,8 +419,9 @@ def test_the_service_runs_a_job_on_ray_and_serves_its_models(
         backend = client.app.state.context.backend  # type: ignore[attr-defined]
         assert isinstance(backend, PipelineBackend)
         runtime: PipelineRuntime = client.portal.call(backend.ready)  # type: ignore[union-attr]
-        engine, bank = runtime.ctx.engine, runtime.ctx.bank
-        assert isinstance(engine, RayEngineClient) and isinstance(bank, RayBank)
+        device = runtime.ctx.device
+        assert isinstance(device, ExecutorDevice) and isinstance(device.compute, RayCompute)
+        engine = bank = device.compute.engine
         assert job_id in bank and engine.latest_version(job_id) == 2
 
         def complete(model: str) -> str:
@@ -425,7 +445,7 @@ def test_the_service_runs_a_job_on_ray_and_serves_its_models(
         (replica,) = engine.handles
         assert ray.get(replica.held.remote(f"serve:{job_id}:1")) == [0]
         assert ray.get(replica.held.remote(f"serve:{job_id}:2")) == []
-        assert f"serve:{job_id}:2" not in bank and "serve:base" in bank
+        assert f"serve:{job_id}:2" not in bank and BASE in bank
         models = client.get("/v1/models", headers=acme).json()["data"]
         assert {job_id, f"{job_id}:ckpt-1", f"{job_id}:ckpt-2"} <= {m["id"] for m in models}
         assert client.get("/metrics", headers=ADMIN).status_code == 200

@@ -13,6 +13,7 @@ import torch
 from test_chat import CHAT_ROWS, TAGS_TEMPLATE, chat_tokenizer, write_rows
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from marlaas.backends import open_backend
 from marlaas.config.job import RunSpec
 from marlaas.obs.memory import RunRecorder
 from marlaas.pipeline.context import PipelineOptions
@@ -68,7 +69,13 @@ def test_chat_jobs_train_on_a_chat_model(tmp_path: Path) -> None:
     recorder = RunRecorder(out)
     try:
         result = asyncio.run(
-            run_jobs(run, out, recorder=recorder, options=PipelineOptions(device="cpu"))
+            run_jobs(
+                run,
+                out,
+                backend=open_backend,
+                recorder=recorder,
+                options=PipelineOptions(device="cpu"),
+            )
         )
     finally:
         recorder.close()

@@ -16,6 +16,7 @@ import torch
 from arch_support import ARCHS, CONFIGS, char_tokenizer, save_model
 from peft import PeftModel
 
+from marlaas.backends import open_backend
 from marlaas.config.job import RunSpec
 from marlaas.model.base import load_base
 from marlaas.model.lora import LoRAModel
@@ -99,7 +100,9 @@ def test_two_jobs_train_and_export_peft_adapters(arch: str, tmp_path: Path) -> N
     base_dir = save_model(CONFIGS[arch](), tmp_path / "base", char_tokenizer())
     layers = LoRAModel(load_base(base_dir)[0], max_rank=4).target_modules
     run = two_jobs(write_dataset(tmp_path / "data.jsonl"), layers[:2], base_model=str(base_dir))
-    result = asyncio.run(run_jobs(run, tmp_path / "run", options=PipelineOptions(device="cpu")))
+    result = asyncio.run(
+        run_jobs(run, tmp_path / "run", backend=open_backend, options=PipelineOptions(device="cpu"))
+    )
     for name, tenant in result.tenants.items():
         assert (tenant.status, tenant.steps_done) == ("done", 2), (name, tenant.failure_reason)
     config = json.loads((tmp_path / "run/tenants/some/adapter/adapter_config.json").read_text())
@@ -119,7 +122,9 @@ def test_a_bfloat16_base_trains_float32_adapters_peft_agrees(tmp_path: Path) -> 
         base_model=str(base_dir),
         dtype="bfloat16",
     )
-    result = asyncio.run(run_jobs(run, tmp_path / "run", options=PipelineOptions(device="cpu")))
+    result = asyncio.run(
+        run_jobs(run, tmp_path / "run", backend=open_backend, options=PipelineOptions(device="cpu"))
+    )
     assert {t.status for t in result.tenants.values()} == {"done"}
     from safetensors.torch import load_file
 

@@ -17,6 +17,7 @@ from arch_support import ARCHS, CONFIGS, WINDOWED, char_tokenizer, save_model
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import Tensor
 
+from marlaas.backends import open_backend
 from marlaas.config.job import RunSpec
 from marlaas.config.specs import LoRASpec
 from marlaas.errors import ConfigError, ModelError
@@ -195,5 +196,7 @@ def test_a_run_refuses_what_the_base_cannot_do_before_any_work(
         {"jobs": [fine, {"name": "bad", "task": {"family": "reverse"}, **job}]}
     )
     with pytest.raises(ConfigError, match=message):
-        asyncio.run(run_jobs(run, tmp_path, options=PipelineOptions(device="cpu")))
+        asyncio.run(
+            run_jobs(run, tmp_path, backend=open_backend, options=PipelineOptions(device="cpu"))
+        )
     assert not (tmp_path / "tenants").exists() and not (tmp_path / "result.json").exists()

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from pipeline_support import job
 
+from marlaas.backends import open_backend
 from marlaas.config.job import RunSpec
 from marlaas.errors import ConfigError
 from marlaas.obs.memory import RunRecorder
@@ -157,7 +158,9 @@ async def test_a_real_slice_measures_the_baselines_schedule(tiny_dir: Path, tmp_
     )
     run = RunSpec(base_model=str(tiny_dir), jobs=jobs)
     recorder = RunRecorder()
-    est, result = await estimate_sync_time(run, tmp_path, slice_steps=2, recorder=recorder)
+    est, result = await estimate_sync_time(
+        run, tmp_path, backend=open_backend, slice_steps=2, recorder=recorder
+    )
     assert result.mode == "sync" and all(t.steps_done == 2 for t in result.tenants.values())
     m = measure_slice(recorder, result.wall_s)
     # what the slice did is what the schedule functions say the baseline does

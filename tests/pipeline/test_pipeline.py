@@ -6,19 +6,27 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
 
 import pytest
 from pipeline_support import MemoryRecorder, job
 
+from marlaas.backends import open_backend
 from marlaas.config.job import EngineSpec, JobSpec, RunSpec
 from marlaas.envs.base import Env, Example, Segment, Split, StepResult, TaskFamily
 from marlaas.envs.tasks import get_family
-from marlaas.pipeline import Orchestrator, PipelineOptions, RunResult, build_context, run_jobs
+from marlaas.obs.recorder import NullRecorder
+from marlaas.pipeline import Orchestrator, PipelineContext, PipelineOptions, RunResult, run_jobs
 from marlaas.pipeline.runner import Mode
 
 CPU = PipelineOptions(device="cpu")
+
+
+def run_jobs_on(run: RunSpec, out: Path, **kw: Any) -> Coroutine[Any, Any, RunResult]:
+    """`run_jobs` on the backend the run names (in-process here)."""
+    return run_jobs(run, out, backend=open_backend, **kw)
 
 
 def run_spec(base: Path, *jobs: JobSpec, **kw: Any) -> RunSpec:
@@ -60,7 +68,7 @@ def check_outputs(result: RunResult, out: Path, recorder: MemoryRecorder, steps:
 async def test_async_tenants_respect_staleness_and_finish(base_dir: Path, tmp_path: Path) -> None:
     recorder = MemoryRecorder()
     jobs = mixed_jobs()
-    result = await run_jobs(run_spec(base_dir, *jobs), tmp_path, recorder=recorder, options=CPU)
+    result = await run_jobs_on(run_spec(base_dir, *jobs), tmp_path, recorder=recorder, options=CPU)
     check_outputs(result, tmp_path, recorder, steps=4)
     for spec in jobs:
         bound = spec.algorithm.max_staleness
@@ -74,7 +82,7 @@ async def test_async_tenants_respect_staleness_and_finish(base_dir: Path, tmp_pa
 
 async def test_sync_baseline_runs_the_same_jobs(base_dir: Path, tmp_path: Path) -> None:
     recorder = MemoryRecorder()
-    result = await run_jobs(
+    result = await run_jobs_on(
         run_spec(base_dir, *mixed_jobs()), tmp_path, mode="sync", recorder=recorder, options=CPU
     )
     check_outputs(result, tmp_path, recorder, steps=4)
@@ -143,7 +151,7 @@ async def test_failures_stay_with_their_tenant(base_dir: Path, tmp_path: Path, m
     )
     recorder = MemoryRecorder()
     options = PipelineOptions(device="cpu", env_timeout_s=2.0, episode_retries=1)
-    result = await run_jobs(
+    result = await run_jobs_on(
         run_spec(base_dir, *jobs),
         tmp_path / "out",
         mode=mode,
@@ -178,7 +186,7 @@ async def test_admission_caps_active_tenants_by_priority(base_dir: Path, tmp_pat
         job("d", steps=2, priority=2.0),
     )
     recorder = MemoryRecorder()
-    result = await run_jobs(
+    result = await run_jobs_on(
         run_spec(base_dir, *jobs, max_active_tenants=2), tmp_path, recorder=recorder, options=CPU
     )
     assert all(r.status == "done" and r.steps_done == 2 for r in result.tenants.values())
@@ -199,7 +207,7 @@ async def test_priority_gets_more_of_a_saturated_engine(base_dir: Path, tmp_path
         job("high", steps=steps, priority=2.0, eval_episodes=1),
     )
     recorder = MemoryRecorder()
-    result = await run_jobs(
+    result = await run_jobs_on(
         run_spec(
             base_dir, *jobs, engine=EngineSpec.model_validate({"max_batch_size": 4, "max_rank": 4})
         ),
@@ -222,11 +230,11 @@ async def test_resume_continues_from_the_checkpoint(base_dir: Path, tmp_path: Pa
         )
 
     first = MemoryRecorder()
-    r1 = await run_jobs(jobs(2), tmp_path, recorder=first, options=CPU)
+    r1 = await run_jobs_on(jobs(2), tmp_path, recorder=first, options=CPU)
     assert all(r.steps_done == 2 for r in r1.tenants.values())
     ckpt2 = json.loads((tmp_path / "tenants/a/checkpoints/ckpt-00000002/state.json").read_text())
     second = MemoryRecorder()
-    r2 = await run_jobs(jobs(4), tmp_path, recorder=second, options=CPU, resume=True)
+    r2 = await run_jobs_on(jobs(4), tmp_path, recorder=second, options=CPU, resume=True)
     for name in ("a", "b"):
         assert r2.tenants[name].status == "done", r2.tenants[name].failure_reason
         assert first.train_steps(name) == [1, 2]
@@ -249,9 +257,10 @@ async def test_cancel_and_pause(base_dir: Path, tmp_path: Path) -> None:
     run = run_spec(
         base_dir, job("a", steps=3), job("b", steps=3), job("c", steps=3), max_active_tenants=2
     )
-    ctx = build_context(run, tmp_path, recorder=recorder, options=CPU)
+    ctx = await PipelineContext.open(
+        run, tmp_path, backend=open_backend, recorder=recorder, options=CPU
+    )
     orch = Orchestrator(ctx, run.jobs)
-    ctx.executor.start()
     try:
         orch.cancel("c")  # still queued
         task = asyncio.create_task(orch.run())
@@ -266,8 +275,7 @@ async def test_cancel_and_pause(base_dir: Path, tmp_path: Path) -> None:
         orch.unpause("b")
         states = await asyncio.wait_for(task, 60)
     finally:
-        await ctx.executor.stop()
-        ctx.engine.shutdown()
+        await ctx.backend.close()
     assert states["c"].status == "cancelled" and states["c"].version == 0
     assert states["a"].status == "cancelled" and states["a"].version < 3
     assert states["b"].status == "done" and states["b"].version == 3
@@ -275,18 +283,18 @@ async def test_cancel_and_pause(base_dir: Path, tmp_path: Path) -> None:
 
 async def test_a_device_failure_stops_the_run(base_dir: Path, tmp_path: Path) -> None:
     run = run_spec(base_dir, job("a", steps=3), job("b", "reverse", steps=3))
-    ctx = build_context(run, tmp_path, options=CPU)
+    ctx = await PipelineContext.open(
+        run, tmp_path, backend=open_backend, recorder=NullRecorder(), options=CPU
+    )
 
-    def broken(batches: object) -> object:
+    def broken(inputs: object) -> object:
         raise RuntimeError("device lost")
 
-    ctx.trainer.step = broken  # type: ignore[method-assign, assignment]
+    ctx.device.compute.trainer.forward_backward = broken  # type: ignore[attr-defined]
     orch = Orchestrator(ctx, run.jobs)
-    ctx.executor.start()
     try:
         with pytest.raises(RuntimeError, match="device lost"):
             await asyncio.wait_for(orch.run(), 60)
     finally:
-        await ctx.executor.stop()
-        ctx.engine.shutdown()
+        await ctx.backend.close()
     assert {s.status for s in orch.states.values()} <= {"cancelled", "failed"}

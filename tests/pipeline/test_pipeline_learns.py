@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from marlaas.backends import open_backend
 from marlaas.config.job import JobSpec, RunSpec
 from marlaas.model.base import default_base_path
 from marlaas.pipeline import PipelineOptions, run_jobs
@@ -45,7 +46,9 @@ async def test_async_pipeline_raises_held_out_accuracy(tmp_path: Path) -> None:
         base_model=str(default_base_path()),
         jobs=(reverse_job("on-policy", 0, seed=0), reverse_job("off-policy", 2, seed=1)),
     )
-    result = await run_jobs(spec, tmp_path, options=PipelineOptions(device="cpu"))
+    result = await run_jobs(
+        spec, tmp_path, backend=open_backend, options=PipelineOptions(device="cpu")
+    )
     summary = {
         n: (r.status, r.eval_before, r.eval_after, r.staleness_max)
         for n, r in result.tenants.items()

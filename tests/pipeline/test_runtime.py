@@ -5,13 +5,14 @@ checkpoints, and resuming a closed job in a new runtime."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 from pipeline_support import MemoryRecorder, job
 
+from marlaas.backends import open_backend
 from marlaas.config.job import EngineSpec
 from marlaas.errors import ConfigError
 from marlaas.pipeline import PipelineError, PipelineOptions
@@ -30,6 +31,13 @@ from marlaas.pipeline.runtime import (
 from marlaas.train.checkpoint import list_checkpoints
 
 CPU = PipelineOptions(device="cpu")
+
+
+def start_runtime(spec: RuntimeSpec, out: Path, **kw: Any) -> Coroutine[Any, Any, PipelineRuntime]:
+    """`PipelineRuntime.start` on the backend the spec names (in-process here)."""
+    return PipelineRuntime.start(spec, out, backend=open_backend, **kw)
+
+
 P = TypeVar("P")
 
 
@@ -74,7 +82,7 @@ async def test_jobs_submitted_while_running_finish_with_progress(
 ) -> None:
     log = Log()
     recorder = MemoryRecorder()
-    rt = await PipelineRuntime.start(
+    rt = await start_runtime(
         spec(base_dir), tmp_path, options=CPU, recorder=recorder, on_progress=log
     )
     try:
@@ -118,7 +126,7 @@ async def test_jobs_submitted_while_running_finish_with_progress(
 
 async def test_pause_resume_cancel_and_a_closing_checkpoint(base_dir: Path, tmp_path: Path) -> None:
     log = Log()
-    rt = await PipelineRuntime.start(
+    rt = await start_runtime(
         spec(base_dir, max_active_tenants=2), tmp_path, options=CPU, on_progress=log
     )
     try:
@@ -158,7 +166,7 @@ async def test_pause_resume_cancel_and_a_closing_checkpoint(base_dir: Path, tmp_
     # the same name would silently continue it, so it is refused.
     version = rt.state("a").version
     log2 = Log()
-    rt2 = await PipelineRuntime.start(spec(base_dir), tmp_path, options=CPU, on_progress=log2)
+    rt2 = await start_runtime(spec(base_dir), tmp_path, options=CPU, on_progress=log2)
     try:
         with pytest.raises(PipelineError, match="already has checkpoints"):
             rt2.submit(job("a", steps=version + 1), resume=False)
@@ -175,12 +183,12 @@ async def test_pause_resume_cancel_and_a_closing_checkpoint(base_dir: Path, tmp_
 
 async def test_a_device_failure_ends_the_runtime(base_dir: Path, tmp_path: Path) -> None:
     log = Log()
-    rt = await PipelineRuntime.start(spec(base_dir), tmp_path, options=CPU, on_progress=log)
+    rt = await start_runtime(spec(base_dir), tmp_path, options=CPU, on_progress=log)
 
     def broken(batches: object) -> object:
         raise RuntimeError("device lost")
 
-    rt.ctx.trainer.step = broken  # type: ignore[method-assign, assignment]
+    rt.ctx.device.compute.trainer.forward_backward = broken  # type: ignore[attr-defined]
     try:
         rt.submit(job("a", steps=2), resume=False)
         await log.until(lambda: any(isinstance(r, RuntimeFailed) for r in log.records))

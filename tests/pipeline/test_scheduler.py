@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import cast
 
 import pytest
 
 from marlaas.config.specs import LoRASpec
+from marlaas.device.gate import EngineFront, FairShare, RequestGate
 from marlaas.model.bank import AdapterBank
 from marlaas.model.base import load_base
 from marlaas.model.lora import LoRAModel
-from marlaas.pipeline.scheduler import AdmissionQueue, FairShare, RequestGate
-from marlaas.rollout.batch import Deliver
+from marlaas.pipeline.scheduler import AdmissionQueue
+from marlaas.rollout.batch import Deliver, TokenListener
 from marlaas.rollout.engine import RolloutEngine
 from marlaas.types import Completion, RolloutRequest, SamplingParams
 
@@ -151,8 +151,10 @@ async def test_cancelled_requests_leave_the_gate(
 
 
 class _Unstreaming:
-    """An engine front end that cannot stream (like the Ray client): no `streams_tokens`
-    and no listener argument."""
+    """An engine front end that cannot stream (like the Ray client): `streams_tokens` is
+    False and it takes no listener."""
+
+    streams_tokens = False
 
     def __init__(self, engine: RolloutEngine) -> None:
         self.engine = engine
@@ -165,7 +167,10 @@ class _Unstreaming:
     def queued(self) -> int:
         return self.engine.queued
 
-    def enqueue(self, request: RolloutRequest, deliver: Deliver) -> None:
+    def enqueue(
+        self, request: RolloutRequest, deliver: Deliver, listener: TokenListener | None = None
+    ) -> None:
+        assert listener is None, "a front that does not stream gets no listener"
         self.engine.enqueue(request, deliver)
 
     def abort(self, request_id: str) -> None:
@@ -177,7 +182,8 @@ async def test_the_gate_streams_tokens_when_its_engine_can(
 ) -> None:
     engine, _ = saturated
     sampling = SamplingParams(max_new_tokens=4, seed=0)
-    for front, streams in ((engine, True), (cast(RolloutEngine, _Unstreaming(engine)), False)):
+    fronts: list[tuple[EngineFront, bool]] = [(engine, True), (_Unstreaming(engine), False)]
+    for front, streams in fronts:
         gate = RequestGate(front, capacity=6)
         seen: list[int] = []
         request = RolloutRequest(tenant="p1", prompt_ids=(10, 11), sampling=sampling)
@@ -221,7 +227,7 @@ async def test_inference_rows_go_first_and_training_leaves_rows_for_them(
     training = [gate.submit(request("p1")) for _ in range(20)]
     gate.fill()
     assert engine.running + engine.queued == 6  # nobody asked for inference: every row
-    first = gate.submit_interactive(request("p2"))
+    first = gate.submit(request("p2"), interactive=True)
     while not first.done():  # it enters when a row frees, ahead of 14 training requests
         gate.fill()
         engine.step()
@@ -232,7 +238,7 @@ async def test_inference_rows_go_first_and_training_leaves_rows_for_them(
         engine.step()
     gate.fill()
     assert engine.running + engine.queued <= 4 and gate.waiting()["p1"] > 0
-    second = gate.submit_interactive(request("p3"))
+    second = gate.submit(request("p3"), interactive=True)
     rows = engine.running + engine.queued
     assert gate.fill(training=False) == 1  # an inference window: inference only
     assert engine.running + engine.queued == rows + 1 and gate.waiting()["p1"] > 0

@@ -480,8 +480,8 @@ async def test_adapter_cache_never_unloads_an_adapter_in_use(
 
     monkeypatch.setattr(peft_io, "load_peft", fake_load)
     bank = _FakeBank()
-    provider = SimpleNamespace(bank=bank, model=None, tokenizer=None, submit=None)
-    cache = AdapterCache(provider, capacity=1)  # type: ignore[arg-type]
+    provider = EngineProvider(None, bank, None, None)  # type: ignore[arg-type]
+    cache = AdapterCache(provider, capacity=1)
     models = [ServedModel(f"j:ckpt-{s}", None, "j", s, tmp_path / str(s)) for s in (1, 2, 3)]
 
     async def hold(model: ServedModel, release: asyncio.Event) -> str:

@@ -144,7 +144,7 @@ def test_a_job_runs_to_done_through_the_api(servers: Servers, settings: ServiceS
     # Inference is served by the pipeline's own engine (one base per process): the job's
     # model answers, decoded by the pipeline's device executor.
     runtime = runtime_of(client)
-    decoded = runtime.ctx.executor.tokens_sampled
+    decoded = runtime.ctx.device.figures().tokens_sampled
     r = client.post(
         "/v1/completions",
         json={"model": job_id, "prompt": "Reverse: abc\n", "max_tokens": 4, "temperature": 0},
@@ -152,7 +152,7 @@ def test_a_job_runs_to_done_through_the_api(servers: Servers, settings: ServiceS
     )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
-    assert runtime.ctx.executor.tokens_sampled > decoded
+    assert runtime.ctx.device.figures().tokens_sampled > decoded
     # Streamed through the pipeline's request gate: the same text, token by token.
     body = {"model": job_id, "prompt": "Reverse: abc\n", "max_tokens": 4, "temperature": 0}
     with client.stream("POST", "/v1/completions", json={**body, "stream": True}, headers=acme) as s:

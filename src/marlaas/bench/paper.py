@@ -30,17 +30,19 @@ from typing import Any
 import torch
 
 from marlaas import __version__
+from marlaas.backends import open_backend
 from marlaas.bench.report import build_row, check_targets, markdown, plot
 from marlaas.bench.trl_baseline import NOTES as TRL_NOTES
 from marlaas.bench.trl_baseline import run_trl_tenant
 from marlaas.bench.workloads import Workload, is_single_turn
 from marlaas.config.ray import RaySpec
 from marlaas.config.specs import ModelDType
+from marlaas.device.config import resolve_device
 from marlaas.errors import ConfigError
 from marlaas.fileio import atomic_write_json, atomic_write_text
 from marlaas.model.base import default_base_path
 from marlaas.pipeline.context import PipelineOptions
-from marlaas.pipeline.runner import resolve_device, run_jobs
+from marlaas.pipeline.runner import run_jobs
 
 DEFAULT_TENANTS = (1, 4, 8, 16, 32)
 QUICK_TENANTS = (1, 4)
@@ -207,11 +209,11 @@ def _run_regime(
         load_start = _load()
         log(f"[{workload.regime}] N={n}: marlaas async, {n} tenants x {n_steps} steps")
         async_run = asyncio.run(
-            run_jobs(spec, run_dir / "async", mode="async", options=options)
+            run_jobs(spec, run_dir / "async", backend=open_backend, mode="async", options=options)
         ).to_json()
         log(f"[{workload.regime}] N={n}: async {async_run['wall_s']:.1f} s; sync on {k}")
         sync_run = asyncio.run(
-            run_jobs(spec_k, run_dir / "sync", mode="sync", options=options)
+            run_jobs(spec_k, run_dir / "sync", backend=open_backend, mode="sync", options=options)
         ).to_json()
         log(f"[{workload.regime}] N={n}: sync {sync_run['wall_s']:.1f} s")
         trl: list[dict[str, Any]] | None = None

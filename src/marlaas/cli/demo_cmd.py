@@ -128,6 +128,7 @@ def _measure_sync(
 ) -> tuple[SyncEstimate, RunResult]:
     """Run the baseline's slice into `out` (recorder files, trace, live view) and write
     the estimate next to the demo's run folder."""
+    from marlaas.backends import open_backend
     from marlaas.fileio import atomic_write_json
     from marlaas.obs.live import LiveView
     from marlaas.obs.memory import RunRecorder
@@ -140,7 +141,9 @@ def _measure_sync(
 
     def measure() -> tuple[SyncEstimate, RunResult]:
         return asyncio.run(
-            estimate_sync_time(spec, out, slice_steps=slice_steps, recorder=recorder)
+            estimate_sync_time(
+                spec, out, backend=open_backend, slice_steps=slice_steps, recorder=recorder
+            )
         )
 
     try:

@@ -101,25 +101,31 @@ def record_run(
 ) -> RunResult:
     """Run `spec` into the run folder `out` with a recorder (metrics, events, summary),
     the live view when `live`, then the trace and the plots; return the `RunResult`."""
+    from marlaas.backends import open_backend
     from marlaas.obs.live import LiveView
     from marlaas.obs.memory import RunRecorder
     from marlaas.obs.plots import write_plots
     from marlaas.obs.trace import write_trace
-    from marlaas.pipeline.runner import run_jobs
+    from marlaas.pipeline.runner import Mode, run_jobs
 
     out.mkdir(parents=True, exist_ok=True)
     recorder = RunRecorder(out)
     totals = {job.name: job.steps for job in spec.jobs}
+    run_mode: Mode = "sync" if mode == "sync" else "async"  # the callers checked it
+
+    def run() -> RunResult:
+        return asyncio.run(
+            run_jobs(
+                spec, out, backend=open_backend, mode=run_mode, recorder=recorder, resume=resume
+            )
+        )
+
     try:
         if live:
             with LiveView(recorder, total_steps=totals, console=console, title=title):
-                result = asyncio.run(
-                    run_jobs(spec, out, mode=mode, recorder=recorder, resume=resume)  # type: ignore[arg-type]
-                )
+                result = run()
         else:
-            result = asyncio.run(
-                run_jobs(spec, out, mode=mode, recorder=recorder, resume=resume)  # type: ignore[arg-type]
-            )
+            result = run()
     finally:
         recorder.close()
     write_trace(recorder, out / "trace.json")

@@ -90,6 +90,11 @@ class DevicePort(Protocol):
     def tokenizer(self) -> PreTrainedTokenizerBase: ...
 
     @property
+    def base_name(self) -> str:
+        """The base model's name or path, as PEFT files record it."""
+        ...
+
+    @property
     def versions_kept(self) -> int:
         """Versions of each tenant the sampler keeps (newest first dropped last)."""
         ...
@@ -163,9 +168,15 @@ class DevicePort(Protocol):
     # -- sampling ---------------------------------------------------------------------
 
     def sample(
-        self, request: RolloutRequest, on_token: TokenCallback | None = None
+        self,
+        request: RolloutRequest,
+        on_token: TokenCallback | None = None,
+        *,
+        interactive: bool = False,
     ) -> Awaitable[Completion]:
-        """Queue one request; resolves with its `Completion`. Cancel it to abort."""
+        """Queue one request; resolves with its `Completion`. Cancel it to abort.
+        `interactive`: someone waits for it (an inference endpoint), so it enters the
+        sampler ahead of training rows, within bounds (see `marlaas.device.gate`)."""
         ...
 
     # -- training ---------------------------------------------------------------------

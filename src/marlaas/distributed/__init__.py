@@ -1,10 +1,11 @@
-"""The Ray runtime backend: the pipeline's engine, trainer and environment workers as
-Ray actors placed by resources, behind the interfaces the orchestrator already drives.
+"""The Ray backend: the device port's Ray implementation (engine replicas and a trainer
+as Ray actors behind `RayCompute`) and environment workers, placed by resources.
 
 Only this package imports Ray (`pip install 'marlaas[ray]'`). Entry point:
-`build_ray_context(run, out_dir, options, ray_spec=RaySpec(...))` (the spec lives in
-`marlaas.config.ray`, importable without Ray) returns a
-`PipelineContext`; see `ray_backend` for the mapping, `engine_client`,
+`open_ray_backend(run, options=..., recorder=..., max_staleness=...)`, a
+`BackendOpener` (`marlaas.backends.open_backend` calls it for `backend: ray`; the spec,
+`run.ray`, lives in `marlaas.config.ray`, importable without Ray); see `ray_backend`
+for the mapping, `compute` for the device's work on the actors, `engine_client`,
 `trainer_client` and `envs` for the fault handling, `cluster` for placement.
 
 Exports load lazily: an environment worker imports `env_worker` without torch.
@@ -17,30 +18,28 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from marlaas.distributed.cluster import connect
+    from marlaas.distributed.compute import RayCompute
     from marlaas.distributed.engine_client import RayEngineClient
     from marlaas.distributed.envs import RayEnvPool
-    from marlaas.distributed.executor import RayExecutor
-    from marlaas.distributed.ray_backend import RayBank, build_ray_context
+    from marlaas.distributed.ray_backend import open_ray_backend
     from marlaas.distributed.trainer_client import RayTrainerClient
 
 _EXPORTS = {
-    "RayBank": "ray_backend",
-    "build_ray_context": "ray_backend",
+    "open_ray_backend": "ray_backend",
     "connect": "cluster",
+    "RayCompute": "compute",
     "RayEngineClient": "engine_client",
     "RayEnvPool": "envs",
-    "RayExecutor": "executor",
     "RayTrainerClient": "trainer_client",
 }
 
 __all__ = [
-    "RayBank",
+    "RayCompute",
     "RayEngineClient",
     "RayEnvPool",
-    "RayExecutor",
     "RayTrainerClient",
-    "build_ray_context",
     "connect",
+    "open_ray_backend",
 ]
 
 

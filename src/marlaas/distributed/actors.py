@@ -6,9 +6,10 @@
   batching over every concurrent request it holds. Adapters arrive as tensors only
   (`publish`, `sync`), numbered exactly like the in-process bank.
 - `TrainerWorker` (threaded with one thread: strictly one call at a time): a
-  `GRPOTrainer` on its own copy of the base. `step` returns the step results and,
-  as separate return objects, each tenant's new adapter, so the caller can hand those
-  objects to the replicas without fetching them.
+  `MultiLaneTrainer` on its own copy of the base, with its primitives (add, restore,
+  forward_backward, forward, optim_step, snapshot). `optim_step` returns the results
+  and, as separate return objects, each tenant's new adapter, so the caller can hand
+  those objects to the replicas without fetching them.
 - `EnvWorker` (async actor, CPU) lives in `env_worker.py`, which imports no torch.
 
 Every actor has an `incarnation` id, drawn when it is constructed: a restarted actor
@@ -27,7 +28,7 @@ from typing import Any
 
 import torch
 
-from marlaas.config.specs import GRPOSpec, LoRASpec, ModelDType
+from marlaas.config.specs import LoRASpec, ModelDType
 from marlaas.distributed.records import (
     ActorInfo,
     Rejected,
@@ -40,9 +41,10 @@ from marlaas.model.bank import AdapterBank
 from marlaas.model.base import load_base
 from marlaas.model.lora import AdapterTensors, LoRAModel
 from marlaas.rollout.engine import RolloutEngine
-from marlaas.train.batch import TenantStepResult, TrainBatch, TrainBatchError
-from marlaas.train.grpo import GRPOSnapshot as TenantSnapshot
-from marlaas.train.grpo import GRPOTrainer
+from marlaas.train.batch import TrainBatchError
+from marlaas.train.optim import AdamParams, TenantSnapshot
+from marlaas.train.records import OptimResult, TrainInput, TrainOutput
+from marlaas.train.trainer import MultiLaneTrainer
 from marlaas.types import Completion, RolloutRequest
 
 
@@ -126,11 +128,10 @@ class EngineReplica:
         self.engine.publish(tenant, version, tensors)
 
     async def sync(self, tenants: Sequence[TenantAdapters], *, prune: bool = False) -> ActorInfo:
-        """Bring the bank up to the client's view: register missing tenants and publish
-        missing versions (older versions than the client keeps are filled with the
-        oldest kept tensors, which the bank's window drops at once). `prune`: `tenants`
-        is the client's whole view, so tenants not in it (removed while this replica
-        was out) are removed here too."""
+        """Bring the bank up to the client's view: register missing tenants at their
+        oldest kept version and publish the newer ones. `prune`: `tenants` is the
+        client's whole view, so tenants not in it (removed while this replica was out)
+        are removed here too."""
         refs = [ref for t in tenants for _, ref in t.versions]
         values = await asyncio.gather(*refs) if refs else []
         tensors_of = dict(zip([id(r) for r in refs], values, strict=True))
@@ -147,9 +148,7 @@ class EngineReplica:
             if t.tenant in self.bank and self.bank.latest_version(t.tenant) < oldest_version - 1:
                 self.bank.remove(t.tenant)  # too far behind to catch up version by version
             if t.tenant not in self.bank:
-                self.bank.register(t.tenant, t.lora, tensors=oldest)
-                for v in range(1, oldest_version):
-                    self.engine.publish(t.tenant, v, oldest)
+                self.bank.register(t.tenant, t.lora, tensors=oldest, version=oldest_version)
             for v, tensors in kept:
                 if v > self.bank.latest_version(t.tenant):
                     self.engine.publish(t.tenant, v, tensors)
@@ -203,7 +202,7 @@ class EngineReplica:
 
 
 class TrainerWorker:
-    """A `GRPOTrainer` on its own copy of the base (see the module docstring)."""
+    """A `MultiLaneTrainer` on its own copy of the base (see the module docstring)."""
 
     def __init__(
         self,
@@ -217,37 +216,20 @@ class TrainerWorker:
     ) -> None:
         _threads(torch_threads)
         base, _ = load_base(Path(base_path), dtype=dtype, device=_device(device))
-        self.trainer = GRPOTrainer(LoRAModel(base, max_rank=max_rank), max_tokens_per_microbatch)
+        self.trainer = MultiLaneTrainer(
+            LoRAModel(base, max_rank=max_rank), max_tokens_per_microbatch
+        )
         self.incarnation = uuid.uuid4().hex
         self.busy_s = 0.0
 
     def info(self) -> ActorInfo:
         return actor_info(self.incarnation)
 
-    def register(
-        self,
-        tenant: str,
-        lora: LoRASpec,
-        algo: GRPOSpec,
-        tensors: AdapterTensors | None,
-        seed: int,
-        temperature: float,
-        warmup_steps: int,
-        constant_norm_tokens: float | None,
-    ) -> None:
-        self.trainer.register(
-            tenant,
-            lora,
-            algo,
-            tensors,
-            seed,
-            temperature,
-            warmup_steps=warmup_steps,
-            constant_norm_tokens=constant_norm_tokens,
-        )
+    def add(self, tenant: str, lora: LoRASpec, seed: int, snapshot: TenantSnapshot | None) -> int:
+        return self.trainer.add(tenant, lora, seed=seed, snapshot=snapshot)
 
-    def restore(self, snapshot: TenantSnapshot) -> None:
-        self.trainer.restore(snapshot)
+    def restore(self, snapshot: TenantSnapshot) -> int:
+        return self.trainer.restore(snapshot)
 
     def remove(self, tenant: str) -> None:
         self.trainer.remove(tenant)
@@ -264,17 +246,32 @@ class TrainerWorker:
     def tenants(self) -> list[str]:
         return self.trainer.tenants()
 
-    def step(self, batches: Sequence[TrainBatch]) -> tuple[Any, ...]:
-        """`(results or Rejected, adapter of batch 0, adapter of batch 1, ...)`; call it
-        with `num_returns=1 + len(batches)`."""
+    def forward_backward(self, inputs: Sequence[TrainInput]) -> dict[str, TrainOutput] | Rejected:
+        """The pass's outputs, or `Rejected` for a refused input (nothing changed)."""
+        return self._timed(self.trainer.forward_backward, inputs)
+
+    def forward(self, inputs: Sequence[TrainInput]) -> dict[str, TrainOutput] | Rejected:
+        return self._timed(self.trainer.forward, inputs)
+
+    def optim_step(self, steps: Sequence[tuple[str, AdamParams]]) -> tuple[Any, ...]:
+        """`(results, adapter of step 0's tenant, adapter of step 1's, ...)`; call it
+        with `num_returns=1 + len(steps)`."""
         t0 = time.perf_counter()
         try:
-            results: dict[str, TenantStepResult] = self.trainer.step(batches)
-        except TrainBatchError as exc:
-            return (Rejected(exc.tenant, str(exc)), *([None] * len(batches)))
+            results: dict[str, OptimResult] = self.trainer.optim_step(steps)
+            return (results, *[self.trainer.adapter(tenant) for tenant, _ in steps])
         finally:
             self.busy_s += time.perf_counter() - t0
-        return (results, *[self.trainer.adapter(b.tenant) for b in batches])
 
     def busy(self) -> float:
         return self.busy_s
+
+    def _timed(self, run: Any, inputs: Sequence[TrainInput]) -> dict[str, TrainOutput] | Rejected:
+        t0 = time.perf_counter()
+        try:
+            out: dict[str, TrainOutput] = run(inputs)
+            return out
+        except TrainBatchError as exc:
+            return Rejected(exc.tenant, str(exc))
+        finally:
+            self.busy_s += time.perf_counter() - t0

@@ -1,14 +1,16 @@
-"""`RayEngineClient`: the rollout engine surface the pipeline uses, served by replicas.
+"""`RayEngineClient`: the sampler of the Ray device, served by engine replicas.
 
-The pipeline's `RequestGate` keeps deciding the fair order of requests; it moves them
-into this client (`enqueue`) while `running + queued < capacity` (replicas x rows per
-replica). The client sends each request to one healthy replica (the same one as the
+The device's `RequestGate` keeps deciding the fair order of requests (this client is
+its `EngineFront`); it moves them into this client (`enqueue`) while
+`running + queued < capacity` (replicas x rows per replica). The client sends each request to one healthy replica (the same one as the
 previous turn of its session when possible, for the session's KV cache; else the least
 loaded) and calls `deliver` exactly once with the `Completion` or the error.
 
-Versions: `publish` records the version's tensors as an object ref and hands the same
-ref to every healthy replica, and returns only when every one holds it, so, exactly as
-in-process, a request admitted after `publish` returns samples the new version. Every
+Versions: `register` adds a tenant at one version (a fresh one at 0, a restored one at
+its snapshot's), `publish` records each next version's tensors as an object ref and
+hands the same ref to every healthy replica, and returns only when every one holds it,
+so, exactly as in-process, a request admitted after `publish` returns samples the new
+version. Every
 healthy replica holds every tenant's current version, so any replica may serve any
 request. The client keeps the refs of each tenant's newest `versions_kept` versions, to
 bring a restarted replica up to date. `remove` forgets a tenant on every replica (the
@@ -19,7 +21,7 @@ with `TenantNotFound`, as in-process.
 Routing (which replica serves a request) and the per-replica and per-request records
 live in `routing`.
 
-The client does not stream tokens (it has no `streams_tokens`): a caller that asked for
+The client does not stream tokens (`streams_tokens` is False): a caller that asked for
 them gets them all with the completion.
 
 Faults: a replica that dies (`RayActorError`) or answers `ReplicaStale` (it restarted
@@ -31,7 +33,7 @@ second answer for it (never expected, but cheap to guard) is dropped, so no comp
 is delivered, hence no trajectory counted, twice.
 
 Shutdown order (`shutdown`): stop accepting -> fail queued and in-flight requests with
-`EngineClosed` -> stop recovery threads -> kill the replicas -> `on_shutdown` hooks.
+`EngineClosed` -> stop recovery threads -> kill the replicas.
 """
 
 from __future__ import annotations
@@ -63,8 +65,7 @@ from marlaas.distributed.records import (
 from marlaas.distributed.routing import PendingRequest, ReplicaSlot, choose_replica, healthy
 from marlaas.errors import EngineClosed, ModelError, TenantNotFound
 from marlaas.model.lora import AdapterTensors, LoRAModel
-from marlaas.rollout.batch import Deliver
-from marlaas.rollout.engine import settle
+from marlaas.rollout.batch import Deliver, TokenListener
 from marlaas.types import Completion, RolloutRequest
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,10 @@ class _Tenant:
 
 
 class RayEngineClient:
-    """The engine of a Ray context (see the module docstring)."""
+    """The sampler of the Ray device (see the module docstring)."""
+
+    #: Replicas answer whole completions: no token listener is ever called.
+    streams_tokens = False
 
     def __init__(
         self,
@@ -100,8 +104,6 @@ class RayEngineClient:
         self.stats = ClientStats()
         #: Called (from any thread, never under the client's locks) when rows free up.
         self.on_room: Callable[[], None] | None = None
-        #: Called at the end of `shutdown` (the other actors of the context close here).
-        self.on_shutdown: list[Callable[[], None]] = []
         self._replicas = [ReplicaSlot(i, h) for i, h in enumerate(replicas)]
         self._lock = threading.Lock()  # requests, replicas' health, sessions
         self._publish_lock = threading.Lock()  # versions and replica syncs, in order
@@ -109,7 +111,6 @@ class RayEngineClient:
         self._parked: deque[PendingRequest] = deque()
         self._sessions: OrderedDict[str, int] = OrderedDict()
         self._tenants: dict[str, _Tenant] = {}
-        self._put_cache: tuple[AdapterTensors, Any] | None = None
         self._closing = False
         self._closed = threading.Event()
         try:
@@ -145,12 +146,12 @@ class RayEngineClient:
         with self._lock:
             return bool(self._requests)
 
-    def step(self) -> int:
-        """Replicas decode on their own; nothing to do in the caller's thread."""
-        return 0
-
-    def enqueue(self, request: RolloutRequest, deliver: Deliver) -> None:
+    def enqueue(
+        self, request: RolloutRequest, deliver: Deliver, listener: TokenListener | None = None
+    ) -> None:
         """Send `request` to a replica; `deliver` gets its answer once (any thread)."""
+        if listener is not None:
+            raise ValueError("the Ray engine does not stream tokens (streams_tokens is False)")
         item = PendingRequest(request, deliver)
         with self._lock:
             if self._closing:
@@ -159,20 +160,6 @@ class RayEngineClient:
                 raise ValueError(f"request id {request.request_id!r} is already in flight")
             self._requests[request.request_id] = item
         self._dispatch(item)
-
-    def submit(self, request: RolloutRequest) -> asyncio.Future[Completion]:
-        """Like `RolloutEngine.submit`: an awaitable `Completion` (call from a loop)."""
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Completion] = loop.create_future()
-
-        def deliver(result: Completion | BaseException) -> None:
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(settle, future, result)
-
-        self.enqueue(request, deliver)
-        rid = request.request_id
-        future.add_done_callback(lambda f: self.abort(rid) if f.cancelled() else None)
-        return future
 
     def abort(self, request_id: str) -> None:
         """Stop a request: a parked one is answered with `CancelledError` at once, a
@@ -194,26 +181,21 @@ class RayEngineClient:
 
     # -- adapters ----------------------------------------------------------------------
 
-    def register(self, tenant: str, lora: LoRASpec, tensors: AdapterTensors) -> None:
-        """Register `tenant` at version 0 with `tensors` on every replica. Raises
+    def register(
+        self, tenant: str, lora: LoRASpec, tensors: AdapterTensors, version: int = 0
+    ) -> None:
+        """Register `tenant` at `version` with `tensors` on every replica. Raises
         `ModelError`, as `AdapterBank.register` does, for a tenant already registered or
         tensors that do not fit `lora` and the base."""
         self.model.validate_spec(lora)
         self.model.check_tensors(lora, tensors)
-        ref = self._put(tensors)
+        ref = ray.put(tensors)
         with self._publish_lock:
             if tenant in self._tenants:
                 raise ModelError(f"tenant {tenant!r} is already registered; remove it first")
-            self._tenants[tenant] = _Tenant(lora, deque([(0, ref)], maxlen=self.versions_kept))
+            versions = deque([(version, ref)], maxlen=self.versions_kept)
+            self._tenants[tenant] = _Tenant(lora, versions)
             self._sync_all([tenant])
-
-    def publish(self, tenant: str, version: int, tensors: AdapterTensors) -> None:
-        """Publish a version given as tensors (puts them in the object store once)."""
-        with self._publish_lock:
-            record = self._tenants.get(tenant)
-        if record is not None:
-            self.model.check_tensors(record.lora, tensors)
-        self.publish_ref(tenant, version, self._put(tensors))
 
     def publish_ref(self, tenant: str, version: int, ref: Any) -> None:
         """Publish a version already in the object store; returns when every healthy
@@ -301,8 +283,6 @@ class RayEngineClient:
         for r in self._replicas:
             with contextlib.suppress(Exception):
                 ray.kill(r.handle, no_restart=True)
-        for close in self.on_shutdown:
-            close()
 
     # -- dispatch ----------------------------------------------------------------------
 
@@ -487,12 +467,3 @@ class RayEngineClient:
                 ray.get(r.handle.sync.remote(wanted))
             except RayActorError as exc:
                 self._lost(r, exc)
-
-    def _put(self, tensors: AdapterTensors) -> Any:
-        """`ray.put` once per tensors object (a resume publishes one object many times)."""
-        cached = self._put_cache  # holds the object itself, so its identity stays valid
-        if cached is not None and cached[0] is tensors:
-            return cached[1]
-        ref = ray.put(tensors)
-        self._put_cache = (tensors, ref)
-        return ref

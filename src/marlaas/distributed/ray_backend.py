@@ -1,34 +1,32 @@
-"""`build_ray_context`: the components of a run, served by Ray actors, behind the same
-`PipelineContext` the in-process builder returns, so the orchestrator, the sync
-baseline and `run_jobs` drive them unchanged.
+"""`open_ray_backend`: a run's device and environment pool on Ray actors, placed by
+resources (`RunSpec.ray`), behind the same device port and `EnvPool` the in-process
+backend gives, so the orchestrator, the sync baseline and the service drive them
+unchanged.
 
-| context field | in-process            | Ray                                              |
-| ------------- | --------------------- | ------------------------------------------------ |
-| `engine`      | `RolloutEngine`       | `RayEngineClient` over `EngineReplica` actors     |
-| `bank`        | `AdapterBank`         | `RayBank`: registers/publishes/removes on every replica |
-| `trainer`     | `GRPOTrainer`    | `RayTrainerClient` over a `TrainerWorker` actor   |
-| `executor`    | `DeviceExecutor`      | `RayExecutor`                                     |
-| `envs`        | `EnvPool`             | `RayEnvPool` over `EnvWorker` actors              |
-| `gate`        | `RequestGate`         | the same `RequestGate`, over the engine client    |
-| `model`       | the base with LoRA    | a weightless (meta-device) copy: shapes only      |
+- the device: `ExecutorDevice` over `RayCompute` (`compute`): `EngineReplica` actors
+  behind a `RayEngineClient`, a `TrainerWorker` actor behind a `RayTrainerClient`;
+- the environments: `RayEnvPool` over `EnvWorker` actors;
+- the driver holds the tokenizer and a weightless (meta-device) copy of the base: its
+  shapes, for specs, checkpoints and PEFT files.
 
 The base is loaded once per model actor from `run.base_model` (the same path on every
-node); the driver loads only its config and tokenizer. Only adapter tensors travel
-between the trainer and the replicas, as object refs. Every job's task family is placed
-on the environment workers (`ctx.tasks`); a job submitted later must be placed with
-`ctx.envs.place(family)` by whoever builds its task.
+node). Only adapter tensors travel between the trainer and the replicas, as object refs.
+Ray is joined on the calling thread (`connect`): Ray ties the processes it starts (its
+GCS, raylet) to the thread that called `ray.init`, so the event loop's thread joins it,
+and only the actors are built in a worker thread.
 
-Shutdown order: the owner stops the executor, then calls `ctx.engine.shutdown()`, which
-fails what is still in flight and then kills the replicas, the trainer and the
-environment workers (the actors are owned by this process and die with it anyway).
+Shutdown order (`Backend.close`): the device closes (the executor stops, then the
+compute collects the replicas' figures, fails what is in flight, kills the replicas and
+the trainer), then the environment pool kills its workers. The actors are owned by this
+process and die with it anyway.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import ray
 import torch
@@ -40,65 +38,18 @@ from transformers import (
 )
 
 from marlaas.config.job import RunSpec
-from marlaas.config.ray import RaySpec
-from marlaas.config.specs import LoRASpec
+from marlaas.device.device import ExecutorDevice
 from marlaas.distributed.actors import EngineReplica, TrainerWorker
 from marlaas.distributed.cluster import connect, place
+from marlaas.distributed.compute import RayCompute
 from marlaas.distributed.engine_client import RayEngineClient
 from marlaas.distributed.env_worker import EnvWorker
 from marlaas.distributed.envs import RayEnvPool
-from marlaas.distributed.executor import RayExecutor
 from marlaas.distributed.trainer_client import RayTrainerClient
-from marlaas.envs.base import TaskFamily
-from marlaas.errors import ConfigError, ModelError
-from marlaas.model.bank import AdapterBank
-from marlaas.model.base import default_base_path
-from marlaas.model.lora import AdapterTensors, LoRAModel
-from marlaas.obs.recorder import NullRecorder, Recorder
-from marlaas.pipeline.context import PipelineContext, PipelineOptions
-from marlaas.pipeline.data import build_task
-from marlaas.pipeline.scheduler import RequestGate
-from marlaas.rollout.engine import RolloutEngine
-from marlaas.train.grpo import GRPOTrainer
-
-
-class RayBank:
-    """The adapter-bank surface the pipeline and the service's inference use, kept on
-    every replica: training tenants register and publish; serving adapters (`serve:*`,
-    from PEFT tensors on disk) are registered and removed the same way."""
-
-    def __init__(self, engine: RayEngineClient, versions_kept: int) -> None:
-        self.engine = engine
-        self.versions_kept = versions_kept
-
-    def register(
-        self,
-        tenant: str,
-        spec: LoRASpec,
-        tensors: AdapterTensors | None = None,
-        seed: int = 0,
-    ) -> None:
-        """Add `tenant` at version 0 on every replica: `tensors`, or a fresh PEFT-style
-        init from `seed` (made here, on the CPU, from the base's shapes)."""
-        if tensors is None:
-            tensors = self.engine.model.init_adapter(spec, seed)
-        self.engine.register(tenant, spec, tensors)
-
-    def remove(self, tenant: str) -> None:
-        """Forget `tenant` on every replica (`TenantNotFound` when it is not registered)."""
-        self.engine.remove(tenant)
-
-    def publish(self, tenant: str, version: int, tensors: AdapterTensors) -> None:
-        self.engine.publish(tenant, version, tensors)
-
-    def latest_version(self, tenant: str) -> int:
-        return self.engine.latest_version(tenant)
-
-    def tenants(self) -> list[str]:
-        return self.engine.tenants()
-
-    def __contains__(self, tenant: object) -> bool:
-        return tenant in self.engine
+from marlaas.errors import ModelError
+from marlaas.model.lora import LoRAModel
+from marlaas.obs.recorder import Recorder
+from marlaas.pipeline.context import Backend, PipelineOptions
 
 
 def load_skeleton(path: Path, max_rank: int) -> tuple[LoRAModel, PreTrainedTokenizerBase]:
@@ -121,50 +72,30 @@ def load_skeleton(path: Path, max_rank: int) -> tuple[LoRAModel, PreTrainedToken
     return LoRAModel(base, max_rank=max_rank), tokenizer
 
 
-def build_ray_context(
-    run: RunSpec,
-    out_dir: Path,
-    options: PipelineOptions | None = None,
-    *,
-    ray_spec: RaySpec | None = None,
-    recorder: Recorder | None = None,
-    resume: bool = False,
-    tasks: Mapping[str, TaskFamily] | None = None,
-    max_staleness: int | None = None,
-) -> PipelineContext:
-    """The run's components on Ray (blocking: starts the actors, which load the base).
-
-    Arguments are those of `runner.build_context`, plus `ray_spec` (where to connect,
-    how many actors, their resources). Raises `ConfigError` when no node can host a
-    role, `ModelError` for a bad base path.
-    """
-    options = options or PipelineOptions()
-    spec = ray_spec or RaySpec()
-    recorder = recorder or NullRecorder()
-    out_dir = Path(out_dir)
-    base_path = (Path(run.base_model) if run.base_model else default_base_path()).resolve()
-    model, tokenizer = load_skeleton(base_path, run.engine.max_rank)
-    if max_staleness is None:
-        if not run.jobs:
-            raise ConfigError("a run without jobs must give max_staleness")
-        max_staleness = max(job.algorithm.max_staleness for job in run.jobs)
-    versions_kept = max_staleness + 2
-
-    connect(spec)
+def build_ray_backend(
+    run: RunSpec, *, options: PipelineOptions, recorder: Recorder, max_staleness: int
+) -> tuple[RayCompute, RayEnvPool, PreTrainedTokenizerBase, Path]:
+    """The actors and their clients (blocking: the actors load the base). Ray must be
+    joined already. Raises `ConfigError` when no node can host a role, `ModelError`
+    for a bad base path."""
+    spec = run.ray
+    config = options.device_config(run, max_staleness)
+    base_path = config.base_path.resolve()
+    model, tokenizer = load_skeleton(base_path, config.engine.max_rank)
     replica_cls = place(EngineReplica, "engine", spec.engine, spec)
     trainer_cls = place(TrainerWorker, "trainer", spec.trainer, spec)
     env_cls = place(EnvWorker, "env", spec.env, spec)
     replicas = [
         replica_cls.remote(
             str(base_path),
-            max_rank=run.engine.max_rank,
-            adapter_slots=run.engine.adapter_slots,
-            versions_kept=versions_kept,
-            max_batch_size=run.engine.max_batch_size,
-            max_prefill_tokens=options.max_prefill_tokens,
-            seed=options.engine_seed + i,
-            device=options.device,
-            dtype=run.dtype,
+            max_rank=config.engine.max_rank,
+            adapter_slots=config.engine.adapter_slots,
+            versions_kept=config.versions_kept,
+            max_batch_size=config.engine.max_batch_size,
+            max_prefill_tokens=config.max_prefill_tokens,
+            seed=config.engine_seed + i,
+            device=config.torch_device,
+            dtype=config.dtype,
             torch_threads=spec.torch_threads,
         )
         for i in range(spec.engine_replicas)
@@ -174,53 +105,46 @@ def build_ray_context(
     def make_trainer() -> Any:
         return trainer_cls.remote(
             str(base_path),
-            max_rank=run.engine.max_rank,
-            max_tokens_per_microbatch=run.trainer.max_tokens_per_microbatch,
-            device=options.device,
-            dtype=run.dtype,
+            max_rank=config.engine.max_rank,
+            max_tokens_per_microbatch=config.trainer.max_tokens_per_microbatch,
+            device=config.torch_device,
+            dtype=config.dtype,
             torch_threads=spec.torch_threads,
         )
 
-    built: list[PipelineContext] = []
     try:
-        trainer = RayTrainerClient(
-            make_trainer, model, lambda name: built[0].checkpoint_dir(name), recorder
-        )
+        trainer = RayTrainerClient(make_trainer, recorder)
         engine = RayEngineClient(
             replicas,
             model,
-            rows_per_replica=run.engine.max_batch_size,
-            versions_kept=versions_kept,
+            rows_per_replica=config.engine.max_batch_size,
+            versions_kept=config.versions_kept,
             request_retries=spec.request_retries,
         )
+        compute = RayCompute(model, engine, trainer)
     except BaseException:
         for actor in (*replicas, *workers):  # nothing may outlive a failed build
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
         raise
     envs = RayEnvPool(workers, options.env_concurrency, options.env_timeout_s, recorder)
-    engine.on_shutdown.extend([envs.close, trainer.close])
-    gate = RequestGate(cast(RolloutEngine, engine), capacity=engine.capacity)
-    executor = RayExecutor(engine, trainer, gate, recorder)
-    placed = dict(tasks or {})
-    for job in run.jobs:
-        placed[job.name] = envs.place(placed.get(job.name) or build_task(job, tokenizer))
-    ctx = PipelineContext(
-        run=run,
-        out_dir=out_dir,
-        model=model,
-        tokenizer=tokenizer,
-        bank=cast(AdapterBank, RayBank(engine, versions_kept)),
-        engine=cast(RolloutEngine, engine),
-        trainer=cast(GRPOTrainer, trainer),
-        gate=gate,
-        executor=executor,
-        envs=envs,
-        recorder=recorder,
-        options=options,
-        resume=resume,
-        base_name=str(base_path),
-        tasks=placed,
+    return compute, envs, tokenizer, base_path
+
+
+async def open_ray_backend(
+    run: RunSpec, *, options: PipelineOptions, recorder: Recorder, max_staleness: int
+) -> Backend:
+    """The run's backend on Ray (a `BackendOpener`; see the module docstring)."""
+    connect(run.ray)
+    compute, envs, tokenizer, base_path = await asyncio.to_thread(
+        build_ray_backend, run, options=options, recorder=recorder, max_staleness=max_staleness
     )
-    built.append(ctx)
-    return ctx
+    device = ExecutorDevice.start(
+        compute,
+        model=compute.model,
+        tokenizer=tokenizer,
+        base_name=str(base_path),
+        versions_kept=options.device_config(run, max_staleness).versions_kept,
+        recorder=recorder,
+    )
+    return Backend(device, envs)

@@ -150,9 +150,13 @@ class AdapterBank:
         spec: LoRASpec,
         tensors: AdapterTensors | None = None,
         seed: int = 0,
+        version: int = 0,
     ) -> None:
-        """Add a tenant with version 0: `tensors`, or a fresh PEFT-style init from `seed`."""
+        """Add a tenant at `version` (a restored tenant's; its only kept version): `tensors`,
+        or a fresh PEFT-style init from `seed`."""
         with self._lock:
+            if version < 0:
+                raise ModelError(f"tenant {tenant!r}: version must be >= 0, got {version}")
             if tenant in self._tenants:
                 raise ModelError(f"tenant {tenant!r} is already registered; remove it first")
             modules = frozenset(self.model.module_paths(spec))
@@ -166,8 +170,10 @@ class AdapterBank:
                 spill = self.spill_dir / f"{_safe_name(tenant)}-{self._next_spill}"
                 self._next_spill += 1
                 spill.mkdir(parents=True)
-            record = _Tenant(name=tenant, spec=spec, spill_dir=spill, modules=modules)
-            record.versions[0] = self._store(record, 0, tensors, owned=fresh)
+            record = _Tenant(
+                name=tenant, spec=spec, spill_dir=spill, modules=modules, latest=version
+            )
+            record.versions[version] = self._store(record, version, tensors, owned=fresh)
             self._allocate(modules)
             self._tenants[tenant] = record
 

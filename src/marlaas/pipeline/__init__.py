@@ -1,14 +1,19 @@
-"""The pipeline: tenant state machines, the event-driven orchestrator, the device
-executor, fair-share scheduling and admission, the environment pool, the synchronous
-baseline, and `run_jobs`, which builds the shared components from a `RunSpec`."""
+"""The pipeline: tenant state machines, the event-driven orchestrator, admission, the
+environment pool, the synchronous baseline, and `run_jobs`, which runs a `RunSpec` on a
+backend its caller opens (`marlaas.backends`). The pipeline reaches model compute only
+through the device port (`marlaas.device`)."""
 
 from marlaas.pipeline.baseline import SyncBaseline
-from marlaas.pipeline.context import PipelineContext, PipelineOptions
+from marlaas.pipeline.context import (
+    Backend,
+    BackendOpener,
+    PipelineContext,
+    PipelineOptions,
+)
 from marlaas.pipeline.envpool import EnvCallError, EnvPool, PooledEnv, play_episode
-from marlaas.pipeline.executor import DeviceExecutor, ExecutorClosed
 from marlaas.pipeline.orchestrator import Orchestrator
-from marlaas.pipeline.runner import RunResult, TenantResult, build_context, run_jobs
-from marlaas.pipeline.scheduler import AdmissionQueue, FairShare, RequestGate
+from marlaas.pipeline.runner import RunResult, TenantResult, run_jobs
+from marlaas.pipeline.scheduler import AdmissionQueue
 from marlaas.pipeline.tenant import (
     JobStatus,
     PipelineError,
@@ -18,24 +23,21 @@ from marlaas.pipeline.tenant import (
 
 __all__ = [
     "AdmissionQueue",
-    "DeviceExecutor",
+    "Backend",
+    "BackendOpener",
     "EnvCallError",
     "EnvPool",
-    "ExecutorClosed",
-    "FairShare",
     "JobStatus",
     "Orchestrator",
     "PipelineContext",
     "PipelineError",
     "PipelineOptions",
     "PooledEnv",
-    "RequestGate",
     "RunResult",
     "SyncBaseline",
     "TenantFailure",
     "TenantResult",
     "TenantState",
-    "build_context",
     "play_episode",
     "run_jobs",
 ]

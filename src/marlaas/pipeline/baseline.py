@@ -4,9 +4,9 @@ One tenant at a time (priority first, FIFO within a priority), and within each s
 that tenant, strictly in order: sample all P x G episodes together (every model turn of
 every episode is submitted at once, so generation is batched by the same engine; the
 environment runs between a turn and the next), then build the batch, then train it
-(`trainer.step` with that one tenant), then publish the new adapter. Same data stream,
-seeds, hyper-parameters, evals and checkpoints as the async pipeline, through the same
-device executor, so busy and idle time are measured the same way.
+(`forward_backward` and `optim_step` of that one tenant, which publishes the new
+adapter). Same data stream, seeds, hyper-parameters, evals and checkpoints as the async
+pipeline, through the same device, so busy and idle time are measured the same way.
 
 It is honest, not a straw man: generation is batched across the whole step, and an
 episode's environment call overlaps the generation of episodes still running. What it
@@ -15,7 +15,7 @@ and while the next step's rollouts have not started, and no two tenants ever sha
 engine iteration or a train step. Staleness is always zero.
 
 Failure isolation is the same: a tenant's error fails that tenant, and the next runs.
-The device executor's failure stops the run and is raised.
+The device's failure stops the run and is raised.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ class SyncBaseline:
         self.order = [queue.pop() for _ in range(len(queue))]
 
     async def run(self) -> dict[str, TenantState]:
-        """Run every job in turn; raises the device executor's failure."""
-        failure = self.ctx.executor.failure
+        """Run every job in turn; raises the device's failure."""
+        failure = self.ctx.device.failure
         for name in self.order:
             if failure.done():
                 raise failure.result()
@@ -108,7 +108,7 @@ class SyncBaseline:
                 raise PipelineError(f"tenant {state.name!r}: a synchronous step built no batch")
             submitted = time.perf_counter()
             try:
-                result = await self.ctx.executor.train(batch)
+                result = await rt.train(batch)
             except TrainBatchError as exc:
                 raise TenantFailure(
                     f"the trainer rejected the batch of step {batch.step}: {exc}"

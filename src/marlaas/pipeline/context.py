@@ -1,33 +1,32 @@
-"""What every pipeline mode shares: the pipeline's own knobs (`PipelineOptions`) and the
-run's components (`PipelineContext`), built once per run by `marlaas.pipeline.runner`.
+"""What every pipeline mode shares: the pipeline's own knobs (`PipelineOptions`), where
+its stages live (`Backend`: the device behind its port and the environment pool), and
+the run's components (`PipelineContext`), built once per run.
 
-The context holds the shared base, engine, trainer and adapter bank; the request gate
-(fair share) in front of the engine; the device executor (the only thread that runs
-model compute); the environment pool; the recorder; and where outputs go. It owns no
-per-tenant state: that lives in `TenantState` / `TenantRuntime`.
+The backend is chosen above the pipeline: `PipelineContext.open` (so `run_jobs` and
+`PipelineRuntime.start`) takes a `BackendOpener` (`marlaas.backends.open_backend` reads
+the run's `backend` and opens the in-process or the Ray one); the pipeline only ever
+sees the port. The context owns no per-tenant state: that lives in `TenantState` /
+`TenantRuntime`.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from pydantic import Field
-from transformers import PreTrainedTokenizerBase
 
 from marlaas.config.job import JobSpec, RunSpec
 from marlaas.config.specs import Spec
+from marlaas.device.config import DeviceConfig
+from marlaas.device.port import DevicePort
 from marlaas.envs.base import TaskFamily
-from marlaas.model.bank import AdapterBank
 from marlaas.model.chat import require_template
-from marlaas.model.lora import LoRAModel
 from marlaas.obs.recorder import Recorder
 from marlaas.pipeline.envpool import EnvPool
-from marlaas.pipeline.executor import DeviceExecutor
-from marlaas.pipeline.scheduler import RequestGate
-from marlaas.rollout.engine import RolloutEngine
-from marlaas.train.grpo import GRPOTrainer
 
 
 class PipelineOptions(Spec):
@@ -56,6 +55,45 @@ class PipelineOptions(Spec):
     )
     engine_seed: int = Field(default=0, description="Seed of the engine's own sampling generator.")
 
+    def device_config(self, run: RunSpec, max_staleness: int) -> DeviceConfig:
+        """The device a run of jobs with at most `max_staleness` needs: the sampler keeps
+        `max_staleness + 2` versions (the newest, the one a step in flight trains on, and
+        the stale ones a batch may still hold)."""
+        return DeviceConfig(
+            base_model=run.base_model,
+            dtype=run.dtype,
+            engine=run.engine,
+            trainer=run.trainer,
+            versions_kept=max_staleness + 2,
+            torch_device=self.device,
+            max_prefill_tokens=self.max_prefill_tokens,
+            engine_seed=self.engine_seed,
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class Backend:
+    """Where a run's stages live: the device behind its port, and the environment pool
+    (its workers in this process, or remote). `close` releases both, device first."""
+
+    device: DevicePort
+    envs: EnvPool
+
+    async def close(self) -> None:
+        try:
+            await self.device.close()
+        finally:
+            await asyncio.to_thread(self.envs.close)
+
+
+class BackendOpener(Protocol):
+    """Opens a ready `Backend` for `run` (blocking work off the loop). `max_staleness`
+    bounds the jobs' `algorithm.max_staleness`: it sizes the sampler's window."""
+
+    async def __call__(
+        self, run: RunSpec, *, options: PipelineOptions, recorder: Recorder, max_staleness: int
+    ) -> Backend: ...
+
 
 @dataclass(eq=False)
 class PipelineContext:
@@ -63,20 +101,50 @@ class PipelineContext:
 
     run: RunSpec
     out_dir: Path
-    model: LoRAModel
-    tokenizer: PreTrainedTokenizerBase
-    bank: AdapterBank
-    engine: RolloutEngine
-    trainer: GRPOTrainer
-    gate: RequestGate
-    executor: DeviceExecutor
-    envs: EnvPool
+    backend: Backend
     recorder: Recorder
     options: PipelineOptions
     resume: bool = False
-    base_name: str | None = None
     #: Task families that replace a job's own task, by job name (custom environments).
     tasks: Mapping[str, TaskFamily] = field(default_factory=dict)
+
+    @property
+    def device(self) -> DevicePort:
+        return self.backend.device
+
+    @property
+    def envs(self) -> EnvPool:
+        return self.backend.envs
+
+    @classmethod
+    async def open(
+        cls,
+        run: RunSpec,
+        out_dir: Path,
+        *,
+        backend: BackendOpener,
+        recorder: Recorder,
+        options: PipelineOptions | None = None,
+        resume: bool = False,
+        tasks: Mapping[str, TaskFamily] | None = None,
+        max_staleness: int | None = None,
+    ) -> PipelineContext:
+        """The run's components on a backend `backend` opens. `max_staleness`: None is
+        the largest among `run.jobs` (a long-lived pipeline, whose jobs come later, gives
+        it). Close it with `ctx.backend.close()`."""
+        options = options or PipelineOptions()
+        if max_staleness is None:
+            max_staleness = max(job.algorithm.max_staleness for job in run.jobs)
+        opened = await backend(run, options=options, recorder=recorder, max_staleness=max_staleness)
+        return cls(
+            run=run,
+            out_dir=Path(out_dir),
+            backend=opened,
+            recorder=recorder,
+            options=options,
+            resume=resume,
+            tasks=dict(tasks or {}),
+        )
 
     def resolve_job(self, job: JobSpec) -> JobSpec:
         """`job` with its LoRA targets named for this base (`lora.target_modules` unset:
@@ -85,8 +153,8 @@ class PipelineContext:
         Jobs are resolved once, when submitted, so checkpoints and exported adapters
         record explicit names."""
         if job.task.format == "chat":
-            require_template(self.tokenizer, f"job {job.name!r}: task.format chat")
-        lora = self.model.resolve(job.lora, default=self.run.default_target_modules)
+            require_template(self.device.tokenizer, f"job {job.name!r}: task.format chat")
+        lora = self.device.model.resolve(job.lora, default=self.run.default_target_modules)
         return job if lora is job.lora else job.model_copy(update={"lora": lora})
 
     def tenant_dir(self, name: str) -> Path:

@@ -78,6 +78,9 @@ class EnvPool:
         """Environment calls in flight now."""
         return self._active
 
+    def close(self) -> None:
+        """Release the pool's workers (none here; a distributed pool's actors)."""
+
     async def call(self, fn: Callable[[], Awaitable[T]], *, tenant: str, what: str) -> T:
         """Await `fn()` within the concurrency bound and the timeout.
 

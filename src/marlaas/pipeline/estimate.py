@@ -33,7 +33,7 @@ from marlaas.config.job import JobSpec, RunSpec
 from marlaas.errors import ConfigError
 from marlaas.obs.memory import RunRecorder
 from marlaas.obs.records import Span
-from marlaas.pipeline.context import PipelineOptions
+from marlaas.pipeline.context import BackendOpener, PipelineOptions
 from marlaas.pipeline.runner import RunResult, run_jobs
 
 #: The tenant lifecycle events that bound a tenant's time in the baseline.
@@ -232,15 +232,18 @@ async def estimate_sync_time(
     run: RunSpec,
     out_dir: Path,
     *,
+    backend: BackendOpener,
     slice_steps: int = 1,
     recorder: RunRecorder | None = None,
     options: PipelineOptions | None = None,
 ) -> tuple[SyncEstimate, RunResult]:
-    """Run the synchronous baseline on a slice of `run` (outputs under `out_dir`) and
-    extrapolate to all of it. `recorder` (default: in memory only) receives the slice's
+    """Run the synchronous baseline on a slice of `run` (outputs under `out_dir`, on the
+    backend `backend` opens) and extrapolate to all of it. `recorder` (default: in memory only) receives the slice's
     records, e.g. for a live view. Returns the estimate and the slice's own result."""
     recorder = recorder if recorder is not None else RunRecorder()
     spec = slice_spec(run, slice_steps)
-    result = await run_jobs(spec, out_dir, mode="sync", recorder=recorder, options=options)
+    result = await run_jobs(
+        spec, out_dir, backend=backend, mode="sync", recorder=recorder, options=options
+    )
     measurement = measure_slice(recorder, result.wall_s)
     return extrapolate(measurement, run.jobs, slice_steps), result

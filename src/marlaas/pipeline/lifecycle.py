@@ -1,11 +1,13 @@
 """Per-tenant operations that the async orchestrator and the sync baseline share:
-setting a tenant up (fresh or from its checkpoint), playing a GRPO group, evaluating,
-checkpointing, recording a step's metrics, saving the final adapter, tearing down.
+setting a tenant up (fresh or from its checkpoint), playing a GRPO group, training a
+step, evaluating, checkpointing, recording a step's metrics, saving the final adapter,
+tearing down.
 
 Invariants:
-- The trainer is touched only through the device executor (`executor.call`), and the
-  bank's versions only move in step with the trainer's: a tenant is registered in both
-  with the same tensors at the same version.
+- The device is reached only through its port (`ctx.device`): a tenant is added once,
+  fresh at version 0 or from its checkpoint at its version (one publish); a train step
+  is exactly `forward_backward` of the step's batch then `optim_step`
+  (`train.grpo.GRPOTraining` makes both calls' arguments).
 - Disk writes (checkpoints, the final PEFT adapter) run in worker threads and are
   atomic (`save_checkpoint`, `save_peft`); a checkpoint's `extra` holds the data
   cursor and the eval history, so a resume continues the same data stream.
@@ -22,6 +24,8 @@ from dataclasses import replace
 from statistics import fmean
 from typing import Any, TypeVar
 
+from marlaas.config.job import JobSpec
+from marlaas.device.executor import ExecutorClosed
 from marlaas.envs.base import Example, TaskFamily
 from marlaas.errors import ModelError
 from marlaas.model.lora import AdapterTensors
@@ -36,11 +40,11 @@ from marlaas.pipeline.data import (
     train_sampling,
 )
 from marlaas.pipeline.envpool import EnvCallError, play_episode
-from marlaas.pipeline.executor import ExecutorClosed
 from marlaas.pipeline.tenant import PipelineError, TenantState
 from marlaas.train.batch import TenantStepResult, TrainBatch
 from marlaas.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from marlaas.train.grpo import GRPOSnapshot as TenantSnapshot
+from marlaas.train.grpo import GRPOSnapshot, GRPOTraining
+from marlaas.train.optim import TenantSnapshot
 from marlaas.types import SamplingParams, Trajectory
 
 T = TypeVar("T")
@@ -59,6 +63,16 @@ async def gather_all(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
     return [t.result() for t in tasks]
 
 
+def grpo_training(job: JobSpec) -> GRPOTraining:
+    """A job's GRPO settings: its algorithm at its sampling temperature; Dr. GRPO's
+    constant normalisation is rows per step x max new tokens."""
+    algo = job.algorithm
+    norm = None
+    if algo.loss_norm == "constant":
+        norm = float(algo.samples_per_step * job.sampling.max_new_tokens)
+    return GRPOTraining(algo, job.sampling.temperature, constant_norm_tokens=norm)
+
+
 class TenantRuntime:
     """A tenant's task, data and the operations on it (see the module docstring)."""
 
@@ -67,6 +81,7 @@ class TenantRuntime:
         self.state = state
         self.job = state.job
         self.name = state.name
+        self._training: GRPOTraining | None = None
         self.sampling = train_sampling(self.job)
         self.eval_sampling = eval_sampling(self.job)
         self._family: TaskFamily | None = None
@@ -82,15 +97,22 @@ class TenantRuntime:
             raise PipelineError(f"tenant {self.name!r} is not set up")
         return self._family
 
+    @property
+    def training(self) -> GRPOTraining:
+        if self._training is None:
+            raise PipelineError(f"tenant {self.name!r} is not set up")
+        return self._training
+
     # -- setup and teardown ----------------------------------------------------------
 
     async def setup(self) -> None:
         """Build the task and register the adapter (restored from the latest checkpoint
         when the run resumes and one exists). Raises on a bad spec, data or checkpoint."""
         ctx, job = self.ctx, self.job
+        self._training = grpo_training(job)
         family = ctx.tasks.get(self.name)
         if family is None:
-            family = await asyncio.to_thread(build_task, job, ctx.tokenizer)
+            family = await asyncio.to_thread(build_task, job, ctx.device.tokenizer)
         family = ctx.envs.place(family)  # where its environments run (a backend's choice)
         self._family = family
         self.stream = ExampleStream(family, job)
@@ -101,7 +123,7 @@ class TenantRuntime:
         extra: dict[str, Any] = {}
         path = latest_checkpoint(ctx.checkpoint_dir(self.name)) if ctx.resume else None
         if path is not None:
-            ckpt = await asyncio.to_thread(load_checkpoint, path, ctx.model)
+            ckpt = await asyncio.to_thread(load_checkpoint, path, ctx.device.model)
             if ckpt.snapshot.tenant != self.name or ckpt.snapshot.lora != job.lora:
                 raise ModelError(
                     f"checkpoint {str(path)!r} is not for job {self.name!r} with this LoRA "
@@ -109,17 +131,15 @@ class TenantRuntime:
                 )
             # The job's current algorithm and temperature apply from here on (a resume
             # may change the schedule); the optimizer state is layout-compatible.
-            snapshot = replace(
-                ckpt.snapshot,
-                training=replace(
-                    ckpt.snapshot.training,
-                    algo=job.algorithm,
-                    temperature=job.sampling.temperature,
-                ),
+            self._training = replace(
+                ckpt.snapshot.training,
+                algo=job.algorithm,
+                temperature=job.sampling.temperature,
             )
+            snapshot = ckpt.snapshot.state
             extra = ckpt.extra
-        self.registered = True  # from here on, teardown removes whatever got registered
-        await ctx.executor.call(self._install, snapshot)
+        self.registered = True  # from here on, teardown removes whatever got added
+        await ctx.device.add_tenant(self.name, job.lora, seed=job.seed, snapshot=snapshot)
         if snapshot is not None:
             self.state.restore(snapshot.version, int(extra.get("cursor", 0)))
             history = extra.get("eval", {})
@@ -128,42 +148,16 @@ class TenantRuntime:
             ctx.recorder.event(
                 "tenant_resumed", tenant=self.name, version=snapshot.version, path=str(path)
             )
-        ctx.gate.set_weight(self.name, job.priority)
+        ctx.device.set_priority(self.name, job.priority)
         self._last_step_at = time.perf_counter()
 
-    def _install(self, snapshot: TenantSnapshot | None) -> None:
-        """On the device thread: register the tenant in the trainer and the bank."""
-        ctx, job = self.ctx, self.job
-        if snapshot is None:
-            algo = job.algorithm
-            norm = None
-            if algo.loss_norm == "constant":
-                norm = float(algo.samples_per_step * job.sampling.max_new_tokens)
-            ctx.trainer.register(
-                self.name,
-                job.lora,
-                algo,
-                seed=job.seed,
-                temperature=job.sampling.temperature,
-                constant_norm_tokens=norm,
-            )
-        else:
-            ctx.trainer.restore(snapshot)
-        tensors = ctx.trainer.adapter(self.name)
-        ctx.bank.register(self.name, job.lora, tensors=tensors)
-        # The bank numbers versions from 0; step it to the trainer's version. Versions
-        # older than the bank's window are dropped as they are published.
-        for version in range(1, ctx.trainer.version(self.name) + 1):
-            ctx.engine.publish(self.name, version, tensors)
-
     async def teardown(self) -> None:
-        """Stop the tenant's waiting requests and free its trainer state (the bank keeps
-        its adapter versions, so it can still be served)."""
-        self.ctx.gate.remove(self.name)
+        """Stop the tenant's waiting requests and free its training state (its newest
+        adapter versions stay on the device, so it can still be served)."""
         if self.registered:
             self.registered = False
             with contextlib.suppress(ExecutorClosed):
-                await self.ctx.executor.call(self.ctx.trainer.remove, self.name)
+                await self.ctx.device.drop_tenant(self.name, keep_adapter=True)
 
     # -- rollouts --------------------------------------------------------------------
 
@@ -187,8 +181,8 @@ class TenantRuntime:
     ) -> Coroutine[Any, Any, Trajectory]:
         """One episode of this tenant through the gate and the env pool, with retries."""
         return play_episode(
-            submit=self.ctx.gate.submit,
-            tokenizer=self.ctx.tokenizer,
+            submit=self.ctx.device.sample,
+            tokenizer=self.ctx.device.tokenizer,
             family=self.family,
             example=example,
             pool=self.ctx.envs,
@@ -217,6 +211,15 @@ class TenantRuntime:
         return accuracy
 
     # -- steps -----------------------------------------------------------------------
+
+    async def train(self, batch: TrainBatch) -> TenantStepResult:
+        """One optimizer step on `batch`: `forward_backward` then `optim_step` (the new
+        version is published when this returns). Raises `TrainBatchError` for a batch
+        the device refuses (nothing changed)."""
+        device, training = self.ctx.device, self.training
+        outputs = await device.forward_backward([training.train_input(batch)])
+        step = await device.optim_step(self.name, training.adam)
+        return training.result(batch, outputs[self.name], step)
 
     def record_step(self, batch: TrainBatch, result: TenantStepResult, submitted: float) -> None:
         now = time.perf_counter()
@@ -255,7 +258,7 @@ class TenantRuntime:
     async def checkpoint(self) -> None:
         """Write the tenant's state at its current version, atomically."""
         t0 = time.perf_counter()
-        snapshot = await self.ctx.executor.call(self.ctx.trainer.snapshot, self.name)
+        snapshot = GRPOSnapshot(await self.ctx.device.snapshot(self.name), self.training)
         extra = {
             "cursor": self.state.cursor,
             "eval": {str(k): v for k, v in sorted(self.state.stats.eval_accuracy.items())},
@@ -266,7 +269,7 @@ class TenantRuntime:
             snapshot,
             extra,
             self.job.keep_checkpoints or self.ctx.options.keep_checkpoints,
-            fan_in_fan_out=model_fan_in_fan_out(self.ctx.model, snapshot.state.tensors),
+            fan_in_fan_out=model_fan_in_fan_out(self.ctx.device.model, snapshot.state.tensors),
         )
         self.last_checkpoint = snapshot.version
         self.ctx.recorder.span("checkpoint", "save", t0, time.perf_counter(), tenant=self.name)
@@ -276,12 +279,12 @@ class TenantRuntime:
 
     async def save_adapter(self) -> None:
         """The final adapter, in PEFT format, under the tenant's `adapter/`."""
-        tensors: AdapterTensors = await self.ctx.executor.call(self.ctx.trainer.adapter, self.name)
+        tensors: AdapterTensors = await self.ctx.device.export(self.name)
         await asyncio.to_thread(
             save_peft,
             self.ctx.adapter_dir(self.name),
             self.job.lora,
             tensors,
-            self.ctx.base_name,
-            fan_in_fan_out=model_fan_in_fan_out(self.ctx.model, tensors),
+            self.ctx.device.base_name,
+            fan_in_fan_out=model_fan_in_fan_out(self.ctx.device.model, tensors),
         )

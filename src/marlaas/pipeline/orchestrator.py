@@ -10,9 +10,9 @@ step j, on its own evals of versions that step j would push out of the adapter b
 
 Supervision: the orchestrator's `run` admits jobs (`AdmissionQueue`: at most
 `max_active_tenants`, priority first, FIFO within a priority) and watches the tenant
-tasks and the device executor. A tenant's error of any kind (its env, grader, data, a
-rejected batch) fails that tenant only, with the reason recorded; the device executor's
-failure is the run's, and is raised after every tenant is cancelled.
+tasks and the device. A tenant's error of any kind (its env, grader, data, a rejected
+batch) fails that tenant only, with the reason recorded; the device's failure is the
+run's, and is raised after every tenant is cancelled.
 
 Jobs arrive at construction or later through `submit` (names are unique for the
 orchestrator's life). By default `run` returns once every job is terminal; with
@@ -23,10 +23,9 @@ lets its train step in flight land, writes a checkpoint if it trained since its 
 one, and ends cancelled with a "stopped" reason (a later resume continues from there).
 
 Shutdown order (end of `run`, normal or not): stop admitting -> cancel the tenant tasks
-still running (each cancels its children, whose engine requests are withdrawn or aborted,
-then releases its gate queue and trainer state) -> wait for them. The owner of the
-context then stops the device executor and shuts the engine down (`runner.run_jobs`,
-`runtime.PipelineRuntime.close`).
+still running (each cancels its children, whose sampling requests are withdrawn or
+aborted, then drops its training state from the device) -> wait for them. The owner of
+the context then closes the backend (`runner.run_jobs`, `runtime.PipelineRuntime.close`).
 """
 
 from __future__ import annotations
@@ -120,16 +119,17 @@ class Orchestrator:
                 f"a job named {job.name!r} was already submitted to this pipeline; "
                 "job names must be unique for the pipeline's life"
             )
-        if job.lora.rank > self.ctx.model.max_rank:
+        device = self.ctx.device
+        if job.lora.rank > device.model.max_rank:
             raise ConfigError(
                 f"job {job.name!r}: lora.rank {job.lora.rank} is above the engine's "
-                f"max_rank {self.ctx.model.max_rank}; lower the rank"
+                f"max_rank {device.model.max_rank}; lower the rank"
             )
         job = self.ctx.resolve_job(job)
-        if job.algorithm.max_staleness + 2 > self.ctx.bank.versions_kept:
+        if job.algorithm.max_staleness + 2 > device.versions_kept:
             raise ConfigError(
                 f"job {job.name!r}: algorithm.max_staleness {job.algorithm.max_staleness} is "
-                f"above this pipeline's limit of {self.ctx.bank.versions_kept - 2}; lower it"
+                f"above this pipeline's limit of {device.versions_kept - 2}; lower it"
             )
         state = self.states[job.name] = TenantState(job, order=len(self.states))
         self._queue.push(job.name, job.priority)
@@ -218,8 +218,8 @@ class Orchestrator:
 
     async def run(self) -> dict[str, TenantState]:
         """Run every job to a terminal state (in serve mode: until `close`); raises the
-        device executor's failure."""
-        failure = self.ctx.executor.failure
+        device's failure."""
+        failure = self.ctx.device.failure
         failure.add_done_callback(lambda _: self._wake.set())
         limit = self.ctx.run.max_active_tenants
         try:
@@ -286,7 +286,7 @@ class Orchestrator:
                 await runtime.teardown()
 
     async def _drive(self, state: TenantState, rt: TenantRuntime, tasks: _Tasks) -> None:
-        kept = self.ctx.bank.versions_kept
+        kept = self.ctx.device.versions_kept
         # The eval before training, or one that was due where a resumed tenant continues
         # (not an extra one at every resume point).
         first_due = state.version == 0 or rt.eval_due()
@@ -350,7 +350,7 @@ class Orchestrator:
     ) -> None:
         submitted = time.perf_counter()
         try:
-            result = await self.ctx.executor.train(batch)
+            result = await rt.train(batch)
         except TrainBatchError as exc:
             state.train_failed()
             raise TenantFailure(

@@ -1,8 +1,7 @@
 """A long-lived pipeline for a process that runs jobs as they come (the service).
 
-`PipelineRuntime.start` builds the shared components once, with the same builder as
-`marlaas run` (`runner.build_context`), starts the device executor and a serve-mode
-`Orchestrator`, and returns a ready runtime. Jobs are then submitted, paused, resumed
+`PipelineRuntime.start` opens the backend once, with the caller's `BackendOpener` (as
+`marlaas run` does), and starts a serve-mode `Orchestrator`, and returns a ready runtime. Jobs are then submitted, paused, resumed
 and cancelled at any time; tenant names are the job names and are unique for the
 runtime's life.
 
@@ -20,7 +19,7 @@ already holds checkpoints: it would silently continue them.
 Shutdown order (`close`): the orchestrator closes (admits nothing more; with
 `checkpoint=True` every admitted tenant lets its train step in flight land and writes a
 checkpoint of what it trained since its last one) -> its `run` returns once every
-tenant has ended -> stop the device executor -> shut the engine down.
+tenant has ended -> close the backend (the device, then the environment pool).
 """
 
 from __future__ import annotations
@@ -40,9 +39,8 @@ from marlaas.config.ray import RaySpec
 from marlaas.config.specs import ModelDType, Spec, TargetModules
 from marlaas.fileio import atomic_write_json
 from marlaas.obs.recorder import NullRecorder, Recorder
-from marlaas.pipeline.context import PipelineContext, PipelineOptions
+from marlaas.pipeline.context import BackendOpener, PipelineContext, PipelineOptions
 from marlaas.pipeline.orchestrator import Orchestrator
-from marlaas.pipeline.runner import build_context, prepare_backend
 from marlaas.pipeline.tenant import PipelineError, TenantState, describe_failure
 from marlaas.train.checkpoint import ADAPTER_DIR, list_checkpoints
 from marlaas.types import JobStatus
@@ -161,7 +159,7 @@ class TenantEnded:
 
 @dataclass(frozen=True)
 class RuntimeFailed:
-    """The shared pipeline itself failed (the device executor died); nothing runs."""
+    """The shared pipeline itself failed (the device died); nothing runs."""
 
     reason: str
 
@@ -307,29 +305,27 @@ class PipelineRuntime:
         spec: RuntimeSpec,
         out_dir: Path,
         *,
+        backend: BackendOpener,
         options: PipelineOptions | None = None,
         recorder: Recorder | None = None,
         on_progress: ProgressCallback | None = None,
     ) -> PipelineRuntime:
-        """Load the base, build the shared components, start the device executor and the
-        orchestrator. Tenant outputs go under `out_dir/tenants/<job name>/`."""
+        """Open the backend (`backend`: e.g. `marlaas.backends.open_backend`) and start
+        the orchestrator. Tenant outputs go under `out_dir/tenants/<job name>/`."""
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_json(out_dir / "runtime.json", spec.model_dump(mode="json"), sort_keys=True)
         # Nothing is emitted before a job runs; the runtime takes the records once built.
         progress = _ProgressRecorder(recorder or NullRecorder(), _drop, asyncio.get_running_loop())
-        run = spec.as_run_spec()
-        prepare_backend(run)
-        ctx = await asyncio.to_thread(
-            build_context,
-            run,
+        ctx = await PipelineContext.open(
+            spec.as_run_spec(),
             out_dir,
+            backend=backend,
             recorder=progress,
             options=options,
             resume=True,
             max_staleness=spec.max_staleness,
         )
-        ctx.executor.start()
         runtime = cls(ctx, Orchestrator(ctx, serve=True), on_progress)
         progress.emit = runtime._progress
         return runtime
@@ -407,8 +403,7 @@ class PipelineRuntime:
             self._orch.close(checkpoint=checkpoint)
             await asyncio.wait([self._task])
         finally:
-            await self.ctx.executor.stop()
-            await asyncio.to_thread(self.ctx.engine.shutdown)
+            await self.ctx.backend.close()
             self._closed.set()
 
     # -- progress --------------------------------------------------------------------

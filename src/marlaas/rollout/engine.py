@@ -24,7 +24,7 @@ are exactly `Completion.token_ids`); `enqueue(request, deliver, listener)` is th
 the stepping thread. The engine only hands the token over (`call_soon_threadsafe` for
 `submit`): a slow consumer never slows an iteration, and a listener that raises loses
 its stream, never its row nor anyone else's. Front ends that cannot stream (the Ray
-client) have no `streams_tokens`; their callers get every token with the completion.
+client) have `streams_tokens = False`; their callers get every token with the completion.
 
 Threading: `step()` may run in any thread (the driver runs it in a worker thread with
 `asyncio.to_thread`, and waits on an `asyncio.Event` when idle: no polling). `submit`,

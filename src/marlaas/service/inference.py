@@ -8,19 +8,20 @@ Inference is a bounded, fair, cancellable resource:
   the parameter and the limit (such a request can never succeed as asked);
 - bounded per tenant (`RequestSlots`): at most `max_inference_requests` in flight, else
   429 (it succeeds once one of the tenant's requests ends);
-- fair: its rows enter the engine through the pipeline's request gate, which admits
+- fair: its rows enter the engine through the device's request gate, which admits
   inference rows ahead of training rows within a share of the engine's rows (see
-  `pipeline.scheduler.RequestGate`);
+  `marlaas.device.gate.RequestGate`);
 - cancellable: a request whose client disconnects is aborted, streamed or not
   (`unless_disconnected`, and `openai_stream` for streams), and its rows leave the
   engine.
 
-The engine, bank and tokenizer come from an `InferenceProvider`: the pipeline runtime's
-shared engine when the service runs one (`ServiceContext.inference`, else a backend
-that implements `InferenceSource`), else, when no backend shares an engine (`marlaas
-serve --backend none`), an engine of the service's own built from
-`settings.serve_base_model` on first use (`open_engine`). Heavy imports (torch,
-transformers) happen only there, so importing the service stays cheap.
+The model, the tokenizer, sampling and serving adapters come from an
+`InferenceProvider`: the pipeline's device port when the service runs one
+(`DeviceProvider`; `ServiceContext.inference`, else a backend that implements
+`InferenceSource`), else, when no backend shares an engine (`marlaas serve --backend
+none`), an engine of the service's own built from `settings.serve_base_model` on first
+use (`open_engine`, `EngineProvider`). Heavy imports (torch, transformers) happen only
+there, so importing the service stays cheap.
 
 Invariant: requests are answered only by the model the service was started for. While
 a sharing backend has no engine yet (its pipeline is still loading the base), requests
@@ -39,19 +40,27 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
+from marlaas.config.specs import LoRASpec
 from marlaas.errors import CapacityError, EngineClosed, InvalidRequest, TenantNotFound
 from marlaas.service.db import Database
 from marlaas.service.errors import QuotaExceeded, ServiceError
 from marlaas.service.models import Tenant
-from marlaas.service.models_catalog import ServedModel, list_models, never_live, resolve_model
+from marlaas.service.models_catalog import (
+    BASE_KEY,
+    ServedModel,
+    list_models,
+    never_live,
+    resolve_model,
+)
 from marlaas.service.serving_adapters import AdapterCache
 from marlaas.types import Completion, RolloutRequest, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from marlaas.device.port import DevicePort
     from marlaas.model.bank import AdapterBank
-    from marlaas.model.lora import LoRAModel
+    from marlaas.model.lora import AdapterTensors, LoRAModel
     from marlaas.rollout.engine import RolloutEngine, StreamingSubmit
     from marlaas.service.context import ServiceContext
     from marlaas.service.streaming import ChoiceEvents
@@ -206,26 +215,36 @@ async def unless_disconnected(
 class InferenceProvider(Protocol):
     """What serving needs from whoever owns the model (the boundary to the runtime).
 
-    `model`, `bank` and `tokenizer` are the engine's; `submit` queues a request on the
-    engine (the runtime passes its fair-share gate's `submit`, the service's own engine
-    its `RolloutEngine.submit`) and resolves with the `Completion`; cancelling the
-    awaitable aborts the request; `on_token` (streaming) is called on the loop with each
-    token as it is sampled, when the engine streams. Serving only ever registers and
-    removes `serve:*` tenants in the bank.
+    `model` (shapes, for reading PEFT files) and `tokenizer` are the engine's; `sample`
+    queues a request (through the device's fair-share gate, or on the service's own
+    engine) and resolves with the `Completion`; cancelling the awaitable aborts the
+    request; `on_token` (streaming) is called on the loop with each token as it is
+    sampled, when the engine streams. `base_adapter` names the plain base. Serving only
+    ever adds and drops `serve:*` adapters.
     """
 
     @property
     def model(self) -> LoRAModel: ...
 
     @property
-    def bank(self) -> AdapterBank: ...
-
-    @property
     def tokenizer(self) -> PreTrainedTokenizerBase: ...
 
-    def submit(
+    @property
+    def base_adapter(self) -> str: ...
+
+    def sample(
         self, request: RolloutRequest, on_token: Callable[[int], None] | None = None
     ) -> Awaitable[Completion]: ...
+
+    def has_adapter(self, name: str) -> bool: ...
+
+    def add_adapter(
+        self, name: str, lora: LoRASpec, tensors: AdapterTensors
+    ) -> Awaitable[None]: ...
+
+    def drop_adapter(self, name: str) -> Awaitable[None]:
+        """Remove a serving adapter (no error if it is gone already)."""
+        ...
 
 
 @runtime_checkable
@@ -270,9 +289,46 @@ def provider_of(explicit: InferenceProvider | None, backend: object) -> Inferenc
 
 
 @dataclass(frozen=True)
+class DeviceProvider:
+    """An `InferenceProvider` over a device port (the pipeline's): sampling through its
+    fair-share gate, serving adapters as its frozen adapters, the base as its `BASE`."""
+
+    device: DevicePort
+
+    @property
+    def model(self) -> LoRAModel:
+        return self.device.model
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self.device.tokenizer
+
+    @property
+    def base_adapter(self) -> str:
+        from marlaas.device.port import BASE
+
+        return BASE
+
+    def sample(
+        self, request: RolloutRequest, on_token: Callable[[int], None] | None = None
+    ) -> Awaitable[Completion]:
+        return self.device.sample(request, on_token, interactive=True)
+
+    def has_adapter(self, name: str) -> bool:
+        return self.device.has_adapter(name)
+
+    def add_adapter(self, name: str, lora: LoRASpec, tensors: AdapterTensors) -> Awaitable[None]:
+        return self.device.add_adapter(name, lora, tensors)
+
+    def drop_adapter(self, name: str) -> Awaitable[None]:
+        return self.device.drop_adapter(name)
+
+
+@dataclass(frozen=True)
 class EngineProvider:
-    """An `InferenceProvider` from parts: e.g. the runtime's model, bank and tokenizer
-    with its request gate's `submit`, or `of_engine` over a background-driven engine."""
+    """An `InferenceProvider` from an engine's parts: its model, bank and tokenizer
+    with a `submit` (`of_engine`: a background-driven engine's own). The base is served
+    by a rank-0 adapter registered in the bank as `BASE_KEY` on first use."""
 
     model: LoRAModel
     bank: AdapterBank
@@ -282,6 +338,29 @@ class EngineProvider:
     @classmethod
     def of_engine(cls, engine: RolloutEngine) -> EngineProvider:
         return cls(engine.model, engine.bank, engine.tokenizer, engine.submit)
+
+    @property
+    def base_adapter(self) -> str:
+        return BASE_KEY
+
+    def sample(
+        self, request: RolloutRequest, on_token: Callable[[int], None] | None = None
+    ) -> Awaitable[Completion]:
+        if request.tenant == BASE_KEY and BASE_KEY not in self.bank:
+            # Rank 0 on one module: the plain base, with the least idle lane compute.
+            targets = self.model.target_modules[:1]
+            self.bank.register(BASE_KEY, LoRASpec(rank=0, alpha=1.0, target_modules=targets))
+        return self.submit(request, on_token)
+
+    def has_adapter(self, name: str) -> bool:
+        return name in self.bank
+
+    async def add_adapter(self, name: str, lora: LoRASpec, tensors: AdapterTensors) -> None:
+        self.bank.register(name, lora, tensors)
+
+    async def drop_adapter(self, name: str) -> None:
+        if name in self.bank:
+            self.bank.remove(name)
 
 
 async def open_engine(
@@ -352,11 +431,11 @@ class InferenceServer:
                 for j in range(n)
             ]
             if events is None:
-                futures = [asyncio.ensure_future(self.provider.submit(r)) for r in requests]
+                futures = [asyncio.ensure_future(self.provider.sample(r)) for r in requests]
             else:
                 futures = [
                     asyncio.ensure_future(
-                        self.provider.submit(r, functools.partial(events.token, k))
+                        self.provider.sample(r, functools.partial(events.token, k))
                     )
                     for k, r in enumerate(requests)
                 ]
@@ -383,12 +462,11 @@ def _report(events: ChoiceEvents, index: int, future: asyncio.Future[Completion]
 
 
 def _live_in(provider: InferenceProvider | None) -> Callable[[str], bool]:
-    """Whether a shared engine trains a job now (its bank tenant is named by the job
-    id); never true on an engine of the service's own, which has only `serve:*`."""
+    """Whether a shared engine trains a job now (its adapter is named by the job id);
+    never true on an engine of the service's own, which has only `serve:*`."""
     if provider is None:
         return never_live
-    bank = provider.bank
-    return lambda job_id: job_id in bank
+    return provider.has_adapter
 
 
 def _without_request_id(message: str) -> str:

@@ -45,6 +45,7 @@ from typing import Any
 from pydantic import ValidationError
 from sqlalchemy import select
 
+from marlaas.backends import open_backend
 from marlaas.config.job import JobSpec
 from marlaas.errors import MarlaasError
 from marlaas.pipeline.context import PipelineOptions
@@ -64,7 +65,7 @@ from marlaas.pipeline.tenant import PipelineError, describe_failure
 from marlaas.service import datasets
 from marlaas.service.backend import BackendFactory
 from marlaas.service.db import Database
-from marlaas.service.inference import EngineProvider
+from marlaas.service.inference import DeviceProvider
 from marlaas.service.lifecycle import ACTIVE, JobStatus
 from marlaas.service.metrics import PipelineFigures
 from marlaas.service.models import Checkpoint, Job
@@ -172,24 +173,23 @@ class PipelineBackend:
             return None
         return ready.exception()
 
-    def inference_provider(self) -> EngineProvider | None:
-        """The OpenAI endpoints serve from the pipeline's own engine (one base per
-        process); their requests go through the same gate as rollouts, as interactive
-        requests (admitted ahead of training rows, see `RequestGate`)."""
+    def inference_provider(self) -> DeviceProvider | None:
+        """The OpenAI endpoints serve from the pipeline's device (one base per process);
+        their requests go through the same gate as rollouts, as interactive requests
+        (admitted ahead of training rows, see `marlaas.device.gate.RequestGate`)."""
         runtime = self._runtime_if_ready()
         if runtime is None:
             return None
-        ctx = runtime.ctx
-        return EngineProvider(ctx.model, ctx.bank, ctx.tokenizer, ctx.gate.submit_interactive)
+        return DeviceProvider(runtime.ctx.device)
 
     def device_utilization(self, window_s: float, bin_s: float) -> list[BusyBin]:
-        """The device executor's busy fraction over recent wall-clock bins."""
+        """The device's busy fraction over recent wall-clock bins."""
         runtime = self._runtime_if_ready()
         if runtime is None:
             return []
         return [
             BusyBin(start=datetime.fromtimestamp(b.start, UTC), seconds=b.seconds, busy=b.busy)
-            for b in runtime.ctx.executor.history.timeline(window_s, bin_s)
+            for b in runtime.ctx.device.busy_timeline(window_s, bin_s)
         ]
 
     def pipeline_figures(self) -> PipelineFigures | None:
@@ -197,9 +197,9 @@ class PipelineBackend:
         runtime = self._runtime_if_ready()
         if runtime is None:
             return None
-        ctx = runtime.ctx
-        ex, envs = ctx.executor, ctx.envs
-        recent = ex.history.timeline(60, 60)
+        device, envs = runtime.ctx.device, runtime.ctx.envs
+        figures = device.figures()
+        recent = device.busy_timeline(60, 60)
         busy_recent = (
             sum(b.busy * b.seconds for b in recent) / sum(b.seconds for b in recent)
             if recent
@@ -207,19 +207,19 @@ class PipelineBackend:
         )
         states = runtime.states()
         return PipelineFigures(
-            device_busy_fraction=ex.busy_fraction,
+            device_busy_fraction=figures.busy_fraction,
             device_busy_fraction_recent=busy_recent,
-            decode_busy_s=ex.busy_decode_s,
-            train_busy_s=ex.busy_train_s,
-            decode_iterations=ex.decode_steps,
-            tokens_sampled=ex.tokens_sampled,
-            train_steps=ex.train_steps,
-            engine_rows=ctx.engine.running,
+            decode_busy_s=figures.busy_decode_s,
+            train_busy_s=figures.busy_train_s,
+            decode_iterations=figures.decode_steps,
+            tokens_sampled=figures.tokens_sampled,
+            train_steps=figures.train_passes,
+            engine_rows=figures.rows_running,
             env_active=envs.active,
             env_calls=envs.stats.calls,
             env_errors=envs.stats.errors,
             env_timeouts=envs.stats.timeouts,
-            waiting_requests={t: n for t, n in ctx.gate.waiting().items() if t in states},
+            waiting_requests={t: n for t, n in figures.waiting_by_tenant.items() if t in states},
             job_steps={name: s.version for name, s in states.items()},
             job_staleness_max={name: s.stats.staleness_max for name, s in states.items()},
         )
@@ -283,7 +283,7 @@ class PipelineBackend:
         self, spec: RuntimeSpec, options: PipelineOptions, recover: bool
     ) -> PipelineRuntime:
         runtime = await PipelineRuntime.start(
-            spec, self.out_dir, options=options, on_progress=self._on_progress
+            spec, self.out_dir, backend=open_backend, options=options, on_progress=self._on_progress
         )
         if recover:
             try:

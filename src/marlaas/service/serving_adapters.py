@@ -1,16 +1,17 @@
-"""Serving adapters: checkpoint adapters registered in the engine's bank for inference.
+"""Serving adapters: checkpoint adapters added to the provider (the device, or the
+service's own engine) for inference.
 
 Invariants:
-- Serving adapters live in the bank under `serve:<job id>:<step>` (`serve:base` for the
-  base), names no training tenant uses. At most `capacity` of them stay registered; the
-  least recently used one without requests in flight is removed first, so a request's
-  adapter is never removed under it.
+- Serving adapters are named `serve:<job id>:<step>`, names no training tenant uses;
+  the base is the provider's `base_adapter`. At most `capacity` of them stay added; the
+  least recently used one without requests in flight is removed first (and the
+  request that made room returns only once it is gone), so a request's adapter is
+  never removed under it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator
@@ -18,9 +19,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from marlaas.config.specs import LoRASpec
-from marlaas.errors import TenantNotFound
-from marlaas.service.models_catalog import BASE_KEY, ServedModel
+from marlaas.service.models_catalog import ServedModel
 
 if TYPE_CHECKING:
     from marlaas.service.inference import InferenceProvider
@@ -55,8 +54,7 @@ class AdapterCache:
     async def use(self, model: ServedModel) -> AsyncIterator[str]:
         """Hold `model`'s adapter registered while the block runs; yields its bank name."""
         if model.job_id is None:
-            self._ensure_base()
-            yield BASE_KEY
+            yield self.provider.base_adapter
             return
         if model.live or model.adapter_dir is None:  # the training tenant's own adapter
             yield model.key
@@ -75,26 +73,19 @@ class AdapterCache:
             self._pins[key] -= 1
             if self._pins[key] == 0:
                 del self._pins[key]
-            self._evict()
-
-    def _ensure_base(self) -> None:
-        bank = self.provider.bank
-        if BASE_KEY not in bank:
-            # Rank 0 on one module: the plain base, with the least idle lane compute.
-            targets = self.provider.model.target_modules[:1]
-            bank.register(BASE_KEY, LoRASpec(rank=0, alpha=1.0, target_modules=targets))
+            await self._evict()
 
     async def _load(self, key: str, directory: Path) -> None:
         from marlaas.errors import ModelError
         from marlaas.model.peft_io import load_peft
         from marlaas.service.inference import BadInferenceRequest  # imports this module
 
-        bank = self.provider.bank
+        provider = self.provider
         try:
-            if key not in bank:  # else a previous cache over this bank left it: same files
-                spec, tensors = await asyncio.to_thread(load_peft, directory, self.provider.model)
-                if key not in bank:
-                    bank.register(key, spec, tensors)
+            if not provider.has_adapter(key):  # else a previous cache left it: same files
+                spec, tensors = await asyncio.to_thread(load_peft, directory, provider.model)
+                if not provider.has_adapter(key):
+                    await provider.add_adapter(key, spec, tensors)
             self._registered[key] = None
             log.info("serving adapter %s loaded from %s", key, directory)
         except ModelError as e:
@@ -103,14 +94,13 @@ class AdapterCache:
             ) from e
         finally:
             del self._loading[key]
-        self._evict()
+        await self._evict()
 
-    def _evict(self) -> None:
+    async def _evict(self) -> None:
         while len(self._registered) > self.capacity:
             idle = next((k for k in self._registered if k not in self._pins), None)
             if idle is None:  # every one is in use: trimmed when one is released
                 return
             del self._registered[idle]
-            with contextlib.suppress(TenantNotFound):  # already gone from the bank
-                self.provider.bank.remove(idle)
+            await self.provider.drop_adapter(idle)
             log.info("serving adapter %s unloaded (least recently used)", idle)
