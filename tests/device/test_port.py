@@ -66,15 +66,21 @@ async def greedy(
 async def test_pending_passes_of_different_tenants_run_as_one(device: ExecutorDevice) -> None:
     for name in ("a", "b", "c"):
         await device.add_tenant(name, LORA, seed=1)
-    hold = threading.Event()
-    held = device.executor.submit(Op(Phase.AFTER, ("probe",), Future(), run=hold.wait))
+    entered, hold = threading.Event(), threading.Event()
+
+    def busy() -> None:
+        entered.set()
+        hold.wait(30)
+
+    held = device.executor.submit(Op(Phase.AFTER, ("probe",), Future(), run=busy))
+    assert await asyncio.to_thread(entered.wait, 30)  # the device thread is busy now
     calls = [device.forward_backward([inp(name, 0)]) for name in ("a", "b", "c")]
-    hold.set()  # the device thread was busy: all three are pending at once now
+    hold.set()  # all three were pending at once when it came back
     await held
     outputs = await asyncio.gather(*calls)
     assert [set(o) for o in outputs] == [{"a"}, {"b"}, {"c"}]
     figures = device.figures()
-    assert (figures.train_passes, figures.max_pass_tenants) == (1, 3)
+    assert (figures.train_passes, figures.max_pass_tenants, figures.mean_pass_tenants) == (1, 3, 3)
     assert local(device).trainer.stats.max_microbatch_lanes == 3
 
 

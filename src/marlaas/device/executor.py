@@ -113,6 +113,8 @@ class DeviceExecutor:
         self.decode_steps = 0
         self.tokens_sampled = 0
         self.train_passes = 0
+        self.forward_passes = 0
+        self.pass_tenants = 0
         self.optim_steps = 0
         self.max_pass_tenants = 0
         #: Busy seconds per recent wall-clock second (bounded; for live dashboards).
@@ -272,7 +274,10 @@ class DeviceExecutor:
         self.history.add(t0, t1)
         if backward:
             self.train_passes += 1
+            self.pass_tenants += len(tenants)
             self.max_pass_tenants = max(self.max_pass_tenants, len(tenants))
+        else:
+            self.forward_passes += 1
         rows = sum(len(inp.data) for op in ops for inp in op.inputs)
         name = "train" if backward else "forward"
         self.recorder.span("device", name, t0, t1, args={"tenants": tenants, "rows": rows})

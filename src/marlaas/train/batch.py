@@ -130,10 +130,10 @@ def batch_data(
     loss however it is split; prompt and tool-output targets weigh 0)."""
     trajs = batch.trajectories
     masks = [(0,) * (len(t.prompt_ids) - 1) + tuple(t.loss_mask_T) for t in trajs]
-    T = max(len(m) for m in masks)
-    mask_NT = torch.zeros(len(trajs), T, dtype=torch.bool)
-    for i, m in enumerate(masks):
-        mask_NT[i, : len(m)] = torch.tensor(m, dtype=torch.bool)
+    lengths = torch.tensor([len(m) for m in masks])
+    valid_NT = torch.arange(int(lengths.max())) < lengths[:, None]
+    mask_NT = torch.zeros(valid_NT.shape, dtype=torch.bool)
+    mask_NT[valid_NT] = torch.tensor(list(itertools.chain.from_iterable(masks))) != 0
     weights_NT = token_weights(mask_NT, loss_norm, constant_norm_tokens=constant_norm_tokens)
     out: list[Datum] = []
     for t, m, w_T, adv in zip(trajs, masks, weights_NT.tolist(), batch.advantages, strict=True):
