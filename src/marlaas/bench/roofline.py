@@ -42,7 +42,8 @@ from marlaas.rollout.bench import random_adapters
 from marlaas.rollout.engine import RolloutEngine
 from marlaas.train.batch import TrainBatch
 from marlaas.train.bench import synthetic_batches, tenant_lengths
-from marlaas.train.trainer import MultiLaneTrainer, vocab_size
+from marlaas.train.grpo import GRPOTrainer
+from marlaas.train.trainer import vocab_size
 from marlaas.types import RolloutRequest, SamplingParams
 
 SCHEMA = "marlaas.bench.roofline/1"
@@ -155,7 +156,7 @@ def _decode_row(
     return _row("decode", batch, used, context, best, flops, nbytes)
 
 
-def _train_step(trainer: MultiLaneTrainer, batches: Sequence[TrainBatch]) -> None:
+def _train_step(trainer: GRPOTrainer, batches: Sequence[TrainBatch]) -> None:
     """One optimizer step of every tenant in `batches`: the trainer's public step API
     (kept in this one place so that the API can change under it)."""
     trainer.step(batches)
@@ -164,7 +165,7 @@ def _train_step(trainer: MultiLaneTrainer, batches: Sequence[TrainBatch]) -> Non
 def _trainer_row(rig: _Rig, tenants: int, steps: int) -> dict[str, Any]:
     model = rig.model
     algo = GRPOSpec.model_validate({"group_size": 4, "prompts_per_step": 1, "max_staleness": 0})
-    trainer = MultiLaneTrainer(model, max_tokens_per_microbatch=16384)
+    trainer = GRPOTrainer(model, max_tokens_per_microbatch=16384)
     data: dict[str, list[TrainBatch]] = {}
     vocab = vocab_size(model)
     for i in range(tenants):

@@ -75,9 +75,9 @@ def roofline(
     import torch
 
     from marlaas.bench.roofline import run_roofline_bench
+    from marlaas.device.config import resolve_device
     from marlaas.model.base import default_base_path, load_base
     from marlaas.model.lora import LoRAModel
-    from marlaas.pipeline.runner import resolve_device
 
     torch.set_num_threads(threads)
     base, tokenizer = load_base(
