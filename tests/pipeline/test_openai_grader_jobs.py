@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pipeline_support import MemoryRecorder, job
 
+from marlaas.backends import open_backend
 from marlaas.config.job import EngineSpec, RunSpec
 from marlaas.pipeline import PipelineOptions, run_jobs
 
@@ -53,6 +54,7 @@ async def test_an_openai_grader_scores_a_pipeline_job(base_dir: Path, tmp_path: 
     result = await run_jobs(
         RunSpec(base_model=str(base_dir), jobs=(spec,), engine=EngineSpec(max_rank=4)),
         tmp_path / "out",
+        backend=open_backend,
         recorder=recorder,
         options=PipelineOptions(device="cpu"),
     )
