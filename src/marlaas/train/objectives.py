@@ -17,8 +17,10 @@ objective is a small frozen dataclass (its configuration) whose `__call__` maps 
   they add up across micro-batches and calls: always `"loss"` and `"tokens"` (positions
   with a non-zero weight), plus the objective's own (means are `sum / tokens`).
 
-Adding an objective (Tinker's `importance_sampling`, `ppo`, `cispo`, `dro`) is one
-dataclass here and one line in `OBJECTIVES`; `inputs` names the per-token inputs it
+The registry holds the trainer's own `cross_entropy` and `policy_gradient`, and
+Tinker's `importance_sampling`, `ppo`, `cispo` and `dro` (the Tinker-compatible API,
+`marlaas.service.tinker`, names them as Tinker clients do). Adding an objective is one
+dataclass here and one entry in `OBJECTIVES`; `inputs` names the per-token inputs it
 needs beyond targets and weights, so bad data is refused before the shared pass.
 
 Nothing here holds state or reads a config file; the device runs whatever objective
@@ -186,10 +188,181 @@ class PolicyGradient:
         return loss, sums
 
 
+# -- Tinker's policy-gradient losses ---------------------------------------------------
+#
+# Tinker's semantics (tinker-docs.thinkingmachines.ai/tinker/losses): a plain sum over
+# tokens, `p` the trained policy's log-prob of each target, `q` the sampler's
+# (`sampling_logprobs`), `A` the per-token advantage, `r = exp(p - q)`. Here each
+# token's term also carries the data's weight `w` (a position of weight 0 has none),
+# as every objective of this module does.
+
+
+def _masked(x: LossInputs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`(mask, w, p, log r)` with masked positions zeroed, so that no `-inf` log-prob
+    of a padding position reaches a product or an `exp`."""
+    mask_BT = x.mask_BT
+    zero = torch.zeros_like(x.logprobs_BT)
+    p_BT = torch.where(mask_BT, x.logprobs_BT, zero)
+    q_BT = torch.where(mask_BT, x.sampling_logprobs_BT.to(p_BT.dtype), zero)
+    return mask_BT, x.weights_BT.to(p_BT.dtype), p_BT, p_BT - q_BT
+
+
+def _ratio_sums(loss: Tensor, mask_BT: Tensor, ratio_BT: Tensor) -> dict[str, Tensor]:
+    with torch.no_grad():
+        return {
+            "loss": loss.detach(),
+            "tokens": mask_BT.sum(),
+            "ratio": torch.where(mask_BT, ratio_BT.detach(), 0.0).sum(),
+        }
+
+
+def _check_thresholds(name: str, low: float, high: float) -> None:
+    if not 0.0 <= low <= 1.0 <= high:
+        raise ConfigError(
+            f"loss {name!r} needs 0 <= clip_low_threshold <= 1 <= clip_high_threshold "
+            f"(bounds on the ratio itself, e.g. 0.8 and 1.2), got {low} and {high}"
+        )
+
+
+@dataclass(frozen=True)
+class ImportanceSampling:
+    """REINFORCE with an importance weight against the sampler (Tinker's
+    `importance_sampling`; the off-policy policy gradient of Degris et al. 2012, eq. 6):
+
+        loss = -sum_{b,t} w * r * A,    r = pi_theta / q
+
+    Sums: `loss`, `tokens`, `ratio` (sum of `r` over weighted tokens)."""
+
+    name: ClassVar[str] = "importance_sampling"
+    inputs: ClassVar[frozenset[str]] = frozenset({SAMPLING_LOGPROBS, ADVANTAGES})
+
+    @property
+    def needs_base_logprobs(self) -> bool:
+        return False
+
+    def __call__(self, x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
+        mask_BT, w_BT, _, log_r_BT = _masked(x)
+        ratio_BT = torch.exp(log_r_BT)
+        loss = -(w_BT * ratio_BT * x.advantages_BT.to(ratio_BT.dtype)).sum()
+        return loss, _ratio_sums(loss, mask_BT, ratio_BT)
+
+
+@dataclass(frozen=True)
+class PPO:
+    """The clipped surrogate (Tinker's `ppo`; Schulman et al. 2017, eq. 7), with the
+    clip range given as bounds on the ratio itself:
+
+        loss = -sum_{b,t} w * min(r * A, clip(r, clip_low_threshold, clip_high_threshold) * A)
+
+    Sums: `loss`, `tokens`, `ratio`, `clipped` (tokens on the clipped branch)."""
+
+    clip_low_threshold: float = 0.8
+    clip_high_threshold: float = 1.2
+
+    name: ClassVar[str] = "ppo"
+    inputs: ClassVar[frozenset[str]] = frozenset({SAMPLING_LOGPROBS, ADVANTAGES})
+
+    def __post_init__(self) -> None:
+        _check_thresholds(self.name, self.clip_low_threshold, self.clip_high_threshold)
+
+    @property
+    def needs_base_logprobs(self) -> bool:
+        return False
+
+    def __call__(self, x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
+        mask_BT, w_BT, _, log_r_BT = _masked(x)
+        ratio_BT = torch.exp(log_r_BT)
+        adv_BT = x.advantages_BT.to(ratio_BT.dtype)
+        clipped_BT = ratio_BT.clamp(self.clip_low_threshold, self.clip_high_threshold)
+        unclipped_obj_BT, clipped_obj_BT = ratio_BT * adv_BT, clipped_BT * adv_BT
+        loss = -(w_BT * torch.minimum(unclipped_obj_BT, clipped_obj_BT)).sum()
+        sums = _ratio_sums(loss, mask_BT, ratio_BT)
+        with torch.no_grad():
+            on_clip_BT = mask_BT & (clipped_obj_BT < unclipped_obj_BT)
+            sums["clipped"] = on_clip_BT.sum()
+        return loss, sums
+
+
+@dataclass(frozen=True)
+class CISPO:
+    """Clipped importance-sampling policy optimisation (Tinker's `cispo`; MiniMax 2025,
+    arXiv 2506.13585, eq. 4): the ratio is clipped and detached, so every token keeps a
+    gradient (none is dropped, unlike PPO's clipped branch):
+
+        loss = -sum_{b,t} w * sg(clip(r, clip_low_threshold, clip_high_threshold)) * A * log pi_theta
+
+    Sums: `loss`, `tokens`, `ratio`, `clipped` (tokens whose ratio was clipped)."""
+
+    clip_low_threshold: float = 0.8
+    clip_high_threshold: float = 1.2
+
+    name: ClassVar[str] = "cispo"
+    inputs: ClassVar[frozenset[str]] = frozenset({SAMPLING_LOGPROBS, ADVANTAGES})
+
+    def __post_init__(self) -> None:
+        _check_thresholds(self.name, self.clip_low_threshold, self.clip_high_threshold)
+
+    @property
+    def needs_base_logprobs(self) -> bool:
+        return False
+
+    def __call__(self, x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
+        mask_BT, w_BT, p_BT, log_r_BT = _masked(x)
+        ratio_BT = torch.exp(log_r_BT.detach())
+        coef_BT = ratio_BT.clamp(self.clip_low_threshold, self.clip_high_threshold)
+        loss = -(w_BT * coef_BT * x.advantages_BT.to(p_BT.dtype) * p_BT).sum()
+        sums = _ratio_sums(loss, mask_BT, ratio_BT)
+        with torch.no_grad():
+            sums["clipped"] = (mask_BT & (coef_BT != ratio_BT)).sum()
+        return loss, sums
+
+
+@dataclass(frozen=True)
+class DRO:
+    """Direct reward optimisation (Tinker's `dro`; Richemond et al. 2024, arXiv
+    2405.19107, eq. 9, as a per-token objective): the log-likelihood weighted by the
+    advantage, with a quadratic penalty on the log-ratio instead of a clip:
+
+        loss = -sum_{b,t} w * (A * log pi_theta - beta / 2 * (log pi_theta - log q)^2)
+
+    Sums: `loss`, `tokens`, `ratio`, `quadratic` (sum of `(log r)^2`)."""
+
+    beta: float = 0.05
+
+    name: ClassVar[str] = "dro"
+    inputs: ClassVar[frozenset[str]] = frozenset({SAMPLING_LOGPROBS, ADVANTAGES})
+
+    def __post_init__(self) -> None:
+        if not self.beta >= 0:
+            raise ConfigError(f"loss 'dro' needs beta >= 0, got {self.beta}")
+
+    @property
+    def needs_base_logprobs(self) -> bool:
+        return False
+
+    def __call__(self, x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
+        mask_BT, w_BT, p_BT, log_r_BT = _masked(x)
+        quadratic_BT = log_r_BT.square()
+        objective_BT = x.advantages_BT.to(p_BT.dtype) * p_BT - 0.5 * self.beta * quadratic_BT
+        loss = -(w_BT * objective_BT).sum()
+        sums = _ratio_sums(loss, mask_BT, torch.exp(log_r_BT))
+        with torch.no_grad():
+            sums["quadratic"] = torch.where(mask_BT, quadratic_BT.detach(), 0.0).sum()
+        return loss, sums
+
+
+_ObjectiveClass = (
+    type[CrossEntropy]
+    | type[PolicyGradient]
+    | type[ImportanceSampling]
+    | type[PPO]
+    | type[CISPO]
+    | type[DRO]
+)
+
 #: Every objective by its registry name.
-OBJECTIVES: dict[str, type[CrossEntropy] | type[PolicyGradient]] = {
-    CrossEntropy.name: CrossEntropy,
-    PolicyGradient.name: PolicyGradient,
+OBJECTIVES: dict[str, _ObjectiveClass] = {
+    cls.name: cls for cls in (CrossEntropy, PolicyGradient, ImportanceSampling, PPO, CISPO, DRO)
 }
 
 
