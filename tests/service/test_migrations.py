@@ -41,7 +41,7 @@ def test_migrations_ship_with_the_package() -> None:
 
     assert (db.MIGRATIONS_DIR / "env.py").is_file()
     assert list((db.MIGRATIONS_DIR / "versions").glob("0001_*.py"))
-    assert head_revision() == "0004"
+    assert head_revision() == "0005"
 
 
 def _downgrade(engine: Engine, revision: str) -> None:

@@ -1,9 +1,9 @@
 """The FastAPI app: `open_context` builds the service's state (database migrated, admin
 key ensured, files of deleted jobs removed), `create_app` wires routes, middleware, error answers and the backend.
 
-Shutdown order (the lifespan's end): the backend is closed first (it checkpoints and
-stops its jobs, reporting through the still-open database), for at most
-`shutdown_timeout_s`, then the database pool. `marlaas serve` gives open requests
+Shutdown order (the lifespan's end): the Tinker API's hub first (its own device, if
+it opened one), then the backend (it checkpoints and stops its jobs, reporting through
+the still-open database), for at most `shutdown_timeout_s`, then the database pool. `marlaas serve` gives open requests
 `GRACEFUL_SHUTDOWN_S` before that, so SIGTERM ends the process within 10 s whatever
 runs (past the backend's time, a job resumes from its previous checkpoint, as after
 a crash: checkpoints are written atomically).
@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from marlaas import __version__
-from marlaas.service import openai_api, openai_ft, web
+from marlaas.service import openai_api, openai_ft, tinker, web
 from marlaas.service.admission import JobAdmission
 from marlaas.service.api import admin, datasets, jobs, ops, usage
 from marlaas.service.auth import PrincipalCache, bootstrap_admin_key
@@ -102,9 +102,11 @@ def create_app(ctx: ServiceContext, backend_factory: BackendFactory | None = Non
         else:
             ctx.backend = backend_factory(ctx.reporter)
             log.info("job backend attached: %s", type(ctx.backend).__name__)
+        await hub.start()
         try:
             yield
         finally:
+            await hub.close()  # before the backend: its device may be the one the hub uses
             if ctx.backend is not None:
                 limit = ctx.settings.shutdown_timeout_s
                 try:
@@ -133,6 +135,7 @@ def create_app(ctx: ServiceContext, backend_factory: BackendFactory | None = Non
         app.include_router(module.router)
     for router in openai_ft.routers():  # OpenAI-compatible fine-tuning (files, jobs, graders)
         app.include_router(router)
+    hub = tinker.install(app, ctx)  # the Tinker-compatible API under /api/v1
     app.add_middleware(AllowedMethods, paths=lambda: app.openapi()["paths"])
     # Added last = outermost: the timer sees the 413s that BodyLimit answers.
     app.add_middleware(

@@ -1,6 +1,8 @@
 """API keys: issuing, hashing, verifying, revoking, and the admin key's bootstrap.
 
-A key reads `mk_<prefix>_<secret>`. The prefix (public, unique) finds the row; the
+A key reads `mk_<prefix>_<secret>`, or `tml-<prefix>_<secret>` for the `tinker` SDK
+(which insists on keys that begin with `tml-`; both kinds resolve alike, on every
+route). The prefix (public, unique) finds the row; the
 secret is checked against `HMAC-SHA256(salt, secret)` with a random per-key salt, in
 constant time. Secrets are 256 random bits, so a fast keyed hash is enough (no password
 stretching is needed); the database never holds anything that would let one log in.
@@ -31,6 +33,8 @@ from marlaas.service.errors import Unauthorized
 from marlaas.service.models import ApiKey, Tenant, new_id, utcnow
 
 _SCHEME = "mk"
+#: The `tinker` SDK's key prefix (`tml-`): the same keys, spelled its way.
+TINKER_SCHEME = "tml"
 
 
 @dataclass(frozen=True)
@@ -60,8 +64,11 @@ def _digest(salt: str, secret: str) -> str:
     return hmac.new(bytes.fromhex(salt), secret.encode(), hashlib.sha256).hexdigest()
 
 
-def issue_key(session: Session, tenant: Tenant | None, label: str = "") -> IssuedKey:
-    """Create a key for `tenant` (None: an admin key) and return it with its secret."""
+def issue_key(
+    session: Session, tenant: Tenant | None, label: str = "", scheme: str = _SCHEME
+) -> IssuedKey:
+    """Create a key for `tenant` (None: an admin key) and return it with its secret;
+    `scheme` `TINKER_SCHEME` spells it `tml-...` for the `tinker` SDK."""
     prefix = secrets.token_hex(6)
     secret = secrets.token_urlsafe(32)
     salt = secrets.token_hex(16)
@@ -76,7 +83,8 @@ def issue_key(session: Session, tenant: Tenant | None, label: str = "") -> Issue
     )
     session.add(row)
     session.flush()
-    return IssuedKey(row=row, secret_key=f"{_SCHEME}_{prefix}_{secret}")
+    head = f"{TINKER_SCHEME}-" if scheme == TINKER_SCHEME else f"{_SCHEME}_"
+    return IssuedKey(row=row, secret_key=f"{head}{prefix}_{secret}")
 
 
 class PrincipalCache:
@@ -142,7 +150,10 @@ def authenticate(session: Session, token: str, configured_admin_key: str | None)
     """The principal that `token` belongs to; `Unauthorized` for anything else."""
     if configured_admin_key and hmac.compare_digest(token.encode(), configured_admin_key.encode()):
         return ADMIN
-    scheme, _, rest = token.partition("_")
+    if token.startswith(f"{TINKER_SCHEME}-"):
+        scheme, rest = _SCHEME, token[len(TINKER_SCHEME) + 1 :]
+    else:
+        scheme, _, rest = token.partition("_")
     prefix, _, secret = rest.partition("_")
     if scheme != _SCHEME or not prefix or not secret:
         raise Unauthorized("invalid API key; send `Authorization: Bearer mk_...`")

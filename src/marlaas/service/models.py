@@ -218,3 +218,50 @@ class FineTuningJob(Base):
     tags: Mapped[dict[str, str] | None] = mapped_column("metadata", JSON)
     #: `ft:BASE:TENANT:SUFFIX:JOB`, the name the trained model answers to.
     fine_tuned_model: Mapped[str] = mapped_column(String(400))
+
+
+class TinkerRun(Base):
+    """A training run of the Tinker-compatible API (`marlaas.service.tinker`): one LoRA
+    adapter of a tenant, trained by a `tinker` SDK client. `status` is `active` while
+    it is on the device, `closed` once its session finished or the server restarted
+    (its saved states can be loaded into a new run)."""
+
+    __tablename__ = "tinker_runs"
+    __table_args__ = (Index("ix_tinker_runs_tenant_status", "tenant_id", "status"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    session_id: Mapped[str] = mapped_column(String(32))
+    base_model: Mapped[str] = mapped_column(String(512))
+    lora: Mapped[dict[str, Any]] = mapped_column(JSON)
+    status: Mapped[str] = mapped_column(String(16))
+    #: Optimizer steps taken (they count toward the tenant's `max_total_steps`).
+    steps: Mapped[int] = mapped_column(Integer, default=0)
+    user_metadata: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    last_request_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class TinkerCheckpoint(Base):
+    """A saved state (`kind` training: adapter, optimizer, version) or sampler weights
+    (`kind` sampler: a PEFT adapter) of a Tinker run, at `tinker://<run>/<...>/<name>`;
+    `path` is relative to the artifact directory."""
+
+    __tablename__ = "tinker_checkpoints"
+    __table_args__ = (
+        UniqueConstraint("run_id", "kind", "name", name="uq_tinker_checkpoints_run_kind_name"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(
+        ForeignKey("tinker_runs.id", ondelete="CASCADE"), index=True
+    )
+    kind: Mapped[str] = mapped_column(String(16))
+    name: Mapped[str] = mapped_column(String(128))
+    path: Mapped[str] = mapped_column(String(512))
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    #: The adapter version (optimizer steps of the run) the weights were saved at.
+    version: Mapped[int] = mapped_column(Integer)
+    user_metadata: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

@@ -1,10 +1,12 @@
 """Per-tenant quotas: what a tenant uses now, and the checks before it asks for more.
 
 Usage is computed from the rows, never kept as a counter that could drift:
-- active jobs: queued, running or paused;
+- active jobs: queued, running or paused, and the tenant's Tinker training runs on
+  the device (`tinker_runs`, status active);
 - steps: the steps asked by active and done jobs, plus the steps that failed and
-  cancelled jobs actually ran (the unused rest is given back); a deleted job's row
-  stays (hidden) for this, so deleting a job gives no steps back;
+  cancelled jobs actually ran (the unused rest is given back), plus the optimizer
+  steps of its Tinker runs; a deleted job's row stays (hidden) for this, so deleting
+  a job gives no steps back;
 - dataset bytes: the sizes of the tenant's uploaded datasets.
 Callers check inside the transaction that then inserts, with the tenant's row locked
 (see `db`), so concurrent requests cannot overshoot a limit together.
@@ -20,7 +22,7 @@ from sqlalchemy.orm import Session
 
 from marlaas.service.errors import QuotaExceeded
 from marlaas.service.lifecycle import ACTIVE, JobStatus
-from marlaas.service.models import Dataset, Job, Tenant
+from marlaas.service.models import Dataset, Job, Tenant, TinkerRun
 
 if TYPE_CHECKING:
     from marlaas.service.admission import JobCost
@@ -47,7 +49,17 @@ def usage(session: Session, tenant_id: str) -> Usage:
     data = session.scalar(
         select(func.coalesce(func.sum(Dataset.size_bytes), 0)).where(Dataset.tenant_id == tenant_id)
     )
-    return Usage(active_jobs=int(active), total_steps=int(steps), dataset_bytes=int(data or 0))
+    runs, run_steps = session.execute(
+        select(
+            func.count(TinkerRun.id).filter(TinkerRun.status == "active"),
+            func.coalesce(func.sum(TinkerRun.steps), 0),
+        ).where(TinkerRun.tenant_id == tenant_id)
+    ).one()
+    return Usage(
+        active_jobs=int(active) + int(runs),
+        total_steps=int(steps) + int(run_steps),
+        dataset_bytes=int(data or 0),
+    )
 
 
 _ASK_ADMIN = "or ask the admin to raise it"

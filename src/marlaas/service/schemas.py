@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -97,6 +97,9 @@ class MeOut(Wire):
 
 class KeyCreate(Wire):
     label: str = Field("", max_length=128, description="A note for humans, e.g. 'ci'.")
+    format: Literal["mk", "tml"] = Field(
+        "mk", description="`tml`: spelled `tml-...`, as the `tinker` SDK requires."
+    )
 
 
 class KeyOut(Wire):

@@ -100,7 +100,9 @@ def issue_key(
     hashed and cannot be shown again."""
     with ctx.db.transaction() as session:
         tenant = _tenant(session, name)
-        issued = auth.issue_key(session, tenant, body.label if body else "")
+        issued = auth.issue_key(
+            session, tenant, body.label if body else "", body.format if body else "mk"
+        )
         out = key_out(issued.row, tenant.name)
         return IssuedKeyOut(**out.model_dump(), key=issued.secret_key)
 
