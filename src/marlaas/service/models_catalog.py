@@ -9,6 +9,8 @@ Model names (what `model` says in a request, and what `/v1/models` lists):
   version written at that step);
 - `ft:BASE:TENANT:SUFFIX:<job id>[:ckpt-step-<step>]` -- the same, for a job created
   through the OpenAI fine-tuning API (`service.openai_ft.names`).
+- `tinker://<run>/sampler_weights/<name>` (or a saved state's `.../weights/<name>`) --
+  weights a Tinker client saved (`marlaas.service.tinker.catalog`).
 
 Invariants:
 - A name resolves through the database with the caller's tenant id in the query, so
@@ -62,10 +64,14 @@ class ServedModel:
     step: int | None = None
     adapter_dir: Path | None = None
     live: bool = False
+    #: The bank name of an adapter that is not a job checkpoint's (Tinker weights).
+    serve_key: str | None = None
 
     @property
     def key(self) -> str:
         """The adapter's tenant name in the bank."""
+        if self.serve_key is not None:
+            return self.serve_key
         if self.job_id is None:
             return BASE_KEY
         return self.job_id if self.live else f"serve:{self.job_id}:{self.step}"
@@ -107,6 +113,11 @@ def resolve_model(
     engine trains it now. Blocking (database and file system)."""
     if name == BASE_MODEL:
         return ServedModel(BASE_MODEL, None)
+    if name.startswith("tinker://"):
+        # Imported here: the Tinker catalog builds on this module's records.
+        from marlaas.service.tinker.catalog import served_model
+
+        return served_model(db, tenant_id, name, artifact_dir)
     plain = name
     if name.startswith(FT_PREFIX):
         plain = job_model_name(db, tenant_id, name) or ""
@@ -173,4 +184,6 @@ def list_models(
             out.append(m)
             if ft_name is not None:
                 out.append(replace(m, name=alias_of(m.name, job_id, ft_name)))
-    return out
+    from marlaas.service.tinker.catalog import served_models
+
+    return out + served_models(db, tenant_id, artifact_dir)

@@ -35,6 +35,7 @@ def install(app: FastAPI, ctx: ServiceContext) -> TinkerHub:
     use over `settings.serve_base_model` (default: the embedded base)."""
     from marlaas.service.tinker import rest, routes
     from marlaas.service.tinker.hub import DeviceSource, TinkerHub
+    from marlaas.service.tinker.metrics import TinkerMetrics
 
     async def open_device() -> tuple[SharedDevice, bool]:
         backend = ctx.backend
@@ -46,6 +47,7 @@ def install(app: FastAPI, ctx: ServiceContext) -> TinkerHub:
 
     hub = TinkerHub(ctx.db, ctx.settings.artifact_dir, open_device)
     app.state.tinker = hub
+    ctx.registry.register(TinkerMetrics(hub))
     app.include_router(routes.router)
     app.include_router(rest.router)
     return hub

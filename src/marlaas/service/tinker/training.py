@@ -387,6 +387,8 @@ async def load_weights(
     if known is not None:
         return wire.UntypedFuture(request_id=known, model_id=run_id)
     base = await hub.base_model(body.base_model)
+    # At once, not in the future: a foreign or missing path is this call's 404.
+    await asyncio.to_thread(hub.store.checkpoint, owner, TinkerPath.parse(body.path))
     request_id = hub.futures.create(owner)
     session.models[body.model_seq_id] = request_id
 
