@@ -34,7 +34,7 @@ class LoopConfig:
     learning_rate: float = 5e-4
     max_tokens: int = 16
     temperature: float = 1.0
-    loss_fn: str = "importance_sampling"
+    loss_fn: types.LossFnType = "importance_sampling"
     eval_prompts: int = 64
     seed: int = 0
 
@@ -57,6 +57,10 @@ def reverse_prompt(rng: random.Random) -> tuple[str, str]:
     return f"Q: reverse {word}\nA: ", word[::-1]
 
 
+def _tensor(values: list[int] | list[float], dtype: types.TensorDtype) -> types.TensorData:
+    return types.TensorData(data=values, dtype=dtype, shape=[len(values)])
+
+
 def reward(text: str, answer: str) -> float:
     return 1.0 if text.split("\n", 1)[0].strip() == answer else 0.0
 
@@ -67,7 +71,7 @@ def _accuracy(
     greedy = types.SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=["\n"])
     futures = [sampler.sample(types.ModelInput.from_ints(ids), 1, greedy) for ids, _ in prompts]
     scores = [
-        reward(tok.decode(f.result().sequences[0].tokens), answer)
+        reward(str(tok.decode(f.result().sequences[0].tokens)), answer)
         for f, (_, answer) in zip(futures, prompts, strict=True)
     ]
     return sum(scores) / len(scores)
@@ -108,7 +112,7 @@ def run_loop(
         rewards: list[float] = []
         for future, ids, (_, answer) in zip(futures, encoded, prompts, strict=True):
             sequences = future.result().sequences
-            group = [reward(tok.decode(s.tokens), answer) for s in sequences]
+            group = [reward(str(tok.decode(s.tokens)), answer) for s in sequences]
             rewards += group
             mean = sum(group) / len(group)
             result.tokens_sampled += sum(len(s.tokens) for s in sequences)
@@ -121,9 +125,11 @@ def run_loop(
                     types.Datum(
                         model_input=types.ModelInput.from_ints(tokens[:-1]),
                         loss_fn_inputs={
-                            "target_tokens": tokens[1:],
-                            "logprobs": [0.0] * pad + list(s.logprobs or []),
-                            "advantages": [0.0] * pad + [r - mean] * len(s.tokens),
+                            "target_tokens": _tensor(tokens[1:], "int64"),
+                            "logprobs": _tensor([0.0] * pad + list(s.logprobs or []), "float32"),
+                            "advantages": _tensor(
+                                [0.0] * pad + [r - mean] * len(s.tokens), "float32"
+                            ),
                         },
                     )
                 )
