@@ -27,7 +27,7 @@ from tinker import types
 
 @dataclass(frozen=True)
 class LoopConfig:
-    steps: int = 12
+    steps: int = 20
     prompts_per_step: int = 8
     group_size: int = 8
     rank: int = 8
@@ -35,7 +35,7 @@ class LoopConfig:
     max_tokens: int = 16
     temperature: float = 1.0
     loss_fn: types.LossFnType = "importance_sampling"
-    eval_prompts: int = 64
+    eval_prompts: int = 128
     seed: int = 0
 
 
@@ -104,9 +104,13 @@ def run_loop(
     for step in range(config.steps):
         prompts = [reverse_prompt(rng) for _ in range(config.prompts_per_step)]
         encoded = [tok.encode(p) for p, _ in prompts]
-        futures = [
-            sampler.sample(types.ModelInput.from_ints(ids), config.group_size, params)
-            for ids in encoded
+        futures = [  # seeded: a run samples the same given the same weights
+            sampler.sample(
+                types.ModelInput.from_ints(ids),
+                config.group_size,
+                params.model_copy(update={"seed": config.seed * 1_000_003 + step * 1_009 + i}),
+            )
+            for i, ids in enumerate(encoded)
         ]
         data: list[types.Datum] = []
         rewards: list[float] = []

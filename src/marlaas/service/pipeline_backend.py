@@ -48,6 +48,7 @@ from sqlalchemy import select
 from marlaas.backends import open_backend
 from marlaas.config.job import JobSpec
 from marlaas.errors import MarlaasError
+from marlaas.model.base import default_base_path
 from marlaas.pipeline.context import PipelineOptions
 from marlaas.pipeline.runtime import (
     CheckpointWritten,
@@ -70,6 +71,7 @@ from marlaas.service.lifecycle import ACTIVE, JobStatus
 from marlaas.service.metrics import PipelineFigures
 from marlaas.service.models import Checkpoint, Job
 from marlaas.service.reporter import JobReporter
+from marlaas.service.tinker.hub import SharedDevice
 from marlaas.service.usage import BusyBin
 from marlaas.train.checkpoint import ADAPTER_DIR, list_checkpoints
 
@@ -130,6 +132,7 @@ class PipelineBackend:
         self._closing = False
         self._reports: asyncio.Queue[_Report | None] = asyncio.Queue()
         self.out_dir = reporter.artifact_dir / PIPELINE_DIR
+        self._base_model = (spec or RuntimeSpec()).base_model
         options = (options or PipelineOptions()).model_copy(update={"keep_checkpoints": KEEP_ALL})
         self._worker = asyncio.create_task(self._write_reports(), name="job-reports")
         self._ready = asyncio.create_task(
@@ -181,6 +184,16 @@ class PipelineBackend:
         if runtime is None:
             return None
         return DeviceProvider(runtime.ctx.device)
+
+    async def shared_device(self) -> SharedDevice | None:
+        """The pipeline's device for the Tinker-compatible API (`service.tinker`), once
+        the pipeline runs: Tinker runs and jobs share its passes and batches."""
+        try:
+            runtime = await self.ready()
+        except Exception:  # it never started; its error is in the log
+            return None
+        base = Path(self._base_model) if self._base_model else default_base_path()
+        return SharedDevice(runtime.ctx.device, str(base.resolve()))
 
     def device_utilization(self, window_s: float, bin_s: float) -> list[BusyBin]:
         """The device's busy fraction over recent wall-clock bins."""
