@@ -68,6 +68,8 @@ def reward(text: str, answer: str) -> float:
 def _accuracy(
     sampler: tinker.SamplingClient, tok: Any, prompts: list[tuple[list[int], str]], max_tokens: int
 ) -> float:
+    if not prompts:
+        return float("nan")  # no held-out prompts: not measured
     greedy = types.SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=["\n"])
     futures = [sampler.sample(types.ModelInput.from_ints(ids), 1, greedy) for ids, _ in prompts]
     scores = [
@@ -84,7 +86,7 @@ def run_loop(
     log: Callable[[str], None] | None = None,
 ) -> LoopResult:
     """Train one LoRA adapter with `config`; greedy accuracy on held-out prompts
-    before and after, and each step's mean reward."""
+    before and after (NaN with `eval_prompts=0`), and each step's mean reward."""
     start = time.perf_counter()
     training = service.create_lora_training_client(
         base_model=base_model, rank=config.rank, seed=config.seed

@@ -31,6 +31,13 @@ class Served:
     url: str
     admin_key: str
     log: Path
+    pid: int
+
+    def cpu_s(self) -> float:
+        """CPU seconds the server process has used (user + system, all its threads):
+        what a run cost, however busy the rest of the machine was (Linux `/proc`)."""
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def tenant(self, name: str, **quotas: int) -> str:
         """A new tenant; returns a fresh `tml-` key of it."""
@@ -99,7 +106,7 @@ def serving(data_dir: Path, *extra: str, ready_s: float = 120.0) -> Iterator[Ser
                     f"marlaas serve did not answer in {ready_s:.0f} s:\n{log.read_text()}"
                 )
             time.sleep(0.1)
-        yield Served(url, admin_key, log)
+        yield Served(url, admin_key, log, proc.pid)
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

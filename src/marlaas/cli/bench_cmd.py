@@ -283,3 +283,34 @@ def api(
         inference_clients=inference_clients,
     )
     typer.echo(f"wrote {json_out}")
+
+
+@app.command("tinker")
+def tinker_bench(
+    json_out: Path = typer.Option(Path("bench-tinker.json"), "--json", help="Result file."),
+    clients: str = typer.Option("1,4,16", help="SDK client counts, comma-separated."),
+    steps: int = typer.Option(4, min=1, help="RL steps of each client's loop."),
+    prompts_per_step: int = typer.Option(8, min=1),
+    group_size: int = typer.Option(8, min=2, help="Samples per prompt."),
+    loss_fn: str = typer.Option(
+        "importance_sampling", help="importance_sampling, ppo, cispo or dro."
+    ),
+) -> None:
+    """N tinker SDK clients running the same RL loop on one marlaas serve: together vs
+    one after another (wall-time ratio, tokens/s, passes shared)."""
+    from marlaas.bench.tinker import run_tinker_bench
+    from marlaas.bench.tinker_loop import LoopConfig
+
+    if loss_fn not in ("importance_sampling", "ppo", "cispo", "dro"):
+        raise typer.BadParameter(
+            f"unknown loss {loss_fn!r}; use importance_sampling, ppo, cispo or dro"
+        )
+    config = LoopConfig(
+        steps=steps,
+        prompts_per_step=prompts_per_step,
+        group_size=group_size,
+        loss_fn=loss_fn,  # type: ignore[arg-type]  # checked just above
+        eval_prompts=0,
+    )
+    run_tinker_bench(_counts(clients), config, json_out)
+    typer.echo(f"wrote {json_out}")

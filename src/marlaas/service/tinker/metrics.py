@@ -29,6 +29,11 @@ class TinkerMetrics(Collector):
         if device is not None:
             f = device.port.figures()
             yield CounterMetricFamily(
+                "marlaas_device_busy_seconds",
+                "Seconds the device computed (engine iterations and training).",
+                value=f.busy_s,
+            )
+            yield CounterMetricFamily(
                 "marlaas_device_train_passes",
                 "Multi-lane forward/backward passes of the device.",
                 value=f.train_passes,
