@@ -49,6 +49,8 @@ class LoopResult:
     tokens_sampled: int = 0
     tokens_trained: int = 0
     seconds: float = 0.0
+    #: `tinker://.../sampler_weights/...` of the final weights, when asked to save them.
+    saved_path: str | None = None
 
 
 def reverse_prompt(rng: random.Random) -> tuple[str, str]:
@@ -84,9 +86,11 @@ def run_loop(
     base_model: str,
     config: LoopConfig,
     log: Callable[[str], None] | None = None,
+    save_as: str | None = None,
 ) -> LoopResult:
     """Train one LoRA adapter with `config`; greedy accuracy on held-out prompts
-    before and after (NaN with `eval_prompts=0`), and each step's mean reward."""
+    before and after (NaN with `eval_prompts=0`), and each step's mean reward; with
+    `save_as`, the final weights saved as sampler weights of that name."""
     start = time.perf_counter()
     training = service.create_lora_training_client(
         base_model=base_model, rank=config.rank, seed=config.seed
@@ -150,5 +154,7 @@ def run_loop(
         if log is not None:
             log(f"step {step}: reward {result.rewards[-1]:.3f} ({len(data)} rows trained)")
     result.accuracy_after = _accuracy(sampler, tok, eval_set, config.max_tokens)
+    if save_as is not None:
+        result.saved_path = client.save_weights_for_sampler(save_as).result().path
     result.seconds = time.perf_counter() - start
     return result
