@@ -382,3 +382,44 @@ def test_an_rl_loop_written_against_the_sdk_raises_the_reward(server: Served, ba
     assert result.accuracy_after >= result.accuracy_before + 0.06, result
     assert len(result.rewards) == 20 and result.tokens_trained > 0
     service.close("success").result()
+
+
+def test_custom_losses_and_loads_into_an_existing_client(server: Served, base: str) -> None:
+    """`forward_backward_custom` (the SDK's forward, then a weighted cross-entropy) takes
+    the step cross-entropy takes; the deprecated `load_state` puts saved weights back."""
+    import torch
+
+    service, _ = _service(server, "judy")
+    tok = service.create_lora_training_client(base_model=base, rank=4).result().get_tokenizer()
+    data = [_sft(tok, f"Q: reverse {w}\nA: ", w[::-1]) for w in ("abc", "hello")]
+    plain, custom = (
+        service.create_lora_training_client(base_model=base, rank=4, seed=9).result()
+        for _ in range(2)
+    )
+
+    def nll(
+        batch: list[types.Datum], logprobs: list[torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        loss = sum(
+            -(lp * d.loss_fn_inputs["weights"].to_torch()).sum()
+            for d, lp in zip(batch, logprobs, strict=True)
+        )
+        assert isinstance(loss, torch.Tensor)
+        return loss, {"custom:sum": float(loss.detach())}
+
+    expected = plain.forward_backward(data, "cross_entropy").result().metrics["loss:sum"]
+    got = custom.forward_backward_custom(data, nll).result()
+    assert got.metrics["loss:sum"] == pytest.approx(expected, rel=1e-5)
+    for c in (plain, custom):
+        c.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert _logprobs(custom, data) == pytest.approx(_logprobs(plain, data), abs=1e-5)
+
+    saved = plain.save_state("before-more").result().path
+    reference = _logprobs(plain, data)
+    plain.forward_backward(data, "cross_entropy").result()
+    plain.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert _logprobs(plain, data) != reference
+    with pytest.warns(FutureWarning):
+        plain.load_state(saved).result()
+    assert _logprobs(plain, data) == reference
+    service.close("success").result()
