@@ -270,7 +270,10 @@ def test_four_tenants_at_once_share_training_passes(server: Served, base: str) -
     passes = after["marlaas_device_train_passes_total"] - before.get(
         "marlaas_device_train_passes_total", 0.0
     )
-    assert calls == 16
+    tenants = after["marlaas_device_pass_tenants_total"] - before.get(
+        "marlaas_device_pass_tenants_total", 0.0
+    )
+    assert calls == 16 and tenants == 16  # every call ran in some pass, each with its tenant
     assert after["marlaas_device_pass_tenants_max"] >= 2
     assert passes < calls  # some passes served several tenants' calls
     assert after["marlaas_tinker_requests_total{kind=optim_step,tenant=team0}"] == 4

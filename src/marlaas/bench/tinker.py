@@ -97,6 +97,7 @@ def _run(
         "train_passes": passes,
         "forward_backward_calls": calls,
         "calls_per_pass": calls / passes if passes else 0.0,
+        "tenants_per_pass": delta("marlaas_device_pass_tenants_total") / passes if passes else 0.0,
         "pass_tenants_max": after.get("marlaas_device_pass_tenants_max", 0.0),
         "decode_steps": delta(_DECODES),
         "reward_last": sum(r.rewards[-1] for r in results) / len(results),
@@ -168,12 +169,12 @@ def _print(console: Console, result: dict[str, Any]) -> None:
             f"{r['tokens_per_s']:.0f}",
             f"{r['server_cpu_s']:.1f}",
             f"{r['device_busy_s']:.1f}",
-            f"{r['calls_per_pass']:.2f}",
+            f"{r['tenants_per_pass']:.2f}",
             f"{result['ratios'][str(r['clients'])]:.2f}x" if together else "",
         )
     console.print(table)
     console.print(
         "ratio: one-after-another wall time / together wall time (same server, same loops). "
         "server CPU s: CPU the server used; device s: time inside engine iterations and "
-        "training; calls/pass: forward_backward calls per training pass."
+        "training; tenants/pass: tenants per forward/backward pass of the device."
     )

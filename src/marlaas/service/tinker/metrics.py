@@ -1,10 +1,11 @@
 """`/metrics` of the Tinker-compatible API: what the device shared (from the port's
-`figures()`: training passes and the most tenants one pass held, engine iterations and
-the rows they decoded), and per tenant what its Tinker clients asked for.
+`figures()`: training passes, the tenants they held in all and the most one held,
+engine iterations and the rows they decoded), and per tenant what its Tinker clients
+asked for.
 
-`marlaas_tinker_forward_backward_calls` over `marlaas_device_train_passes` is how many
-calls one pass served on average (when only Tinker clients train): above 1, calls of
-different tenants ran together.
+`marlaas_device_pass_tenants` over `marlaas_device_train_passes` is how many tenants
+one forward/backward pass held on average: above 1, calls of different tenants ran
+together (`marlaas_tinker_forward_backward_calls` counts the Tinker clients' own).
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ class TinkerMetrics(Collector):
                 "Multi-lane forward/backward passes of the device.",
                 value=f.train_passes,
             )
+            yield CounterMetricFamily(
+                "marlaas_device_pass_tenants",
+                "Tenants the device's training passes held, summed over the passes.",
+                value=f.pass_tenants,
+            )
             yield GaugeMetricFamily(
                 "marlaas_device_pass_tenants_max",
                 "The most tenants one training pass of the device held.",
@@ -59,7 +65,7 @@ class TinkerMetrics(Collector):
         c = hub.counters
         yield CounterMetricFamily(
             "marlaas_tinker_forward_backward_calls",
-            "forward/forward_backward calls the Tinker API sent to the device.",
+            "forward_backward calls (with gradient) the Tinker API sent to the device.",
             value=c.forward_backward_calls,
         )
         names = self._names()

@@ -218,7 +218,8 @@ async def forward_backward(
         device = (await hub.device()).port
         inputs = [TrainInput(run.device_name, data, loss, return_logprobs=True)]
         call = device.forward(inputs) if body.forward_only else device.forward_backward(inputs)
-        hub.counters.forward_backward_calls += 1
+        if not body.forward_only:
+            hub.counters.forward_backward_calls += 1
         hub.counters.count(owner, "forward" if body.forward_only else "forward_backward")
         hub.counters.add(hub.counters.train_tokens, owner, sum(len(d.input_ids) for d in data))
 
