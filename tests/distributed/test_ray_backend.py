@@ -532,3 +532,53 @@ def test_bench_paper_on_ray_matches_the_in_process_backend(
         )
         + f"; whole command {local['command_s']:.1f} -> {remote['command_s']:.1f}"
     )
+
+
+def test_the_tinker_sdk_trains_and_samples_on_the_ray_device(
+    cluster: Cluster, tiny_base: Path, tmp_path: Path
+) -> None:
+    """The Tinker-compatible API on `marlaas serve --backend ray`: the hub uses the
+    pipeline's Ray device, so the unmodified SDK's training client is a tenant of the
+    trainer actor and its samples come from the replicas."""
+    import httpx
+    import tinker
+    from live_support import LiveServer
+    from tinker import types
+
+    settings = ServiceSettings(data_dir=tmp_path / "data", admin_key=ADMIN_KEY)
+    spec = RuntimeSpec(
+        base_model=str(tiny_base),
+        backend="ray",
+        ray=SMALL,
+        max_staleness=1,
+        engine=EngineSpec(max_batch_size=16, max_rank=4),
+    )
+    service, _ = open_context(settings)
+    factory = PipelineBackend.factory(service.db, spec=spec, options=PipelineOptions(device="cpu"))
+    app = create_app(service, factory)
+    with LiveServer(app) as server:
+        admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        httpx.post(f"{server.url}/v1/admin/tenants", json={"name": "t"}, headers=admin)
+        key = httpx.post(
+            f"{server.url}/v1/admin/tenants/t/keys", json={"format": "tml"}, headers=admin
+        ).json()["key"]
+        rest = tinker.RestClient(base_url=server.url, api_key=key)
+        base = rest.get_server_capabilities().result().supported_models[0].model_name
+        assert base == str(tiny_base.resolve())
+        sdk = tinker.ServiceClient(base_url=server.url, api_key=key)
+        client = sdk.create_lora_training_client(base_model=base, rank=4).result()
+        ids = [5, 6, 7, 8, 9, 10]
+        datum = types.Datum(
+            model_input=types.ModelInput.from_ints(ids[:-1]),
+            loss_fn_inputs={"target_tokens": ids[1:]},
+        )
+        fb = client.forward_backward([datum], "cross_entropy")
+        step = client.optim_step(types.AdamParams(learning_rate=1e-2))
+        assert fb.result().metrics["tokens:sum"] == 5.0
+        assert step.result().metrics["adapter_version"] == 1.0
+        sampler = client.save_weights_and_get_sampling_client().result()
+        out = sampler.sample(types.ModelInput.from_ints(ids), 2, types.SamplingParams(max_tokens=4))
+        assert [len(s.tokens) for s in out.result().sequences] == [4, 4]
+        provider = app.state.context.backend.inference_provider()
+        assert isinstance(provider.device.compute, RayCompute)  # the pipeline's Ray device
+        sdk.close("success").result()

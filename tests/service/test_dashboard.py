@@ -31,12 +31,14 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from service_support import ADMIN, ADMIN_KEY, ScriptedBackend, Tenants, job_body
 
+from marlaas.config.specs import LoRASpec
 from marlaas.obs.memory import RunRecorder
 from marlaas.service.app import create_app, open_context
 from marlaas.service.context import ServiceContext
 from marlaas.service.models import utcnow
 from marlaas.service.reporter import JobReporter
 from marlaas.service.settings import ServiceSettings
+from marlaas.service.tinker.store import TinkerStore
 from marlaas.service.usage import BusyBin, RecorderDeviceUsage
 
 CHROMIUM_HINT = (
@@ -262,6 +264,12 @@ def test_dashboard_in_chromium(tmp_path: Path) -> None:
             http.get(f"/v1/jobs/{j['id']}", headers=auth).json()["status"] for j in (alpha, beta)
         ]
         assert status == ["done", "running"]
+        # A training run of a Tinker SDK client (recorded as the Tinker API records one).
+        tenant_id = http.get("/v1/me", headers=auth).json()["tenant"]["id"]
+        run_id = "ses_0123456789abcdef:train:0"
+        TinkerStore(ctx.db, settings.artifact_dir).create_run(
+            tenant_id, run_id, "ses_0123456789abcdef", "/base", LoRASpec(rank=4), None
+        )
 
         js_errors: list[str] = []
         policy_errors: list[str] = []
@@ -313,6 +321,9 @@ def test_dashboard_in_chromium(tmp_path: Path) -> None:
                 expect(row_b.locator(".status")).to_have_text("running")
                 expect(row_b.locator(".steps")).to_contain_text("3 / 8")
                 expect(row_b.locator(".eval")).to_have_text("30.0%")
+                tinker = page.locator(f'#tinker-runs tr[data-run-id="{run_id}"]')
+                expect(page.locator("#tinker-card")).to_be_visible()
+                expect(tinker.locator("td.num")).to_have_text("4")
 
                 # the newest job is selected first: its curves and checkpoints
                 expect(page.locator("#detail-name")).to_have_text("beta")

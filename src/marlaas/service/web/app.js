@@ -372,6 +372,25 @@
     }
   }
 
+  // Runs of the Tinker-compatible API (`tinker` SDK clients); the card shows only when
+  // the tenant has some.
+  function renderTinker(runs) {
+    const rows = runs.map((run) => {
+      const path = (c) => (c ? c.tinker_path.split("/").slice(-2).join("/") : "–");
+      return el(
+        "tr",
+        { "data-run-id": run.training_run_id },
+        el("td", { className: "name", text: run.training_run_id }),
+        el("td", { className: "num", text: String(run.lora_rank) }),
+        el("td", { text: path(run.last_checkpoint), title: run.last_checkpoint ? run.last_checkpoint.tinker_path : "" }),
+        el("td", { text: path(run.last_sampler_checkpoint), title: run.last_sampler_checkpoint ? run.last_sampler_checkpoint.tinker_path : "" }),
+        el("td", { text: formatAgo(run.last_request_time), title: new Date(run.last_request_time).toLocaleString() }),
+      );
+    });
+    $("tinker-runs").tBodies[0].replaceChildren(...rows);
+    show($("tinker-card"), runs.length > 0);
+  }
+
   function renderDetail() {
     const job = state.jobs.find((j) => j.id === state.selected);
     show($("job-detail"), Boolean(job));
@@ -542,10 +561,11 @@
     clearTimeout(state.timer);
     setRefreshState("Refreshing…");
     try {
-      const [me, list, usage] = await Promise.all([
+      const [me, list, usage, tinker] = await Promise.all([
         api("v1/me"),
         api("v1/jobs?limit=200"),
         api(`v1/usage/device?window_s=${DEVICE_WINDOW_S}&bin_s=${DEVICE_BIN_S}`),
+        api("api/v1/training_runs?limit=100"),
       ]);
       await Promise.all(list.jobs.map((job) => refreshMetrics(metrics, job)));
       if (!state.selected || !list.jobs.some((j) => j.id === state.selected)) {
@@ -559,6 +579,7 @@
       renderJobs();
       renderDetail();
       renderDevice(usage);
+      renderTinker(tinker.training_runs);
       showError("");
       setRefreshState(`Updated ${formatClock(Date.now())}`);
     } catch (err) {
