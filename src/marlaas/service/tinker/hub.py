@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,12 +46,15 @@ log = logging.getLogger(__name__)
 class TinkerSettings:
     """`poll_s`: a retrieval's long-poll; `session_timeout_s`: a session without
     heartbeats ends after this; `sampler_adapters`: frozen sampler adapters kept on the
-    device; `max_num_samples`: samples one `asample` may ask for."""
+    device; `max_num_samples`: samples one `asample` may ask for; `ephemeral_samplers`:
+    in-memory samplers a run keeps (its newest)."""
 
     poll_s: float = DEFAULT_POLL_S
     session_timeout_s: float = DEFAULT_TIMEOUT_S
     sampler_adapters: int = 32
     max_num_samples: int = 256
+    #: Ephemeral samplers (`save_weights_and_get_sampling_client`) kept per run.
+    ephemeral_samplers: int = 16
     reap_every_s: float = 30.0
 
 
@@ -130,6 +133,8 @@ class TinkerHub:
         self.samplers: dict[str, Sampler] = {}
         #: (sampler id, seq_id) -> the answer of that `asample` (resends get it again).
         self.sample_calls: OrderedDict[tuple[str, int], UntypedFuture] = OrderedDict()
+        #: run id -> its ephemeral samplers' ids, oldest first.
+        self.ephemeral: dict[str, deque[str]] = {}
         #: request id -> the task serving a sample (`cancel_future` cancels it).
         self.sample_tasks: dict[str, asyncio.Task[None]] = {}
         self.counters = Counters()
@@ -228,15 +233,20 @@ class TinkerHub:
             raise not_found("sampler", sampler_id)
         return found
 
+    async def forget_sampler(self, sampler_id: str) -> None:
+        """Forget a sampler, and its adapter on the device when no other sampler has it."""
+        sampler = self.samplers.pop(sampler_id, None)
+        if sampler is None or sampler.key is None or self._adapters is None:
+            return
+        if not any(s.key == sampler.key for s in self.samplers.values()):
+            await self._adapters.forget(sampler.key)
+
     async def end_session(self, session: Session) -> None:
         """Take a finished session's runs off the device and forget its samplers."""
         for sampler_id in list(session.samplers.values()):
-            sampler = self.samplers.pop(sampler_id, None)
-            if sampler is None or sampler.key is None or self._adapters is None:
-                continue
-            if not any(s.key == sampler.key for s in self.samplers.values()):
-                await self._adapters.forget(sampler.key)
+            await self.forget_sampler(sampler_id)
         for run_id in session.runs:
+            self.ephemeral.pop(run_id, None)
             await self.drop_run(run_id, f"its session {session.id} finished")
 
     async def drop_run(self, run_id: str, reason: str) -> None:

@@ -13,6 +13,7 @@ forward/backward outputs when the SDK's `Accept` asks for it, JSON otherwise).
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Request, Response
@@ -163,7 +164,7 @@ async def forward_backward(
     if request.headers.get("content-type", "").startswith(PROTOBUF):
         from marlaas.service.tinker.protobuf import decode_forward_backward
 
-        body = decode_forward_backward(raw, content_encoding)
+        body = await asyncio.to_thread(decode_forward_backward, raw, content_encoding)
     else:
         try:
             body = convert.from_json(wire.ForwardBackwardJson.model_validate_json(raw))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -82,11 +83,12 @@ def _register(hub: TinkerHub, sampler: Sampler, seq: int | None) -> Sampler:
     return sampler
 
 
-def ephemeral_sampler(
+async def ephemeral_sampler(
     hub: TinkerHub, owner: str, session_id: str, seq: int, run: LiveRun, tensors: AdapterTensors
 ) -> Sampler:
     """The sampler of `save_weights_and_get_sampling_client`: the weights a run just
-    exported, kept in memory only."""
+    exported, kept in memory only. A run keeps its newest `ephemeral_samplers` of them
+    (an RL loop makes one per step); older ones are forgotten (404 from then on)."""
     known = hub.sessions.get(owner, session_id).samplers.get(seq)
     if known is not None:
         return hub.sampler(owner, known)
@@ -99,6 +101,10 @@ def ephemeral_sampler(
     sampler = Sampler(
         sampler_id, owner, session_id, run.base_model, None, f"memory:{sampler_id}", load
     )
+    kept = hub.ephemeral.setdefault(run.id, deque())
+    kept.append(sampler_id)
+    while len(kept) > hub.settings.ephemeral_samplers:
+        await hub.forget_sampler(kept.popleft())
     return _register(hub, sampler, seq)
 
 

@@ -207,7 +207,8 @@ async def forward_backward(
     limits = await hub.limits()
     try:  # a refusal fails the call in its turn: the later calls still run in order
         loss = convert.objective(body.loss_fn, body.loss_fn_config)
-        data = convert.datums(body, loss, limits)
+        # Off the event loop: a large batch is many thousands of values to check.
+        data = await asyncio.to_thread(convert.datums, body, loss, limits)
         problem: UserError | None = None
     except UserError as e:
         problem = e
@@ -315,7 +316,7 @@ async def save_weights_for_sampler(
             tensors, version = snapshot.tensors, snapshot.version
             if path is None:
                 assert body.sampling_session_seq_id is not None
-                sampler = ephemeral_sampler(
+                sampler = await ephemeral_sampler(
                     hub, owner, run.session_id, body.sampling_session_seq_id, run, tensors
                 )
                 return JsonReply(
