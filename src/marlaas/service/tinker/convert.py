@@ -75,7 +75,9 @@ def lora_spec(config: wire.LoraConfig | None, injected: Sequence[str]) -> LoRASp
 
 def lora_flags(spec: LoRASpec) -> dict[str, bool]:
     """The `train_*` flags a spec of `lora_spec` came from."""
-    targets = set(spec.target_modules)
+    names = spec.target_modules
+    assert isinstance(names, tuple), "a Tinker run's spec names its modules (lora_spec)"
+    targets = set(names)
     return {
         "train_attn": bool(targets & set(ATTENTION)),
         "train_mlp": bool(targets & set(MLP)),
