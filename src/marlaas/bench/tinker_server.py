@@ -54,8 +54,12 @@ class Served:
         return key
 
     def metrics(self) -> dict[str, float]:
-        """Every sample of `/metrics` by name and labels (`name{k=v,...}`)."""
-        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        """Every sample of `/metrics` by name and labels (`name{k=v,...}`); read with the
+        admin key, as `/metrics` asks."""
+        admin = {"Authorization": f"Bearer {self.admin_key}"}
+        r = httpx.get(f"{self.url}/metrics", headers=admin, timeout=30)
+        r.raise_for_status()
+        text = r.text
         out: dict[str, float] = {}
         for family in text_string_to_metric_families(text):
             for s in family.samples:
