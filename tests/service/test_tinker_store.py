@@ -16,6 +16,7 @@ from marlaas.service import quotas
 from marlaas.service.db import Database
 from marlaas.service.errors import NotFound, QuotaExceeded
 from marlaas.service.models import Tenant, utcnow
+from marlaas.service.settings import QuotaSpec
 from marlaas.service.tinker import state_io
 from marlaas.service.tinker.errors import UserError
 from marlaas.service.tinker.paths import TinkerPath, model_id, new_session_id
@@ -31,10 +32,10 @@ def _tenant(db: Database, tid: str, steps: int = 100, jobs: int = 3) -> None:
             Tenant(
                 id=tid,
                 name=tid,
-                max_concurrent_jobs=jobs,
-                max_total_steps=steps,
-                max_dataset_bytes=1000,
                 created_at=utcnow(),
+                **QuotaSpec(
+                    max_concurrent_jobs=jobs, max_total_steps=steps, max_dataset_bytes=1000
+                ).model_dump(),
             )
         )
 
