@@ -14,7 +14,10 @@ operation, nowhere else):
 - the completions: 400 for options that are not supported (tools, best_of != n, ...);
 - the OpenAI fine-tuning routes: 400 in OpenAI's error shape, as OpenAI's API answers,
   for what their schema leaves open (a grader's fields by its type, a file's JSONL, a
-  multipart upload's parts), and for a job 422 of the job checks as `POST /v1/jobs`.
+  multipart upload's parts), and for a job 422 of the job checks as `POST /v1/jobs`;
+- the Tinker-compatible routes (`/api/v1/...`): 400 for what the SDK's bodies carry
+  beyond their schema (a `tinker://` path's or a model id's form, a run's state), and
+  410 for a heartbeat of a session that has finished or never was (the SDK stops on it).
 """
 
 from __future__ import annotations
@@ -57,6 +60,10 @@ checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "403",
 [[operations]]
 include-name = "POST /v1/fine_tuning/jobs"
 checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "403", "404", "409", "422", "429"]
+
+[[operations]]
+include-path-regex = "^/api/v1/"
+checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "403", "404", "409", "410", "413", "429"]
 """
 
 

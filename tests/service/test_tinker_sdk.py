@@ -134,10 +134,6 @@ def test_the_sdk_trains_samples_saves_and_resumes(server: Served, base: str) -> 
     assert gone.status_code == 200  # the run's record stays, off the device
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the engine's prompt log-probs (SamplingParams.prompt_logprobs) are not on main yet",
-)
 def test_prompt_logprobs_are_the_trainers_logprobs(server: Served, base: str) -> None:
     service, _ = _service(server, "bob")
     client = service.create_lora_training_client(base_model=base, rank=4, seed=2).result()

@@ -25,6 +25,7 @@ from marlaas.errors import (
     ModelError,
     TenantNotFound,
 )
+from marlaas.service.api.deps import AUTH_ERRORS, responses
 from marlaas.service.errors import NotFound, ServiceError
 
 Category = Literal["user", "server"]
@@ -67,3 +68,16 @@ def category_of(error: BaseException) -> Category:
         TenantNotFound,
     )
     return "user" if isinstance(error, user) else "server"
+
+
+#: What every Tinker route may answer at once (the rest reaches the SDK through the
+#: call's future, see the module docstring).
+ERRORS = AUTH_ERRORS | responses(
+    {
+        400: "The request cannot be served as asked; `detail` says what to change.",
+        404: "No such model, session, sampler, future or path (another tenant's alike).",
+        410: "The session has finished (the SDK stops its heartbeats).",
+        413: "The body is larger than this service's limit.",
+        429: "A quota would be exceeded; the message names it and its limit.",
+    }
+)

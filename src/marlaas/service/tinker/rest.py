@@ -13,14 +13,33 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query, Response
 from fastapi.responses import StreamingResponse
+from starlette.convertors import Convertor, register_url_convertor
 
 from marlaas.service.archive import ArchiveFormat, open_adapter, stream_archive
 from marlaas.service.tinker import convert, wire
+from marlaas.service.tinker.errors import ERRORS
 from marlaas.service.tinker.paths import TinkerPath, parse_checkpoint_id
 from marlaas.service.tinker.routes import Caller, Hub
 from marlaas.service.tinker.store import CheckpointRecord, RunRecord, TinkerStore
 
-router = APIRouter(prefix="/api/v1", tags=["tinker"])
+
+class _CheckpointId(Convertor[str]):
+    """A checkpoint id in a URL, `weights/NAME` or `sampler_weights/NAME` (one slash):
+    so `.../checkpoints/ID/archive` is never read as the id `ID/archive`, and a method a
+    path does not serve answers 405."""
+
+    regex = "(?:weights|sampler_weights)/[^/]+"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("checkpoint", _CheckpointId())
+
+router = APIRouter(prefix="/api/v1", tags=["tinker"], responses=ERRORS)
 
 
 def checkpoint_out(c: CheckpointRecord) -> wire.CheckpointOut:
@@ -93,7 +112,7 @@ async def list_user_checkpoints(hub: Hub, caller: Caller) -> wire.CheckpointsLis
     return wire.CheckpointsListResponse(checkpoints=[checkpoint_out(c) for c in saved])
 
 
-@router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}", status_code=204)
+@router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:checkpoint}", status_code=204)
 async def delete_checkpoint(run_id: str, checkpoint_id: str, hub: Hub, caller: Caller) -> Response:
     path = parse_checkpoint_id(run_id, checkpoint_id)
     await asyncio.to_thread(hub.store.delete_checkpoint, caller, path)
@@ -116,7 +135,7 @@ async def weights_info(
     return await asyncio.to_thread(read)
 
 
-@router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/archive")
+@router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:checkpoint}/archive")
 async def download_checkpoint(
     run_id: str,
     checkpoint_id: str,

@@ -25,13 +25,13 @@ from marlaas.service.auth import Principal, authenticate
 from marlaas.service.context import ServiceContext
 from marlaas.service.errors import Forbidden, Unauthorized
 from marlaas.service.tinker import convert, sampling, training, wire
-from marlaas.service.tinker.errors import UserError
+from marlaas.service.tinker.errors import ERRORS, UserError
 from marlaas.service.tinker.futures import Failure, Pending
 from marlaas.service.tinker.hub import TinkerHub
 
 PROTOBUF = "application/x-protobuf"
 
-router = APIRouter(prefix="/api/v1", tags=["tinker"])
+router = APIRouter(prefix="/api/v1", tags=["tinker"], responses=ERRORS)
 
 
 async def get_hub(request: Request) -> TinkerHub:
