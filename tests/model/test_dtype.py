@@ -10,7 +10,7 @@ import torch
 from arch_support import CONFIGS, char_tokenizer, save_model
 from transformers import AutoConfig
 
-from marlaas.config.specs import check_dtype
+from marlaas.config.specs import check_dtype, parse_target_modules
 from marlaas.errors import ConfigError
 from marlaas.model.bank import AdapterBank
 from marlaas.model.base import load_base, resolve_dtype
@@ -44,3 +44,28 @@ def test_an_explicit_dtype_holds_on_the_cpu_and_slots_stay_float32(bf16_dir: Pat
     model = LoRAModel(base, max_rank=4)
     bank = AdapterBank(model, num_slots=2)
     assert model.dtype == torch.bfloat16 and bank.dtype == torch.float32
+
+
+def test_target_modules_on_the_command_line() -> None:
+    assert parse_target_modules(None) is None
+    assert parse_target_modules("all-linear") == "all-linear"
+    assert parse_target_modules(" q_proj, v_proj,q_proj") == ("q_proj", "v_proj")
+    with pytest.raises(ConfigError, match=r"--target-modules: 'model\.q_proj' is not"):
+        parse_target_modules("model.q_proj")
+    with pytest.raises(ConfigError, match="--target-modules"):
+        parse_target_modules("q_proj,,v_proj")
+
+
+async def test_the_services_own_engine_loads_its_base_in_the_asked_dtype(
+    bf16_dir: Path,
+) -> None:
+    """`marlaas serve --backend none --dtype/--device`: the engine the OpenAI routes start
+    (no job backend to share) loads the base as asked, adapters in float32."""
+    from marlaas.service.inference import open_engine
+
+    engine = await open_engine(bf16_dir, max_rank=4, adapter_slots=2, device="cpu")
+    assert {p.dtype for p in engine.model.base.parameters()} == {torch.float32}
+    engine = await open_engine(
+        bf16_dir, max_rank=4, adapter_slots=2, device="cpu", dtype="bfloat16"
+    )
+    assert {p.dtype for p in engine.model.base.parameters()} == {torch.bfloat16}

@@ -299,3 +299,19 @@ def _refused_among(client: TestClient, headers: dict[str, str], body: dict[str, 
     names = [j["name"] for j in client.get("/v1/jobs", headers=headers).json()["jobs"]]
     assert body["name"] not in names
     return r
+
+
+def test_the_servers_default_targets_apply_to_jobs_that_name_none(
+    settings: ServiceSettings, backend: ScriptedBackend
+) -> None:
+    """`marlaas serve --target-modules` (`default_target_modules`): a job without
+    `lora.target_modules` is checked with the server's default, so a default the base
+    lacks refuses it, naming the field; a job naming its own targets passes."""
+    odd = settings.model_copy(update={"default_target_modules": ("c_attn",)})
+    ctx, _ = open_context(odd)
+    with TestClient(create_app(ctx, backend.attach)) as client:
+        acme = Tenants(client).create("acme")
+        where, message = _problem(_refused(client, acme, job_body()))
+        assert where == ["body", "lora", "target_modules"] and "c_attn" in message
+        own = {**job_body(), "lora": {"target_modules": ["q_proj"]}}
+        assert client.post("/v1/jobs", json=own, headers=acme).status_code == 201

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from marlaas.config.specs import DTYPE_HELP, check_dtype
+from marlaas.config.specs import DTYPE_HELP, check_dtype, parse_target_modules
 
 if TYPE_CHECKING:
     from marlaas.config.ray import RaySpec
@@ -89,6 +89,13 @@ def serve(
     ),
     device: str = typer.Option("auto", help="Torch device of the base: auto, cpu, cuda, ..."),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
+    target_modules: str | None = typer.Option(
+        None,
+        "--target-modules",
+        help="LoRA targets of the jobs that leave lora.target_modules unset: "
+        "comma-separated leaf names of the base's linear layers (q_proj,v_proj) or "
+        "all-linear (the default).",
+    ),
     max_active_jobs: int = typer.Option(
         32, min=1, max=4096, help="Jobs trained at once; further jobs wait in a queue."
     ),
@@ -107,6 +114,7 @@ def serve(
 
     chosen, ray = resolve_backend(backend, no_backend, ray_spec)
     model_dtype = check_dtype(dtype)
+    targets = parse_target_modules(target_modules)
     base_dir = base_model.resolve() if base_model else None
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
     settings = ServiceSettings(
@@ -118,6 +126,9 @@ def serve(
         # backend's own engine, on the same base, ever answers. Jobs are checked
         # against it too (`service.admission`).
         serve_base_model=base_dir,
+        serve_device=device,
+        serve_dtype=model_dtype,
+        default_target_modules=targets,
     )
     ctx, new_admin_key = open_context(settings)
     if new_admin_key is not None:
@@ -141,6 +152,7 @@ def serve(
         spec = RuntimeSpec(
             base_model=str(base_dir) if base_dir else None,
             dtype=model_dtype,
+            default_target_modules=targets,
             max_active_tenants=max_active_jobs,
             max_staleness=settings.max_staleness,
             engine=EngineSpec(

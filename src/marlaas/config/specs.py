@@ -106,6 +106,19 @@ def check_target_names(value: TargetModules) -> TargetModules:
     return tuple(dict.fromkeys(value))
 
 
+def parse_target_modules(text: str | None, option: str = "--target-modules") -> TargetModules:
+    """A command line's target modules: comma-separated leaf names, 'all-linear', or
+    None (unset); `ConfigError` naming `option` for anything else."""
+    if text is None:
+        return None
+    if text.strip() == "all-linear":
+        return "all-linear"
+    try:
+        return check_target_names(tuple(part.strip() for part in text.split(",")))
+    except ValueError as e:
+        raise ConfigError(f"{option}: {e} (comma-separated, e.g. q_proj,v_proj)") from None
+
+
 def read_yaml(source: Path, label: str = "") -> object:
     """The YAML (or JSON) document in `source`; `ConfigError` when it cannot be read
     or parsed. `label` ("the Ray spec ") prefixes the file's name in messages."""

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from marlaas.config.job import DatasetSpec, JobSpec
-from marlaas.config.specs import TaskSpec
+from marlaas.config.specs import TargetModules, TaskSpec
 from marlaas.errors import MarlaasError
 from marlaas.service.errors import InvalidField, redact_paths
 from marlaas.service.settings import ServiceSettings
@@ -68,6 +68,8 @@ class MachineLimits:
     max_tokens_per_microbatch: int
     #: Limit of one environment call (a tool call must end before it).
     env_timeout_s: float
+    #: The targets of a job that leaves `lora.target_modules` unset (the server's default).
+    default_targets: TargetModules = None
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,7 @@ class JobAdmission:
             max_batch_rows=settings.max_batch_rows,
             max_tokens_per_microbatch=settings.max_tokens_per_microbatch,
             env_timeout_s=settings.env_timeout_s,
+            default_targets=settings.default_target_modules,
         )
 
     async def _shape_model(self) -> tuple[LoRAModel, PreTrainedTokenizerBase]:
@@ -196,7 +199,7 @@ def assess_job(
     from marlaas.model.chat import has_chat_template
 
     try:
-        model.validate_spec(model.resolve(spec.lora))
+        model.validate_spec(model.resolve(spec.lora, default=limits.default_targets))
     except (ConfigError, ModelError) as e:
         field = "rank" if spec.lora.rank > model.max_rank else "target_modules"
         raise InvalidField(("body", "lora", field), str(e)) from None

@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar, runtime_checkable
 
-from marlaas.config.specs import LoRASpec
+from marlaas.config.specs import LoRASpec, ModelDType
 from marlaas.errors import CapacityError, EngineClosed, InvalidRequest, TenantNotFound
 from marlaas.service.db import Database
 from marlaas.service.errors import QuotaExceeded, ServiceError
@@ -364,18 +364,27 @@ class EngineProvider:
 
 
 async def open_engine(
-    base_path: Path | None, *, max_rank: int, adapter_slots: int, max_batch_size: int = 32
+    base_path: Path | None,
+    *,
+    max_rank: int,
+    adapter_slots: int,
+    max_batch_size: int = 32,
+    device: str = "auto",
+    dtype: ModelDType = "auto",
 ) -> RolloutEngine:
-    """Load a base (None: the embedded one) and build an engine of its own over it,
-    driven in the background once the first request comes."""
+    """Load a base (None: the embedded one) on `device` in `dtype` and build an engine of
+    its own over it, driven in the background once the first request comes."""
 
     def build() -> RolloutEngine:
+        from marlaas.device.config import resolve_device
         from marlaas.model.bank import AdapterBank
         from marlaas.model.base import default_base_path, load_base
         from marlaas.model.lora import LoRAModel
         from marlaas.rollout.engine import RolloutEngine
 
-        base, tokenizer = load_base(base_path or default_base_path())
+        base, tokenizer = load_base(
+            base_path or default_base_path(), dtype=dtype, device=resolve_device(device)
+        )
         model = LoRAModel(base, max_rank=max_rank)
         bank = AdapterBank(model, num_slots=adapter_slots, versions_kept=1)
         return RolloutEngine(model, bank, tokenizer, max_batch_size=max_batch_size)
@@ -501,6 +510,8 @@ class InferenceHub:
                         max_rank=settings.max_lora_rank,
                         adapter_slots=settings.max_serving_adapters + 1,
                         max_batch_size=settings.max_batch_rows,
+                        device=settings.serve_device,
+                        dtype=settings.serve_dtype,
                     )
                     log.info("inference: started an engine of its own (no shared engine)")
                 provider = EngineProvider.of_engine(self._own)

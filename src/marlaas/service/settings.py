@@ -13,7 +13,13 @@ from typing import Annotated
 from pydantic import BeforeValidator, Field, field_validator
 
 from marlaas.config.job import MAX_EVAL_EPISODES
-from marlaas.config.specs import Spec, integer_only
+from marlaas.config.specs import (
+    ModelDType,
+    Spec,
+    TargetModules,
+    check_target_names,
+    integer_only,
+)
 
 ADMIN_KEY_ENV = "MARLAAS_ADMIN_KEY"
 METRICS_TOKEN_ENV = "MARLAAS_METRICS_TOKEN"
@@ -147,6 +153,23 @@ class ServiceSettings(Spec):
         description="Base model directory the OpenAI-compatible routes load when no job "
         "backend shares its engine; None: the embedded base.",
     )
+    serve_device: str = Field(
+        "auto",
+        min_length=1,
+        max_length=32,
+        description="Torch device of that base (auto, cpu, cuda, cuda:1, ...); with a job "
+        "backend the pipeline's own device serves instead.",
+    )
+    serve_dtype: ModelDType = Field(
+        "auto",
+        description="That base's weights in memory (auto: the checkpoint's dtype on an "
+        "accelerator, float32 on the CPU).",
+    )
+    default_target_modules: TargetModules = Field(
+        None,
+        description="`lora.target_modules` of the jobs that leave it unset: leaf names of "
+        "the base's linear layers or 'all-linear'; None: 'all-linear'.",
+    )
     max_serving_adapters: int = Field(
         8,
         ge=1,
@@ -163,6 +186,11 @@ class ServiceSettings(Spec):
         "another process on the same database within this time. 0: no cache.",
     )
     default_quotas: QuotaSpec = Field(default_factory=QuotaSpec)
+
+    @field_validator("default_target_modules")
+    @classmethod
+    def _targets(cls, v: TargetModules) -> TargetModules:
+        return check_target_names(v)
 
     @field_validator("admin_key", "metrics_token")
     @classmethod
