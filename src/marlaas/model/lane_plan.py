@@ -14,6 +14,12 @@ and picks the cheapest exact layout for `marlaas.model.lora.MultiLoRALinear`:
 
 Both give every row exactly `scale[lane] * (x A[lane]^T) B[lane]^T`, gradients
 included; `scale` is skipped when the weights carry it (`LaneBatch.prescaled`).
+
+With gradients on (the trainer), blocks run through `BlockLoRA`, one autograd node per
+module with a hand-written backward: autograd's own backward of the same ops picks
+batched-matmul layouts that are several times slower at LoRA's shapes (a rank-wide
+inner or outer dimension) and sums per-row weight gradients through a strided scatter.
+The decode path (no gradient) is unchanged.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -157,6 +164,16 @@ class LanePlan:
         K, n = self.blocks, self.size
         # Blocks of one row are the rows themselves: no reshapes (decode is op-bound).
         x_Kni = x_BTi if n == 1 else x_BTi.reshape(K, -1, x_BTi.shape[-1])
+        if (
+            torch.is_grad_enabled()
+            and (A_Lri.requires_grad or B_Lor.requires_grad or x_BTi.requires_grad)
+            and x_BTi.dtype == A_Lri.dtype == B_Lor.dtype == y_BTo.dtype
+        ):
+            y_Kno = y_BTo if n == 1 else y_BTo.reshape(K, -1, y_BTo.shape[-1])
+            scale_K = None if self.scale_K is None else self.scale_K.to(x_BTi.dtype)
+            out = BlockLoRA.apply(x_Kni, A_Lri, B_Lor, y_Kno, self.lane_K, scale_K)
+            assert isinstance(out, Tensor)
+            return out if n == 1 else out.reshape(y_BTo.shape)
         if self.lane_K is None:
             A_Kri, B_Kor = A_Lri, B_Lor
         else:  # index_select (not fancy indexing): about 2x faster on strided slot views
@@ -186,3 +203,57 @@ class LanePlan:
         delta_Pno = torch.bmm(h_Pnr, B_Por.transpose(1, 2))
         delta_BTo = delta_Pno.reshape(seg.pieces * seg.size, -1).index_select(0, seg.inverse)
         return y_BTo + delta_BTo.view(y_BTo.shape).to(y_BTo.dtype)
+
+
+class BlockLoRA(torch.autograd.Function):
+    """`y_Kno + scale_K * (x_Kni A_K^T) B_K^T` for blocks `K` of `n` rows, where
+    `A_K = A_L[lane_K]` (`lane_K` None: `A_L` itself), with a backward chosen for LoRA's
+    shapes: every product is a batched matmul whose rank-wide side is an outer
+    dimension, and the per-block weight gradients are summed into their lanes with one
+    `index_add_` on contiguous tensors. Exactly the gradients of the plain ops, up to
+    floating-point rounding (`tests/model/test_lane_plan_grad.py`)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x_Kni: Tensor,
+        A_Lri: Tensor,
+        B_Lor: Tensor,
+        y_Kno: Tensor,
+        lane_K: Tensor | None,
+        scale_K: Tensor | None,
+    ) -> Tensor:
+        A_Kri = A_Lri if lane_K is None else A_Lri.index_select(0, lane_K)
+        B_Kor = B_Lor if lane_K is None else B_Lor.index_select(0, lane_K)
+        h_Knr = torch.bmm(x_Kni, A_Kri.transpose(1, 2))
+        if scale_K is not None:
+            h_Knr = h_Knr * scale_K[:, None, None]
+        out_Kno = torch.baddbmm(y_Kno, h_Knr, B_Kor.transpose(1, 2))
+        ctx.save_for_backward(x_Kni, A_Kri, B_Kor, h_Knr, lane_K, scale_K)
+        ctx.lanes = int(A_Lri.shape[0])
+        return out_Kno
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
+        (g_Kno,) = grads
+        x_Kni, A_Kri, B_Kor, h_Knr, lane_K, scale_K = ctx.saved_tensors
+        need_x, need_A, need_B, need_y = ctx.needs_input_grad[:4]
+        g_x = g_A = g_B = None
+        if need_B:  # (h^T g)^T: the rank is the output's row count, not its inner size
+            g_B = torch.bmm(h_Knr.transpose(1, 2), g_Kno).transpose(1, 2)
+        if need_A or need_x:
+            # The gradient of h, transposed ([K, r, n]): the rank as the row count again.
+            gh_Krn = torch.bmm(B_Kor.transpose(1, 2), g_Kno.transpose(1, 2))
+            if scale_K is not None:
+                gh_Krn = gh_Krn * scale_K[:, None, None]
+            if need_A:
+                g_A = torch.bmm(gh_Krn, x_Kni)
+            if need_x:
+                g_x = torch.bmm(gh_Krn.transpose(1, 2), A_Kri)
+        if lane_K is not None:  # blocks of one lane add up in it
+            lanes = ctx.lanes
+            if g_A is not None:
+                g_A = g_A.new_zeros((lanes, *g_A.shape[1:])).index_add_(0, lane_K, g_A)
+            if g_B is not None:
+                g_B = g_B.new_zeros((lanes, *g_B.shape[1:])).index_add_(0, lane_K, g_B.contiguous())
+        return g_x, g_A, g_B, g_Kno if need_y else None, None, None
