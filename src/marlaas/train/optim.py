@@ -86,6 +86,21 @@ class AdapterLayout:
             )
         }
 
+    def lane_tensors(self, flat_LP: Tensor) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """Per-module lane views `A [L, r, in]` and `B [L, out, r]` of `flat_LP`, the flat
+        vectors of `L` adapters of this layout stacked (`LaneBatch.A`, `LaneBatch.B`):
+        two slices per module, however many lanes (differentiable)."""
+        lanes = flat_LP.shape[0]
+        A: dict[str, Tensor] = {}
+        B: dict[str, Tensor] = {}
+        offset = 0
+        for path, (a_shape, b_shape) in zip(self.paths, self.shapes, strict=True):
+            n_a, n_b = a_shape[0] * a_shape[1], b_shape[0] * b_shape[1]
+            A[path] = flat_LP[:, offset : offset + n_a].view(lanes, *a_shape)
+            B[path] = flat_LP[:, offset + n_a : offset + n_a + n_b].view(lanes, *b_shape)
+            offset += n_a + n_b
+        return A, B
+
 
 @dataclass(frozen=True)
 class AdamParams:

@@ -5,9 +5,9 @@ tenant's gradients accumulate until its optimizer step.
 `forward_backward(inputs)` packs the rows of all the given tenants' data into
 micro-batches of at most `max_tokens_per_microbatch` padded tokens (rows of different
 tenants mixed), runs each micro-batch once with one LoRA lane per tenant present (lane
-tensors are views of the tenants' flat leaf parameters, stacked by
-`LoRAModel.lane_batch`), and backpropagates the sum of the tenants' losses, so each
-tenant's flat gradient accumulates its own rows' gradient only. `forward(inputs)` is
+tensors stacked from the tenants' flat leaf parameters, `marlaas.train.lanes`), and
+backpropagates the sum of the tenants' losses, so each tenant's flat gradient
+accumulates its own rows' gradient only. `forward(inputs)` is
 the same pass under `no_grad`. `optim_step(steps)` then clips each named tenant's
 accumulated gradient by its own norm and takes one AdamW step per tenant (batched over
 tenants, `train.optim`), clears the gradient and bumps the version.
@@ -57,6 +57,7 @@ from marlaas.train.batch import (
     plan_microbatches,
     tensorise_data,
 )
+from marlaas.train.lanes import MicroLanes
 from marlaas.train.losses import token_logprobs
 from marlaas.train.objectives import LossInputs
 from marlaas.train.optim import (
@@ -359,9 +360,8 @@ class MultiLaneTrainer:
                 ref_BT[sel] = token_logprobs(z_base, tgt_BT[sel])
                 del z_base
 
-        lane_batch = self.model.lane_batch(
-            [(s.lora, s.layout.unflatten(s.flat_P)) for s in lane_states], lane_B
-        )
+        lanes = MicroLanes.of(self.model, lane_states, lane_B, grad=backward)
+        lane_batch = lanes.batch
         shared = SharedPrefix.plan(rows, plan)
         if shared is None:
             with self.model.lanes(lane_batch):
@@ -397,6 +397,7 @@ class MultiLaneTrainer:
                 acc[name] = acc[name] + value if name in acc else value
         if backward:
             torch.stack(losses).sum().backward()
+            lanes.accumulate()
 
 
 def _scaled(logits_BTV: Tensor, temp_B: Tensor | None) -> Tensor:

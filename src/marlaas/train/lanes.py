@@ -1,0 +1,96 @@
+"""The LoRA lanes of one trainer micro-batch, and how their gradients reach the tenants.
+
+Tenants of one `AdapterLayout` (the usual case: one LoRA spec) have their flat vectors
+stacked once per micro-batch, `[L, P]`, and every module's lanes are views of that stack
+made leaves of the micro-batch's graph: the backward writes one gradient per module and
+`accumulate` adds the stack's rows into each tenant's flat gradient, one add per tenant.
+Built through autograd instead (stack, then slices), every module's slice would
+materialise a zero-filled `[L, P]` gradient in the backward, and per-tenant views
+(`LoRAModel.lane_batch`) make one stack and `L` view nodes per module.
+
+Tenants of different layouts (mixed ranks or targets) go through `LoRAModel.lane_batch`,
+which pads each module's lanes to the largest rank; autograd then carries the gradients
+straight to the flat vectors and `accumulate` has nothing to do.
+
+Either way, each tenant's flat gradient receives exactly the gradient of its own rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from marlaas.config.specs import LoRASpec
+from marlaas.model.lora import LaneBatch, LoRAModel
+from marlaas.train.optim import AdapterLayout
+
+
+class TenantLane(Protocol):
+    """What a lane needs of a tenant: its spec, layout and flat leaf parameter."""
+
+    @property
+    def lora(self) -> LoRASpec: ...
+    @property
+    def layout(self) -> AdapterLayout: ...
+    @property
+    def flat_P(self) -> Tensor: ...
+
+
+@dataclass(frozen=True)
+class MicroLanes:
+    """A micro-batch's `LaneBatch`, and for stacked lanes their leaves (see module doc)."""
+
+    batch: LaneBatch
+    tenants: tuple[TenantLane, ...]
+    #: Stacked lanes: per module path, in layout order, the `A` and `B` leaves.
+    leaves: tuple[tuple[Tensor, Tensor], ...] | None
+
+    @staticmethod
+    def of(
+        model: LoRAModel, tenants: Sequence[TenantLane], lane_B: Tensor, grad: bool
+    ) -> MicroLanes:
+        layout = tenants[0].layout
+        if any(t.layout != layout for t in tenants):
+            batch = model.lane_batch(
+                [(t.lora, t.layout.unflatten(t.flat_P)) for t in tenants], lane_B
+            )
+            return MicroLanes(batch, tuple(tenants), None)
+        with torch.no_grad():
+            flat_LP = torch.stack([t.flat_P for t in tenants])
+        A, B = layout.lane_tensors(flat_LP)
+        if grad:
+            A = {p: a.detach().requires_grad_(True) for p, a in A.items()}
+            B = {p: b.detach().requires_grad_(True) for p, b in B.items()}
+        scale_L = torch.tensor(
+            [t.lora.scaling for t in tenants], dtype=torch.float32, device=flat_LP.device
+        )
+        batch = LaneBatch(lane_B=lane_B, A=A, B=B, scale_L=scale_L)
+        leaves = tuple((A[p], B[p]) for p in layout.paths) if grad else None
+        return MicroLanes(batch, tuple(tenants), leaves)
+
+    def accumulate(self) -> None:
+        """After the backward: add the stacked lanes' gradients into each tenant's flat
+        gradient (a module without gradient, e.g. one no token reached, adds zeros)."""
+        if self.leaves is None:
+            return
+        lanes = len(self.tenants)
+        parts: list[Tensor] = []
+        for A, B in self.leaves:
+            for leaf in (A, B):
+                grad = leaf.grad
+                parts.append(
+                    grad.reshape(lanes, -1)
+                    if grad is not None
+                    else leaf.new_zeros(lanes, leaf[0].numel())
+                )
+        grad_LP = torch.cat(parts, dim=1)
+        with torch.no_grad():
+            for tenant, grad_P in zip(self.tenants, grad_LP, strict=True):
+                if tenant.flat_P.grad is None:
+                    tenant.flat_P.grad = grad_P.clone()
+                else:
+                    tenant.flat_P.grad.add_(grad_P)
