@@ -1,4 +1,6 @@
-"""LiveView: rendered text, plain log lines off a terminal, no blocking of the event loop."""
+"""LiveView: rendered text from typed progress records, plain log lines off a terminal,
+no blocking of the event loop. (`tests/pipeline/test_progress_views.py` renders it from
+a real run.)"""
 
 from __future__ import annotations
 
@@ -7,10 +9,12 @@ import io
 import time
 
 import pytest
+from obs_support import step_metrics
 from rich.console import Console
 
 from marlaas.obs.live import LiveView, format_elapsed
 from marlaas.obs.memory import RunRecorder
+from marlaas.obs.progress import StepDone
 
 
 def _console(terminal: bool) -> tuple[Console, io.StringIO]:
@@ -18,35 +22,44 @@ def _console(terminal: bool) -> tuple[Console, io.StringIO]:
     return Console(file=out, force_terminal=terminal, width=120, color_system=None), out
 
 
-def test_render_shows_every_tenant_and_its_progress(sample: RunRecorder) -> None:
-    sample.metrics("gamma", 2, {"reward": 0.25})
+def test_render_shows_every_tenant_and_its_progress(progress_sample: RunRecorder) -> None:
+    progress_sample.progress(StepDone("gamma", 2, step_metrics(0.25)))
     console, out = _console(terminal=True)
-    console.print(LiveView(sample, console=console).render())
+    console.print(LiveView(progress_sample, console=console).render())
     text = out.getvalue()
-    for expected in ("alpha", "beta", "gamma", "6/6", "0.500", "55.0%", "finished", "60%"):
+    for expected in ("alpha", "beta", "gamma", "6/6", "0.500", "55.0%", "done", "60%"):
         assert expected in text
+    assert "0.450" in text and "0.250" in text  # beta's and gamma's latest rewards
     assert "elapsed 0:00:10" in text
 
 
-def test_total_steps_given_explicitly(sample: RunRecorder) -> None:
-    view = LiveView(sample, total_steps={"alpha": 12, "beta": 24})
+def test_total_steps_given_explicitly(progress_sample: RunRecorder) -> None:
+    view = LiveView(progress_sample, total_steps={"alpha": 12, "beta": 24})
     rows = {row.tenant: row for row in view.rows()}
     assert rows["alpha"].progress == "6/12"
     assert rows["beta"].progress == "6/24"
     assert rows["alpha"].eval_accuracy == pytest.approx(0.55)
-    assert LiveView(sample, total_steps=30).rows()[0].progress == "6/30"
+    assert rows["beta"].reward == pytest.approx(0.45)
+    assert LiveView(progress_sample, total_steps=30).rows()[0].progress == "6/30"
 
 
-def test_status_line(sample: RunRecorder) -> None:
-    line = LiveView(sample).status_line()
+def test_status_line(progress_sample: RunRecorder) -> None:
+    line = LiveView(progress_sample).status_line()
     assert line.startswith("[0:00:10] device 60% (recent 60%)")
-    assert "alpha 6/6 reward=0.500 acc=55.0% finished" in line
-    assert "beta 6/6 reward=0.450 acc=- admitted" in line
+    assert "alpha 6/6 reward=0.500 acc=55.0% done" in line
+    assert "beta 6/6 reward=0.450 acc=- running" in line
 
 
-def test_plain_log_lines_when_not_a_terminal(sample: RunRecorder) -> None:
+def test_free_form_metrics_are_not_progress(sample: RunRecorder) -> None:
+    """Only typed records move a row: a free-form metric named like a reward does not."""
+    (alpha, beta) = LiveView(sample).rows()
+    assert (alpha.reward, alpha.step, alpha.eval_accuracy) == (None, None, None)
+    assert beta.status == "pending"
+
+
+def test_plain_log_lines_when_not_a_terminal(progress_sample: RunRecorder) -> None:
     console, out = _console(terminal=False)
-    with LiveView(sample, console=console, log_every_s=0.02):
+    with LiveView(progress_sample, console=console, log_every_s=0.02):
         time.sleep(0.15)
     lines = out.getvalue().splitlines()
     assert len(lines) >= 3  # periodic lines plus the final one
@@ -61,13 +74,13 @@ async def test_live_redraws_without_blocking_the_event_loop() -> None:
         for step in range(1, 6):
             t = time.perf_counter()
             recorder.span("device", "decode", t, t + 0.01)
-            recorder.metrics("tenant-a", step, {"reward": step / 10})
+            recorder.progress(StepDone("tenant-a", step, step_metrics(step / 10)))
             before = time.perf_counter()
             await asyncio.sleep(0.02)
             assert time.perf_counter() - before < 0.5
     text = out.getvalue()
     assert "tenant-a" in text
-    assert "5/5" in text  # the final redraw shows the final state
+    assert "5/5" in text and "0.500" in text  # the final redraw shows the final state
 
 
 def test_start_and_stop_are_idempotent(recorder: RunRecorder) -> None:

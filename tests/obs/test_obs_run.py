@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from obs_support import step_metrics
 from rich.console import Console
 
 from marlaas.obs import RunRecorder, write_trace
@@ -18,17 +19,18 @@ from marlaas.obs.jsonl import read_jsonl
 from marlaas.obs.live import LiveView
 from marlaas.obs.memory import EVENTS_FILE, METRICS_FILE, SUMMARY_FILE
 from marlaas.obs.plots import write_plots
+from marlaas.obs.progress import StepDone, TenantQueued
 
 STEPS = 4
 
 
 async def _tenant(rec: RunRecorder, tenant: str, work_s: float) -> None:
-    rec.event("admitted", tenant=tenant, total_steps=STEPS)
+    rec.progress(TenantQueued(tenant, STEPS))
     for step in range(1, STEPS + 1):
         start = time.perf_counter()
         await asyncio.sleep(work_s)
         rec.span("env", "episode", start, time.perf_counter(), tenant=tenant)
-        rec.metrics(tenant, step, {"reward": step / STEPS, "eval_accuracy": 0.5})
+        rec.progress(StepDone(tenant, step, step_metrics(step / STEPS)))
     rec.event("finished", tenant=tenant)
 
 

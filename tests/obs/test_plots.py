@@ -1,4 +1,6 @@
-"""Plots: PNG files that exist, decode as PNG and carry a drawing (not a blank page)."""
+"""Plots: PNG files that exist, decode as PNG and carry a drawing (not a blank page), and
+curves drawn from the tenants' typed progress records. (`tests/pipeline/
+test_progress_views.py` draws them from a real run.)"""
 
 from __future__ import annotations
 
@@ -8,7 +10,13 @@ from pathlib import Path
 import pytest
 
 from marlaas.obs.memory import RunRecorder
-from marlaas.obs.plots import CURVES_FILE, UTILIZATION_FILE, plot_utilization, write_plots
+from marlaas.obs.plots import (
+    CURVES_FILE,
+    UTILIZATION_FILE,
+    curves_figure,
+    plot_utilization,
+    write_plots,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -22,8 +30,8 @@ def _png_size(path: Path) -> tuple[int, int]:
     return width, height
 
 
-def test_write_plots(sample: RunRecorder, tmp_path: Path) -> None:
-    paths = write_plots(sample, tmp_path / "plots")
+def test_write_plots(progress_sample: RunRecorder, tmp_path: Path) -> None:
+    paths = write_plots(progress_sample, tmp_path / "plots")
     assert [p.name for p in paths] == [CURVES_FILE, UTILIZATION_FILE]
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == sorted(
         [CURVES_FILE, UTILIZATION_FILE]
@@ -32,6 +40,23 @@ def test_write_plots(sample: RunRecorder, tmp_path: Path) -> None:
         width, height = _png_size(path)
         assert width >= 600 and height >= 300
         assert path.stat().st_size > 20_000  # lines, bars and text, not an empty canvas
+
+
+def test_curves_draw_every_tenants_reward_and_eval(progress_sample: RunRecorder) -> None:
+    reward, accuracy = curves_figure(progress_sample).axes[:2]
+    drawn = {line.get_label(): line.get_xydata().tolist() for line in reward.lines}
+    assert drawn == {
+        "alpha": [[i + 1, pytest.approx(0.1 * i)] for i in range(6)],
+        "beta": [[i + 1, pytest.approx(0.2 + 0.05 * i)] for i in range(6)],
+    }
+    (alpha,) = accuracy.lines  # beta has no eval
+    assert alpha.get_label() == "alpha"
+    assert alpha.get_xydata().tolist() == [[i + 1, pytest.approx(0.3 + 0.05 * i)] for i in range(6)]
+
+
+def test_curves_ignore_free_form_metrics(sample: RunRecorder) -> None:
+    """A free-form metric named like a reward is not a step's reward: nothing is drawn."""
+    assert all(not ax.lines for ax in curves_figure(sample).axes)
 
 
 def test_empty_recorder_still_plots(recorder: RunRecorder, tmp_path: Path) -> None:

@@ -10,11 +10,23 @@ import threading
 from pathlib import Path
 
 import pytest
+from obs_support import FakeClock, step_metrics
 
 from marlaas.obs.intervals import IntervalSet
 from marlaas.obs.jsonl import read_jsonl
 from marlaas.obs.memory import EVENTS_FILE, METRICS_FILE, SUMMARY_FILE, RunRecorder
+from marlaas.obs.progress import (
+    CheckpointWritten,
+    EvalDone,
+    StepDone,
+    TenantEnded,
+    TenantPaused,
+    TenantQueued,
+    TenantStarted,
+    TenantUnpaused,
+)
 from marlaas.obs.recorder import Recorder
+from marlaas.types import JobStatus
 
 P = 10.0 / 6  # the sample run's step period
 
@@ -186,3 +198,46 @@ def test_interval_set_matches_brute_force() -> None:
         assert busy.total() == pytest.approx(busy.measure(-1e9, 1e9))
         merged = busy.intervals()
         assert all(e1 < s2 for (_, e1), (s2, _) in itertools.pairwise(merged))
+
+
+def test_progress_records_answer_typed_queries_and_are_logged(
+    clock: FakeClock, tmp_path: Path
+) -> None:
+    rec = RunRecorder(tmp_path / "run", clock=clock, wall_clock=lambda: 1_700_000_000.0)
+    rec.progress(TenantQueued("alpha", 3, priority=2.0))
+    rec.progress(TenantStarted("alpha"))
+    rec.progress(EvalDone("alpha", 0, 0.25))
+    clock.t += 1.0
+    rec.progress(StepDone("alpha", 1, step_metrics(0.5, loss=2.0)))
+    rec.progress(TenantPaused("alpha", admitted=True))
+    assert rec.job_status("alpha") == "paused" and rec.status("alpha") == "paused"
+    rec.progress(TenantUnpaused("alpha", admitted=True))
+    rec.progress(CheckpointWritten("alpha", 1, tmp_path / "c", tmp_path / "c" / "adapter"))
+    rec.progress(TenantEnded("alpha", JobStatus.DONE, None))
+    rec.close()
+    assert [(s, m.reward_mean) for s, m in rec.steps("alpha")] == [(1, 0.5)]
+    assert rec.evals("alpha") == [(0, 0.25)]
+    assert rec.total_steps("alpha") == 3 and rec.job_status("alpha") == "done"
+    assert rec.status("alpha") == "done"  # a checkpoint is not a status
+    (started,) = rec.progress_records(TenantStarted, tenant="alpha")
+    (ended,) = rec.progress_records(TenantEnded)
+    assert ended.time - started.time == pytest.approx(1.0)
+    assert rec.progress_records(TenantStarted, tenant="beta") == []
+    # Figures join the metric series and metrics.jsonl under their public names.
+    assert rec.metric_series("alpha", "reward_mean") == [(1, 0.5)]
+    assert rec.metric_series("alpha", "eval_accuracy") == [(0, 0.25)]
+    lines = read_jsonl(tmp_path / "run" / METRICS_FILE)
+    assert [(line["step"], line["values"]["loss"]) for line in lines[1:]] == [(1, 2.0)]
+    names = [e["name"] for e in read_jsonl(tmp_path / "run" / EVENTS_FILE)]
+    assert names == [
+        "tenant_queued",
+        "tenant_admitted",
+        "tenant_paused",
+        "tenant_unpaused",
+        "checkpoint",
+        "tenant_done",
+    ]
+    assert (
+        json.loads((tmp_path / "run" / SUMMARY_FILE).read_text())["tenants"]["alpha"]["status"]
+        == "done"
+    )

@@ -15,6 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from marlaas.config.job import JobSpec
 from marlaas.model.base import default_base_path
 from marlaas.model.tokenizer import build_tokenizer
+from marlaas.obs.progress import EvalDone, Progress, StepDone
 
 
 def save_tiny_llama(path: Path) -> Path:
@@ -72,12 +73,14 @@ def job(
 
 @dataclass
 class MemoryRecorder:
-    """Keeps every record in memory (thread-safe), for assertions."""
+    """Keeps every record in memory (thread-safe), for assertions. Progress records are
+    kept as they come (`records`); those other than steps and evals are also logged in
+    `events` under their `event` name, as a `RunRecorder` logs them."""
 
     spans: list[tuple[str, str, float, float, str | None]] = field(default_factory=list)
-    metric_rows: list[tuple[str, int, dict[str, float]]] = field(default_factory=list)
+    records: list[Progress] = field(default_factory=list)
     events: list[tuple[str, str | None, dict[str, object]]] = field(default_factory=list)
-    #: Called after each train metric with (tenant, step), e.g. to set an event.
+    #: Called after each train step with (tenant, step), e.g. to set an event.
     on_metrics: Callable[[str, int], object] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -95,20 +98,25 @@ class MemoryRecorder:
         with self._lock:
             self.spans.append((stage, name, start, end, tenant))
 
-    def metrics(self, tenant: str, step: int, values: Mapping[str, float]) -> None:
+    def progress(self, record: Progress) -> None:
         with self._lock:
-            self.metric_rows.append((tenant, step, dict(values)))
-        if self.on_metrics is not None and "loss" in values:
-            self.on_metrics(tenant, step)
+            self.records.append(record)
+            if not isinstance(record, StepDone | EvalDone):
+                self.events.append((record.event, record.tenant, record.log_fields()))
+        if self.on_metrics is not None and isinstance(record, StepDone):
+            self.on_metrics(record.tenant, record.step)
+
+    def _steps(self) -> list[StepDone]:
+        with self._lock:
+            return [r for r in self.records if isinstance(r, StepDone)]
 
     def progress_when(self, tenant: str, step: int) -> dict[str, int]:
         """Every tenant's last train step at the moment `tenant` recorded step `step`."""
         last: dict[str, int] = {}
-        for t, s, values in self.metric_rows:
-            if "loss" in values:
-                last[t] = max(last.get(t, 0), s)
-                if (t, s) == (tenant, step):
-                    return last
+        for r in self._steps():
+            last[r.tenant] = max(last.get(r.tenant, 0), r.step)
+            if (r.tenant, r.step) == (tenant, step):
+                return last
         raise KeyError((tenant, step))
 
     def event(self, name: str, *, tenant: str | None = None, **fields: object) -> None:
@@ -116,17 +124,17 @@ class MemoryRecorder:
             self.events.append((name, tenant, dict(fields)))
 
     def train_steps(self, tenant: str) -> list[int]:
-        """The steps of `tenant`'s train metrics, in the order they were recorded."""
-        return [s for t, s, v in self.metric_rows if t == tenant and "loss" in v]
+        """The steps of `tenant`'s train records, in the order they were recorded."""
+        return [r.step for r in self._steps() if r.tenant == tenant]
 
     def train_metrics(self, tenant: str) -> list[dict[str, float]]:
-        return [v for t, _, v in self.metric_rows if t == tenant and "loss" in v]
+        return [r.metrics.as_dict() for r in self._steps() if r.tenant == tenant]
 
     def evals(self, tenant: str) -> dict[int, float]:
+        with self._lock:
+            records = list(self.records)
         return {
-            s: v["eval_accuracy"]
-            for t, s, v in self.metric_rows
-            if t == tenant and "eval_accuracy" in v
+            r.version: r.accuracy for r in records if isinstance(r, EvalDone) and r.tenant == tenant
         }
 
     def event_names(self, name: str) -> list[str | None]:

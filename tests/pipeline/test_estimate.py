@@ -12,6 +12,7 @@ from marlaas.backends import open_backend
 from marlaas.config.job import RunSpec
 from marlaas.errors import ConfigError
 from marlaas.obs.memory import RunRecorder
+from marlaas.obs.progress import Progress, TenantEnded, TenantStarted
 from marlaas.obs.records import Span
 from marlaas.pipeline.estimate import (
     SliceMeasurement,
@@ -24,6 +25,7 @@ from marlaas.pipeline.estimate import (
     slice_spec,
     step_times,
 )
+from marlaas.types import JobStatus
 
 
 @pytest.mark.parametrize(
@@ -82,27 +84,27 @@ def _slice_recorder() -> RunRecorder:
     clock = _Clock()
     rec = RunRecorder(clock=clock)
 
-    def event(name: str, tenant: str, at: float) -> None:
+    def event(record: Progress, at: float) -> None:
         clock.t = at
-        rec.event(name, tenant=tenant)
+        rec.progress(record)
 
-    event("tenant_admitted", "a", 10.0)
+    event(TenantStarted("a"), 10.0)
     rec.span("eval", "eval", 10.5, 11.5, tenant="a")
     rec.span("rollout", "group", 11.5, 12.5, tenant="a")
     rec.span("train", "step", 12.5, 13.0, tenant="a")
     rec.span("eval", "eval", 13.0, 14.0, tenant="a")
     rec.span("checkpoint", "save", 14.0, 14.25, tenant="a")
-    event("tenant_done", "a", 14.5)
-    event("tenant_admitted", "b", 15.0)
+    event(TenantEnded("a", JobStatus.DONE, None), 14.5)
+    event(TenantStarted("b"), 15.0)
     rec.span("eval", "eval", 15.0, 15.5, tenant="b")
     rec.span("rollout", "group", 15.5, 17.5, tenant="b")
     rec.span("rollout", "group", 16.0, 17.0, tenant="b")
     rec.span("train", "step", 17.5, 18.0, tenant="b")
     rec.span("eval", "eval", 18.0, 18.5, tenant="b")
     rec.span("checkpoint", "save", 18.5, 19.0, tenant="b")
-    event("tenant_done", "b", 19.5)
-    event("tenant_admitted", "c", 19.75)
-    event("tenant_failed", "c", 20.0)
+    event(TenantEnded("b", JobStatus.DONE, None), 19.5)
+    event(TenantStarted("c"), 19.75)
+    event(TenantEnded("c", JobStatus.FAILED, "it failed"), 20.0)
     return rec
 
 

@@ -240,7 +240,7 @@ async def test_resume_continues_from_the_checkpoint(base_dir: Path, tmp_path: Pa
         assert first.train_steps(name) == [1, 2]
         assert second.train_steps(name) == [3, 4]  # nothing lost, nothing repeated
         assert r2.tenants[name].status == "done" and r2.tenants[name].steps_done == 4
-        assert second.event_names("tenant_resumed").count(name) == 1
+        assert second.event_names("tenant_restored").count(name) == 1
     ckpt4 = json.loads((tmp_path / "tenants/a/checkpoints/ckpt-00000004/state.json").read_text())
     assert ckpt4["optimizer_step"] == 4 and ckpt4["version"] == 4
     assert ckpt4["extra"]["cursor"] > ckpt2["extra"]["cursor"]

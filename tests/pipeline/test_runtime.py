@@ -15,18 +15,20 @@ from pipeline_support import MemoryRecorder, job
 from marlaas.backends import open_backend
 from marlaas.config.job import EngineSpec
 from marlaas.errors import ConfigError
-from marlaas.pipeline import PipelineError, PipelineOptions
-from marlaas.pipeline.runtime import (
+from marlaas.obs.progress import (
     CheckpointWritten,
     EvalDone,
-    PipelineRuntime,
-    Progress,
-    RuntimeFailed,
-    RuntimeSpec,
     StepDone,
     TenantEnded,
-    TenantResumed,
+    TenantRestored,
     TenantStarted,
+)
+from marlaas.pipeline import PipelineError, PipelineOptions
+from marlaas.pipeline.runtime import (
+    PipelineRuntime,
+    RuntimeFailed,
+    RuntimeProgress,
+    RuntimeSpec,
 )
 from marlaas.train.checkpoint import list_checkpoints
 
@@ -56,10 +58,10 @@ class Log:
     """Progress records, with an awaitable condition."""
 
     def __init__(self) -> None:
-        self.records: list[Progress] = []
+        self.records: list[RuntimeProgress] = []
         self.changed = asyncio.Event()
 
-    def __call__(self, progress: Progress) -> None:
+    def __call__(self, progress: RuntimeProgress) -> None:
         self.records.append(progress)
         self.changed.set()
 
@@ -110,7 +112,7 @@ async def test_jobs_submitted_while_running_finish_with_progress(
         rt.submit(job("c"), resume=False)
     assert log.of("a", TenantStarted) == [TenantStarted("a")]
     assert [r.step for r in log.of("a", StepDone)] == [1, 2]
-    assert all("reward_mean" in r.metrics for r in log.of("a", StepDone))
+    assert all("reward_mean" in r.metrics.as_dict() for r in log.of("a", StepDone))
     assert sorted(r.version for r in log.of("a", EvalDone)) == [0, 2]
     ckpts = log.of("a", CheckpointWritten)
     assert [c.version for c in ckpts] == [1, 2]
@@ -175,7 +177,7 @@ async def test_pause_resume_cancel_and_a_closing_checkpoint(base_dir: Path, tmp_
     finally:
         await rt2.close()
     assert final.status == "done" and final.version == version + 1
-    assert [r.version for r in log2.of("a", TenantResumed)] == [version]
+    assert [r.version for r in log2.of("a", TenantRestored)] == [version]
     assert [r.step for r in log2.of("a", StepDone)] == [version + 1]
     # eval_every 0: the eval after the last step only, none where it resumed.
     assert [e.version for e in log2.of("a", EvalDone)] == [version + 1]

@@ -1,7 +1,8 @@
 """`LiveView`: a live terminal view of a run, drawn with rich from a `RunRecorder`.
 
-One row per tenant (a progress bar of step / total steps, the latest reward and eval
-accuracy, the tenant's status), the device's utilization over the whole run and over
+One row per tenant (a progress bar of step / total steps, the latest step's mean
+reward and the latest eval accuracy, the tenant's status), all read from the tenant's
+typed progress records (`obs.progress`) as the recorder keeps them; the device's utilization over the whole run and over
 the last few seconds, and the elapsed time.
 
 It never runs on the event loop: on a terminal, rich's `Live` redraws from its own
@@ -25,11 +26,6 @@ from rich.table import Table
 from rich.text import Text
 
 from marlaas.obs.memory import RunRecorder
-from marlaas.obs.recorder import METRIC_EVAL_ACCURACY, METRIC_REWARD
-
-#: The event field that announces a tenant's total number of steps, as in
-#: `recorder.event("admitted", tenant="t", total_steps=200)`.
-TOTAL_STEPS_FIELD = "total_steps"
 
 
 def format_elapsed(seconds: float) -> str:
@@ -63,7 +59,7 @@ class LiveView:
     """Shows a run's progress while it runs; see the module docstring.
 
     `total_steps` is one number for every tenant, a number per tenant, or None to take
-    each tenant's total from the latest event carrying a `total_steps` field.
+    each tenant's total from its `TenantQueued` record.
     """
 
     def __init__(
@@ -97,18 +93,21 @@ class LiveView:
         totals = self._totals()
         rows = []
         for tenant in self.recorder.tenants():
-            latest = self.recorder.latest_metrics(tenant)
-            step = self.recorder.last_step(tenant)
-            status = self.recorder.status(tenant)
-            if status is None:
+            steps = self.recorder.steps(tenant)
+            evals = self.recorder.evals(tenant)
+            step = steps[-1][0] if steps else None
+            job_status = self.recorder.job_status(tenant)
+            if job_status is not None:
+                status = str(job_status)
+            else:
                 status = "pending" if step is None else "running"
             rows.append(
                 TenantRow(
                     tenant,
                     step,
                     totals.get(tenant),
-                    latest.get(METRIC_REWARD),
-                    latest.get(METRIC_EVAL_ACCURACY),
+                    steps[-1][1].reward_mean if steps else None,
+                    evals[-1][1] if evals else None,
                     status,
                 )
             )
@@ -205,10 +204,10 @@ class LiveView:
         if self._total_steps is not None:
             return dict(self._total_steps)
         totals: dict[str, int] = {}
-        for event in self.recorder.events():
-            value = event.fields.get(TOTAL_STEPS_FIELD)
-            if event.tenant is not None and isinstance(value, int):
-                totals[event.tenant] = value
+        for tenant in self.recorder.tenants():
+            total = self.recorder.total_steps(tenant)
+            if total is not None:
+                totals[tenant] = total
         return totals
 
     def __enter__(self) -> LiveView:

@@ -6,8 +6,12 @@
 - Times are `time.perf_counter()` seconds in memory and in queries; the perf counter
   and the wall clock are read once, at construction, and `to_wall` maps one to the
   other with that single offset, so wall times never jump with the system clock.
-- With a run directory, each metrics call and each event becomes one flushed line of
-  `metrics.jsonl` / `events.jsonl` (see `jsonl`). Spans stay in memory (there may be
+- Progress records (`obs.progress`) are kept as they came, with their arrival time, and
+  answer the typed queries (`steps`, `evals`, `job_status`, `total_steps`); a step's
+  and an eval's figures also join the metric series under their `as_dict` names, and
+  every other record is also an event named by its `event`.
+- With a run directory, each step, eval and metrics call and each event becomes one
+  flushed line of `metrics.jsonl` / `events.jsonl` (see `jsonl`). Spans stay in memory (there may be
   many per second); `marlaas.obs.trace.write_trace` exports them.
 - A stage's busy time is the length of the union of its spans.
 - `close()` stops the recorder's clock, so summaries made later are not diluted.
@@ -25,15 +29,27 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
+from typing import TypeVar
 
 from marlaas.fileio import atomic_write_text, to_jsonable
 from marlaas.obs.intervals import IntervalSet
 from marlaas.obs.jsonl import JsonlWriter
+from marlaas.obs.progress import (
+    EvalDone,
+    Progress,
+    StepDone,
+    StepMetrics,
+    TenantQueued,
+    status_after,
+)
 from marlaas.obs.recorder import STAGES
-from marlaas.obs.records import Event, MetricPoint, Span, UtilizationBin
+from marlaas.obs.records import Event, MetricPoint, Span, Stamped, UtilizationBin
 from marlaas.obs.summary import summarize
+from marlaas.types import JobStatus
 
-__all__ = ["Event", "MetricPoint", "RunRecorder", "Span", "UtilizationBin"]
+__all__ = ["Event", "MetricPoint", "RunRecorder", "Span", "Stamped", "UtilizationBin"]
+
+R = TypeVar("R", bound=Progress)
 
 METRICS_FILE = "metrics.jsonl"
 EVENTS_FILE = "events.jsonl"
@@ -71,6 +87,11 @@ class RunRecorder:
         self._tenants: dict[str, None] = {}
         self._series: dict[str, dict[str, dict[int, float]]] = {}
         self._status: dict[str, str] = {}
+        self._progress: list[Stamped[Progress]] = []
+        self._steps: dict[str, dict[int, StepMetrics]] = {}
+        self._evals: dict[str, dict[int, float]] = {}
+        self._job_status: dict[str, JobStatus] = {}
+        self._total_steps: dict[str, int] = {}
         self._metrics_file: JsonlWriter | None = None
         self._events_file: JsonlWriter | None = None
         if self.run_dir is not None:
@@ -126,14 +147,44 @@ class RunRecorder:
             )
 
     def event(self, name: str, *, tenant: str | None = None, **fields: object) -> None:
+        self._event(name, tenant, fields, status=name)
+
+    def _event(
+        self, name: str, tenant: str | None, fields: Mapping[str, object], status: str | None
+    ) -> None:
+        """Keep and log an event; `status`: the tenant's status word from now on (None:
+        unchanged)."""
         now = self._clock()
         with self._lock:
             self._events.append(Event(name, now, tenant, dict(fields)))
             if tenant is not None:
                 self._tenants.setdefault(tenant, None)
-                self._status[tenant] = name
+                if status is not None:
+                    self._status[tenant] = status
         if self._events_file is not None:
             self._events_file.write(self._line(now, name=name, tenant=tenant, fields=fields))
+
+    def progress(self, record: Progress) -> None:
+        tenant = record.tenant
+        with self._lock:
+            self._progress.append(Stamped(self._clock(), record))
+            self._tenants.setdefault(tenant, None)
+            if isinstance(record, StepDone):
+                self._steps.setdefault(tenant, {})[record.step] = record.metrics
+            elif isinstance(record, EvalDone):
+                self._evals.setdefault(tenant, {})[record.version] = record.accuracy
+            status = status_after(record, self._job_status.get(tenant))
+            if status is not None:
+                self._job_status[tenant] = status
+            if isinstance(record, TenantQueued):
+                self._total_steps[tenant] = record.total_steps
+        if isinstance(record, StepDone):
+            self.metrics(tenant, record.step, record.metrics.as_dict())
+        elif isinstance(record, EvalDone):
+            self.metrics(tenant, record.version, record.as_dict())
+        else:  # the summary's status is the state's word, not the event's name
+            word = None if status is None else str(status)
+            self._event(record.event, tenant, record.log_fields(), status=word)
 
     # -- lifecycle ----------------------------------------------------------------
 
@@ -214,9 +265,46 @@ class RunRecorder:
         return max(steps) if steps else None
 
     def status(self, tenant: str) -> str | None:
-        """The name of the tenant's latest event, None before the first."""
+        """The tenant's status word from its latest state record, else the name of its
+        latest free-form event; None before either."""
         with self._lock:
             return self._status.get(tenant)
+
+    def progress_records(
+        self, kind: type[R] | tuple[type[R], ...], tenant: str | None = None
+    ) -> list[Stamped[R]]:
+        """Progress records of `kind` (optionally of one tenant), in arrival order, with
+        the time each arrived."""
+        with self._lock:
+            records = list(self._progress)
+        return [
+            s  # type: ignore[misc]
+            for s in records
+            if isinstance(s.record, kind) and (tenant is None or s.record.tenant == tenant)
+        ]
+
+    def steps(self, tenant: str) -> list[tuple[int, StepMetrics]]:
+        """`(step, figures)` of the tenant's optimizer steps, by step (a repeated step,
+        trained again after a restore, keeps its latest figures)."""
+        with self._lock:
+            steps = dict(self._steps.get(tenant, {}))
+        return sorted(steps.items())
+
+    def evals(self, tenant: str) -> list[tuple[int, float]]:
+        """`(adapter version, accuracy)` of the tenant's evals, by version."""
+        with self._lock:
+            evals = dict(self._evals.get(tenant, {}))
+        return sorted(evals.items())
+
+    def job_status(self, tenant: str) -> JobStatus | None:
+        """The tenant's status from its progress records; None before the first."""
+        with self._lock:
+            return self._job_status.get(tenant)
+
+    def total_steps(self, tenant: str) -> int | None:
+        """The tenant's number of steps, from its `TenantQueued` record."""
+        with self._lock:
+            return self._total_steps.get(tenant)
 
     def busy_time(
         self,

@@ -6,7 +6,8 @@ thread and in headless CI. Every file is written atomically (temporary file, the
 rename). matplotlib is imported with this module only, so the rest of `marlaas.obs`
 does not need it.
 
-- `plot_curves`: reward and eval accuracy per tenant against the optimizer step.
+- `plot_curves`: each tenant's mean reward per optimizer step and its eval accuracy
+  per adapter version, from its typed progress records (`curves_figure` is the figure).
 - `plot_utilization`: the device's busy fraction over time in fixed bins, and the
   busy/idle time of every stage over the whole run.
 """
@@ -14,7 +15,7 @@ does not need it.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from matplotlib.axes import Axes
@@ -24,7 +25,6 @@ from matplotlib.lines import Line2D
 
 from marlaas.fileio import atomic_write
 from marlaas.obs.memory import RunRecorder
-from marlaas.obs.recorder import METRIC_EVAL_ACCURACY, METRIC_REWARD
 
 CURVES_FILE = "curves.png"
 UTILIZATION_FILE = "utilization.png"
@@ -48,34 +48,40 @@ def _no_data(ax: Axes, what: str) -> None:
     ax.set_yticks([])
 
 
-def plot_curves(
-    recorder: RunRecorder,
-    path: str | os.PathLike[str],
-    *,
-    keys: Sequence[str] = (METRIC_REWARD, METRIC_EVAL_ACCURACY),
-    tenants: Sequence[str] | None = None,
-) -> Path:
-    """One panel per metric key, one line per tenant, against the optimizer step."""
+def _rewards(recorder: RunRecorder, tenant: str) -> list[tuple[int, float]]:
+    return [(step, m.reward_mean) for step, m in recorder.steps(tenant)]
+
+
+#: The panels of `curves.png`: title, the x axis, the series of one tenant.
+CURVE_PANELS: tuple[tuple[str, str, Callable[[RunRecorder, str], list[tuple[int, float]]]], ...] = (
+    ("reward (mean per step)", "optimizer step", _rewards),
+    ("eval accuracy", "adapter version", RunRecorder.evals),
+)
+
+
+def curves_figure(recorder: RunRecorder, *, tenants: Sequence[str] | None = None) -> Figure:
+    """One panel per `CURVE_PANELS` entry, one line per tenant (a tenant without data
+    in a panel has no line there)."""
     tenants = recorder.tenants() if tenants is None else list(tenants)
-    fig = Figure(figsize=(5.0 * len(keys), 4.2), layout="constrained")
-    axes = fig.subplots(1, len(keys), squeeze=False)[0]
+    fig = Figure(figsize=(5.0 * len(CURVE_PANELS), 4.2), layout="constrained")
+    axes = fig.subplots(1, len(CURVE_PANELS), squeeze=False)[0]
     colors = _colors(len(tenants))
     legend: dict[str, Line2D] = {}
-    for ax, key in zip(axes, keys, strict=True):
+    for ax, (title, xlabel, series_of) in zip(axes, CURVE_PANELS, strict=True):
         for tenant, color in zip(tenants, colors, strict=True):
-            series = recorder.metric_series(tenant, key)
+            series = series_of(recorder, tenant)
             if not series:
                 continue
             steps, values = zip(*series, strict=True)
             marker = "o" if len(series) <= 30 else None
-            (line,) = ax.plot(steps, values, color=color, marker=marker, markersize=3)
+            (line,) = ax.plot(steps, values, color=color, marker=marker, markersize=3, label=tenant)
             legend.setdefault(tenant, line)
-        ax.set_title(key.replace("_", " "))
+        ax.set_title(title)
         if ax.lines:
-            ax.set_xlabel("optimizer step")
+            ax.set_xlabel(xlabel)
             ax.grid(alpha=0.3)
         else:
-            _no_data(ax, key.replace("_", " "))
+            _no_data(ax, title.split(" (")[0])
     if legend:
         labels = [t for t in tenants if t in legend]  # tenant order, not drawing order
         fig.legend(
@@ -86,7 +92,17 @@ def plot_curves(
             fontsize="small",
         )
     fig.suptitle("per-tenant learning curves")
-    return _save(fig, path)
+    return fig
+
+
+def plot_curves(
+    recorder: RunRecorder,
+    path: str | os.PathLike[str],
+    *,
+    tenants: Sequence[str] | None = None,
+) -> Path:
+    """`curves_figure` as a PNG at `path`."""
+    return _save(curves_figure(recorder, tenants=tenants), path)
 
 
 def plot_utilization(

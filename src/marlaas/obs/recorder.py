@@ -1,6 +1,8 @@
 """The one interface every stage reports through.
 
-Stages call a `Recorder`; what happens to the records (kept in memory, appended to
+Stages call a `Recorder`: spans of work, typed progress records (`obs.progress`: a step
+with its figures, an eval, a checkpoint, a tenant's state change) and free-form log
+events. What happens to the records (kept in memory, appended to
 JSONL, exported as a Chrome/Perfetto trace, drawn as plots, shown live) is the
 recorder's business. Times are `time.perf_counter()` seconds; a recorder maps them to
 wall-clock time itself. Every method must be cheap and thread-safe: the device thread
@@ -12,12 +14,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Protocol
 
+from marlaas.obs.progress import Progress
+
 #: Stage names used by spans. "device" spans are model compute (busy time).
 STAGES = ("device", "rollout", "env", "train", "eval", "checkpoint", "orchestrator")
-
-#: Metric keys the plots and the live view look for in `Recorder.metrics` values.
-METRIC_REWARD = "reward"
-METRIC_EVAL_ACCURACY = "eval_accuracy"
 
 
 class Recorder(Protocol):
@@ -33,11 +33,13 @@ class Recorder(Protocol):
     ) -> None:
         """A piece of work of `stage` that ran from `start` to `end`."""
 
-    def metrics(self, tenant: str, step: int, values: Mapping[str, float]) -> None:
-        """Per-tenant figures at optimizer step `step` (reward, loss, eval accuracy, ...)."""
+    def progress(self, record: Progress) -> None:
+        """What happened to a tenant (see `marlaas.obs.progress`); subscribers read the
+        record's type and fields."""
 
     def event(self, name: str, *, tenant: str | None = None, **fields: object) -> None:
-        """A lifecycle event (job admitted, failed, checkpoint written, ...)."""
+        """A free-form event for the logs (a retried episode, a run started, ...);
+        nothing reads it back to decide anything."""
 
 
 class NullRecorder:
@@ -55,7 +57,7 @@ class NullRecorder:
     ) -> None:
         return None
 
-    def metrics(self, tenant: str, step: int, values: Mapping[str, float]) -> None:
+    def progress(self, record: Progress) -> None:
         return None
 
     def event(self, name: str, *, tenant: str | None = None, **fields: object) -> None:

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,3 +55,11 @@ class UtilizationBin:
     start: float
     end: float
     busy_fraction: float
+
+
+@dataclass(frozen=True, slots=True)
+class Stamped(Generic[T]):
+    """A progress record and the time it arrived."""
+
+    time: float
+    record: T

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from marlaas.config.job import JobSpec
+from marlaas.obs.progress import TenantEnded, TenantQueued, TenantStarted
 from marlaas.pipeline.context import PipelineContext
 from marlaas.pipeline.lifecycle import TenantRuntime, gather_all
 from marlaas.pipeline.scheduler import AdmissionQueue
@@ -56,6 +57,9 @@ class SyncBaseline:
         """Run every job in turn; raises the device's failure."""
         failure = self.ctx.device.failure
         for name in self.order:
+            job = self.states[name].job
+            self.ctx.recorder.progress(TenantQueued(name, job.steps, job.priority))
+        for name in self.order:
             if failure.done():
                 raise failure.result()
             task = asyncio.create_task(self._tenant(self.states[name]), name=f"sync:{name}")
@@ -72,19 +76,19 @@ class SyncBaseline:
         recorder = self.ctx.recorder
         rt = TenantRuntime(self.ctx, state)
         state.transition(JobStatus.RUNNING)
-        recorder.event("tenant_admitted", tenant=state.name)
+        recorder.progress(TenantStarted(state.name))
         try:
             await rt.setup()
             await self._steps(state, rt)
             state.transition(JobStatus.DONE)
-            recorder.event("tenant_done", tenant=state.name, version=state.version)
+            recorder.progress(TenantEnded(state.name, JobStatus.DONE, None))
         except asyncio.CancelledError:
             if not state.status.terminal:
                 state.transition(JobStatus.CANCELLED, state.reason or "the run stopped")
             raise
         except Exception as exc:
             state.transition(JobStatus.FAILED, describe_failure(exc))
-            recorder.event("tenant_failed", tenant=state.name, reason=state.reason)
+            recorder.progress(TenantEnded(state.name, JobStatus.FAILED, state.reason))
         finally:
             with contextlib.suppress(Exception):
                 await rt.teardown()

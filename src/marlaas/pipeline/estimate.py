@@ -32,13 +32,11 @@ from typing import Any
 from marlaas.config.job import JobSpec, RunSpec
 from marlaas.errors import ConfigError
 from marlaas.obs.memory import RunRecorder
+from marlaas.obs.progress import TenantEnded, TenantStarted
 from marlaas.obs.records import Span
 from marlaas.pipeline.context import BackendOpener, PipelineOptions
 from marlaas.pipeline.runner import RunResult, run_jobs
-
-#: The tenant lifecycle events that bound a tenant's time in the baseline.
-_STARTED = "tenant_admitted"
-_DONE = "tenant_done"
+from marlaas.types import JobStatus
 
 
 def eval_count(job: JobSpec) -> int:
@@ -174,11 +172,12 @@ def step_times(rollouts: Iterable[Span], trains: Iterable[Span]) -> tuple[float,
 
 def measure_slice(recorder: RunRecorder, wall_s: float) -> SliceMeasurement:
     """Per-tenant times of a finished synchronous run from its recorder; tenants that did
-    not finish (no `tenant_done` event) are left out."""
+    not finish (no `TenantEnded` record with status done) are left out."""
     tenants: dict[str, TenantSample] = {}
     for name in recorder.tenants():
-        started = recorder.events(_STARTED, tenant=name)
-        done = recorder.events(_DONE, tenant=name)
+        started = recorder.progress_records(TenantStarted, tenant=name)
+        ended = recorder.progress_records(TenantEnded, tenant=name)
+        done = [e for e in ended if e.record.status is JobStatus.DONE]
         if not started or not done:
             continue
         tenants[name] = TenantSample(

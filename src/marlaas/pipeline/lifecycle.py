@@ -30,6 +30,13 @@ from marlaas.envs.base import Example, TaskFamily
 from marlaas.errors import ModelError
 from marlaas.model.lora import AdapterTensors
 from marlaas.model.peft_io import model_fan_in_fan_out, save_peft
+from marlaas.obs.progress import (
+    CheckpointWritten,
+    EvalDone,
+    StepDone,
+    StepMetrics,
+    TenantRestored,
+)
 from marlaas.pipeline.context import PipelineContext
 from marlaas.pipeline.data import (
     ExampleStream,
@@ -42,7 +49,12 @@ from marlaas.pipeline.data import (
 from marlaas.pipeline.envpool import EnvCallError, play_episode
 from marlaas.pipeline.tenant import PipelineError, TenantState
 from marlaas.train.batch import TenantStepResult, TrainBatch
-from marlaas.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from marlaas.train.checkpoint import (
+    ADAPTER_DIR,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from marlaas.train.grpo import GRPOSnapshot, GRPOTraining
 from marlaas.train.optim import TenantSnapshot
 from marlaas.types import SamplingParams, Trajectory
@@ -90,6 +102,8 @@ class TenantRuntime:
         self.last_checkpoint: int | None = None
         self.registered = False
         self._last_step_at = time.perf_counter()
+        #: The newest step's figures, by the version it made (for its checkpoint).
+        self._last_step: tuple[int, StepMetrics] | None = None
 
     @property
     def family(self) -> TaskFamily:
@@ -145,9 +159,8 @@ class TenantRuntime:
             history = extra.get("eval", {})
             self.state.stats.eval_accuracy.update({int(k): float(v) for k, v in history.items()})
             self.last_checkpoint = snapshot.version
-            ctx.recorder.event(
-                "tenant_resumed", tenant=self.name, version=snapshot.version, path=str(path)
-            )
+            assert path is not None
+            ctx.recorder.progress(TenantRestored(self.name, snapshot.version, path))
         ctx.device.set_priority(self.name, job.priority)
         self._last_step_at = time.perf_counter()
 
@@ -207,7 +220,7 @@ class TenantRuntime:
         accuracy = fmean(t.reward for t in trajectories)
         self.state.stats.eval_accuracy[version] = accuracy
         self.ctx.recorder.span("eval", "eval", t0, time.perf_counter(), tenant=self.name)
-        self.ctx.recorder.metrics(self.name, version, {"eval_accuracy": accuracy})
+        self.ctx.recorder.progress(EvalDone(self.name, version, accuracy))
         return accuracy
 
     # -- steps -----------------------------------------------------------------------
@@ -223,28 +236,28 @@ class TenantRuntime:
 
     def record_step(self, batch: TrainBatch, result: TenantStepResult, submitted: float) -> None:
         now = time.perf_counter()
-        values: dict[str, float] = {
-            "reward_mean": result.reward_mean,
-            "reward_std": result.reward_std,
-            "loss": result.loss,
-            "clip_frac": result.clip_frac,
-            "ratio_mean": result.ratio_mean,
-            "kl_behaviour": result.kl_behaviour,
-            "entropy": result.entropy,
-            "staleness_max": float(result.staleness_max),
-            "staleness_mean": result.staleness_mean,
-            "tokens": float(result.tokens),
-            "rows": float(result.rows),
-            "grad_norm": result.grad_norm,
-            "lr": result.lr,
-            "step_time_s": now - self._last_step_at,
-            "train_wait_s": now - submitted,
-        }
-        if result.kl_base is not None:
-            values["kl_base"] = result.kl_base
+        metrics = StepMetrics(
+            reward_mean=result.reward_mean,
+            reward_std=result.reward_std,
+            loss=result.loss,
+            clip_frac=result.clip_frac,
+            ratio_mean=result.ratio_mean,
+            kl_behaviour=result.kl_behaviour,
+            entropy=result.entropy,
+            staleness_max=float(result.staleness_max),
+            staleness_mean=result.staleness_mean,
+            tokens=float(result.tokens),
+            rows=float(result.rows),
+            grad_norm=result.grad_norm,
+            lr=result.lr,
+            step_time_s=now - self._last_step_at,
+            train_wait_s=now - submitted,
+            kl_base=result.kl_base,
+        )
         self._last_step_at = now
+        self._last_step = (result.version, metrics)
         self.ctx.recorder.span("train", "step", submitted, now, tenant=self.name)
-        self.ctx.recorder.metrics(self.name, result.version, values)
+        self.ctx.recorder.progress(StepDone(self.name, result.version, metrics))
 
     def checkpoint_due(self) -> bool:
         every, version = self.job.checkpoint_every, self.state.version
@@ -271,10 +284,18 @@ class TenantRuntime:
             self.job.keep_checkpoints or self.ctx.options.keep_checkpoints,
             fan_in_fan_out=model_fan_in_fan_out(self.ctx.device.model, snapshot.state.tensors),
         )
-        self.last_checkpoint = snapshot.version
+        self.last_checkpoint = version = snapshot.version
         self.ctx.recorder.span("checkpoint", "save", t0, time.perf_counter(), tenant=self.name)
-        self.ctx.recorder.event(
-            "checkpoint", tenant=self.name, version=snapshot.version, path=str(path)
+        step = self._last_step[1] if self._last_step and self._last_step[0] == version else None
+        self.ctx.recorder.progress(
+            CheckpointWritten(
+                self.name,
+                version,
+                path,
+                path / ADAPTER_DIR,
+                step=step,
+                eval_accuracy=self.state.stats.eval_accuracy.get(version),
+            )
         )
 
     async def save_adapter(self) -> None:

@@ -14,6 +14,12 @@ tasks and the device. A tenant's error of any kind (its env, grader, data, a rej
 batch) fails that tenant only, with the reason recorded; the device's failure is the
 run's, and is raised after every tenant is cancelled.
 
+Progress: every change of a tenant's state (queued, admitted, paused, unpaused, ended
+with its status and reason) is reported as a typed record (`marlaas.obs.progress`)
+through `ctx.recorder.progress`, and so are its steps, evals, checkpoints and restores
+(`TenantRuntime`); the recorder, the live view, the plots, the service and the estimate
+read those records, never names of metrics or events.
+
 Jobs arrive at construction or later through `submit` (names are unique for the
 orchestrator's life). By default `run` returns once every job is terminal; with
 `serve=True` it keeps waiting (on its wake event, never a timer) for new jobs until
@@ -38,6 +44,13 @@ from typing import Any
 
 from marlaas.config.job import JobSpec
 from marlaas.errors import ConfigError
+from marlaas.obs.progress import (
+    TenantEnded,
+    TenantPaused,
+    TenantQueued,
+    TenantStarted,
+    TenantUnpaused,
+)
 from marlaas.pipeline.context import PipelineContext
 from marlaas.pipeline.lifecycle import TenantRuntime
 from marlaas.pipeline.scheduler import AdmissionQueue
@@ -133,7 +146,7 @@ class Orchestrator:
             )
         state = self.states[job.name] = TenantState(job, order=len(self.states))
         self._queue.push(job.name, job.priority)
-        self.ctx.recorder.event("tenant_queued", tenant=job.name, priority=job.priority)
+        self.ctx.recorder.progress(TenantQueued(job.name, job.steps, job.priority))
         self._wake.set()
         return state
 
@@ -151,11 +164,11 @@ class Orchestrator:
         if state.status is JobStatus.QUEUED:
             if self._queue.remove(name):
                 self._held.add(name)
-                self.ctx.recorder.event("tenant_paused", tenant=name, admitted=False)
+                self.ctx.recorder.progress(TenantPaused(name, admitted=False))
             return
         if state.status is JobStatus.RUNNING:
             state.transition(JobStatus.PAUSED)
-            self.ctx.recorder.event("tenant_paused", tenant=name, admitted=True)
+            self.ctx.recorder.progress(TenantPaused(name, admitted=True))
             self._poke(name)
 
     def unpause(self, name: str) -> None:
@@ -165,11 +178,11 @@ class Orchestrator:
         if name in self._held:
             self._held.discard(name)
             self._queue.push(name, state.job.priority)
-            self.ctx.recorder.event("tenant_unpaused", tenant=name, admitted=False)
+            self.ctx.recorder.progress(TenantUnpaused(name, admitted=False))
             self._wake.set()
         elif state.status is JobStatus.PAUSED:
             state.transition(JobStatus.RUNNING)
-            self.ctx.recorder.event("tenant_unpaused", tenant=name, admitted=True)
+            self.ctx.recorder.progress(TenantUnpaused(name, admitted=True))
             self._poke(name)
 
     def cancel(self, name: str) -> None:
@@ -180,7 +193,7 @@ class Orchestrator:
         if self._queue.remove(name) or name in self._held:
             self._held.discard(name)
             state.transition(JobStatus.CANCELLED, "cancelled before admission")
-            self.ctx.recorder.event("tenant_cancelled", tenant=name, reason=state.reason)
+            self.ctx.recorder.progress(TenantEnded(name, JobStatus.CANCELLED, state.reason))
             self._wake.set()
             return
         state.reason = "cancelled"
@@ -200,7 +213,8 @@ class Orchestrator:
             self._queue.remove(name)
             self._held.discard(name)
             self.states[name].transition(JobStatus.CANCELLED, "the pipeline closed first")
-            self.ctx.recorder.event("tenant_cancelled", tenant=name, reason="closed")
+            reason = self.states[name].reason
+            self.ctx.recorder.progress(TenantEnded(name, JobStatus.CANCELLED, reason))
         for name, driver in self._drivers.items():
             if checkpoint:
                 self._poke(name)
@@ -249,7 +263,7 @@ class Orchestrator:
         # Running from admission on, so a pause that comes before the driver's first
         # turn applies to an admitted tenant.
         self.states[name].transition(JobStatus.RUNNING)
-        self.ctx.recorder.event("tenant_admitted", tenant=name)
+        self.ctx.recorder.progress(TenantStarted(name))
         driver = asyncio.create_task(self._tenant_main(self.states[name]), name=f"tenant:{name}")
         driver.add_done_callback(lambda _: self._wake.set())
         self._drivers[name] = driver
@@ -262,22 +276,22 @@ class Orchestrator:
             await runtime.setup()
             await self._drive(state, runtime, tasks)
             state.transition(JobStatus.DONE)
-            recorder.event("tenant_done", tenant=state.name, version=state.version)
+            recorder.progress(TenantEnded(state.name, JobStatus.DONE, None))
         except _Stopped:
             reason = f"stopped with the pipeline at version {state.version}"
             if runtime.last_checkpoint is not None:
                 reason += f" (checkpoint at version {runtime.last_checkpoint})"
             state.transition(JobStatus.CANCELLED, reason)
-            recorder.event("tenant_stopped", tenant=state.name, reason=reason)
+            recorder.progress(TenantEnded(state.name, JobStatus.CANCELLED, reason, stopped=True))
         except asyncio.CancelledError:
             if not state.status.terminal:
                 state.transition(JobStatus.CANCELLED, state.reason or "cancelled")
-                recorder.event("tenant_cancelled", tenant=state.name, reason=state.reason)
+                recorder.progress(TenantEnded(state.name, JobStatus.CANCELLED, state.reason))
             raise
         except Exception as exc:
             if not state.status.terminal:
                 state.transition(JobStatus.FAILED, describe_failure(exc))
-                recorder.event("tenant_failed", tenant=state.name, reason=state.reason)
+                recorder.progress(TenantEnded(state.name, JobStatus.FAILED, state.reason))
         finally:
             await tasks.cancel_all()
             state.buffer.clear()  # never trained now; a long-lived pipeline keeps states

@@ -5,11 +5,12 @@
 and cancelled at any time; tenant names are the job names and are unique for the
 runtime's life.
 
-Progress reaches the owner as small records (`Progress`) through one callback, fed
-from the recorder's metrics and lifecycle events: a tenant started or resumed, a step
-trained (with its metrics), an eval, a checkpoint written (its path and metrics), a
-tenant ended (its status and reason). The callback runs on the event loop and must not
-block; it is called in the order things happened.
+Progress reaches the owner through one callback: every typed progress record the
+pipeline emits (`marlaas.obs.progress`: a tenant queued, started, paused, restored from
+a checkpoint, a step trained with its figures, an eval, a checkpoint written, a tenant
+ended with its status and reason), the very records its recorder gets, and
+`RuntimeFailed` if the pipeline itself fails. The callback runs on the event loop and
+must not block; it is called in the order things happened.
 
 Resume is per job: the context is built with `resume=True`, so a tenant restores from
 its latest checkpoint (adapter, optimizer, RNG, data cursor, eval history) when one
@@ -38,17 +39,14 @@ from marlaas.config.job import EngineSpec, JobSpec, RunSpec, TrainerSpec
 from marlaas.config.ray import RaySpec
 from marlaas.config.specs import ModelDType, Spec, TargetModules
 from marlaas.fileio import atomic_write_json
+from marlaas.obs.progress import Progress, TenantEnded
 from marlaas.obs.recorder import NullRecorder, Recorder
 from marlaas.pipeline.context import BackendOpener, PipelineContext, PipelineOptions
 from marlaas.pipeline.orchestrator import Orchestrator
 from marlaas.pipeline.tenant import PipelineError, TenantState, describe_failure
-from marlaas.train.checkpoint import ADAPTER_DIR, list_checkpoints
-from marlaas.types import JobStatus
+from marlaas.train.checkpoint import list_checkpoints
 
 log = logging.getLogger(__name__)
-
-#: Train metrics copied into a checkpoint's record (plus the eval accuracy, if known).
-CHECKPOINT_METRICS = ("reward_mean", "reward_std", "loss", "entropy")
 
 
 class RuntimeSpec(Spec):
@@ -94,69 +92,6 @@ class RuntimeSpec(Spec):
         )
 
 
-# -- progress records ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TenantStarted:
-    """The tenant was admitted and runs."""
-
-    tenant: str
-
-
-@dataclass(frozen=True)
-class TenantResumed:
-    """The tenant was restored from the checkpoint at `version`."""
-
-    tenant: str
-    version: int
-    path: Path
-
-
-@dataclass(frozen=True)
-class StepDone:
-    """Optimizer step `step` (1-based: the adapter version it made) finished."""
-
-    tenant: str
-    step: int
-    metrics: Mapping[str, float]
-
-
-@dataclass(frozen=True)
-class EvalDone:
-    """Greedy held-out accuracy of adapter `version`."""
-
-    tenant: str
-    version: int
-    accuracy: float
-
-
-@dataclass(frozen=True)
-class CheckpointWritten:
-    """A complete checkpoint of `version` lies at `path`; its PEFT adapter at
-    `adapter_path`. `metrics`: the step's train metrics and the eval, when known."""
-
-    tenant: str
-    version: int
-    path: Path
-    metrics: Mapping[str, float]
-
-    @property
-    def adapter_path(self) -> Path:
-        return self.path / ADAPTER_DIR
-
-
-@dataclass(frozen=True)
-class TenantEnded:
-    """The tenant reached a terminal status. `stopped`: it was cancelled by the
-    runtime's `close` (not by anyone's `cancel`), after its checkpoint."""
-
-    tenant: str
-    status: JobStatus
-    reason: str | None
-    stopped: bool = False
-
-
 @dataclass(frozen=True)
 class RuntimeFailed:
     """The shared pipeline itself failed (the device died); nothing runs."""
@@ -164,40 +99,23 @@ class RuntimeFailed:
     reason: str
 
 
-Progress = (
-    TenantStarted
-    | TenantResumed
-    | StepDone
-    | EvalDone
-    | CheckpointWritten
-    | TenantEnded
-    | RuntimeFailed
-)
-ProgressCallback = Callable[[Progress], None]
+#: What the runtime's owner hears: every tenant's progress records, and its own failure.
+RuntimeProgress = Progress | RuntimeFailed
+ProgressCallback = Callable[[RuntimeProgress], None]
 
 
-def _drop(progress: Progress) -> None:
+def _drop(progress: RuntimeProgress) -> None:
     return None
-
-
-_ENDS = {
-    "tenant_done": JobStatus.DONE,
-    "tenant_failed": JobStatus.FAILED,
-    "tenant_cancelled": JobStatus.CANCELLED,
-    "tenant_stopped": JobStatus.CANCELLED,
-}
 
 
 @dataclass(eq=False)
 class _ProgressRecorder:
-    """Forwards every record to `inner` and turns the ones that matter into `Progress`."""
+    """Forwards every record to `inner` and passes the progress records on to `emit`."""
 
     inner: Recorder
     emit: ProgressCallback
     loop: asyncio.AbstractEventLoop
     _loop_thread: int = field(default_factory=threading.get_ident)
-    _last_step: dict[str, tuple[int, dict[str, float]]] = field(default_factory=dict)
-    _evals: dict[str, dict[int, float]] = field(default_factory=dict)
 
     def span(
         self,
@@ -211,70 +129,21 @@ class _ProgressRecorder:
     ) -> None:
         self.inner.span(stage, name, start, end, tenant=tenant, args=args)
 
-    def metrics(self, tenant: str, step: int, values: Mapping[str, float]) -> None:
-        self.inner.metrics(tenant, step, values)
-        if "loss" in values:
-            self._last_step[tenant] = (step, dict(values))
-            self._send(StepDone(tenant, step, dict(values)))
-        if "eval_accuracy" in values:
-            accuracy = float(values["eval_accuracy"])
-            self._evals.setdefault(tenant, {})[step] = accuracy
-            self._send(EvalDone(tenant, step, accuracy))
+    def progress(self, record: Progress) -> None:
+        self.inner.progress(record)
+        if threading.get_ident() == self._loop_thread:
+            self._deliver(record)
+        else:  # records come from the loop today; stay safe if a thread reports
+            self.loop.call_soon_threadsafe(self._deliver, record)
 
     def event(self, name: str, *, tenant: str | None = None, **fields: object) -> None:
         self.inner.event(name, tenant=tenant, **fields)
-        if tenant is None:
-            return
-        if name == "tenant_admitted":
-            self._send(TenantStarted(tenant))
-        elif name == "tenant_resumed":
-            self._send(TenantResumed(tenant, _int(fields["version"]), Path(str(fields["path"]))))
-        elif name == "checkpoint":
-            version = _int(fields["version"])
-            path = Path(str(fields["path"]))
-            self._send(
-                CheckpointWritten(tenant, version, path, self._checkpoint_metrics(tenant, version))
-            )
-        elif name in _ENDS:
-            self._last_step.pop(tenant, None)
-            self._evals.pop(tenant, None)
-            reason = fields.get("reason")
-            self._send(
-                TenantEnded(
-                    tenant,
-                    _ENDS[name],
-                    str(reason) if reason is not None else None,
-                    stopped=name == "tenant_stopped",
-                )
-            )
-
-    def _checkpoint_metrics(self, tenant: str, version: int) -> dict[str, float]:
-        out: dict[str, float] = {}
-        step, values = self._last_step.get(tenant, (-1, {}))
-        if step == version:
-            out.update({k: values[k] for k in CHECKPOINT_METRICS if k in values})
-        accuracy = self._evals.get(tenant, {}).get(version)
-        if accuracy is not None:
-            out["eval_accuracy"] = accuracy
-        return out
-
-    def _send(self, progress: Progress) -> None:
-        if threading.get_ident() == self._loop_thread:
-            self._deliver(progress)
-        else:  # records come from the loop today; stay safe if a thread reports
-            self.loop.call_soon_threadsafe(self._deliver, progress)
 
     def _deliver(self, progress: Progress) -> None:
         try:
             self.emit(progress)
         except Exception:  # the owner's bug must not stop the tenants' work
             log.exception("the progress callback failed on %r", progress)
-
-
-def _int(value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | str):
-        raise PipelineError(f"expected an integer in a pipeline event, got {value!r}")
-    return int(value)
 
 
 class PipelineRuntime:
@@ -408,7 +277,7 @@ class PipelineRuntime:
 
     # -- progress --------------------------------------------------------------------
 
-    def _progress(self, progress: Progress) -> None:
+    def _progress(self, progress: RuntimeProgress) -> None:
         if isinstance(progress, TenantEnded) and progress.tenant in self._ended:
             self._ended[progress.tenant].set()
         if self._on_progress is not None:

@@ -49,18 +49,20 @@ from marlaas.backends import open_backend
 from marlaas.config.job import JobSpec
 from marlaas.errors import MarlaasError
 from marlaas.model.base import default_base_path
-from marlaas.pipeline.context import PipelineOptions
-from marlaas.pipeline.runtime import (
+from marlaas.obs.progress import (
     CheckpointWritten,
     EvalDone,
-    PipelineRuntime,
-    Progress,
-    RuntimeFailed,
-    RuntimeSpec,
     StepDone,
     TenantEnded,
-    TenantResumed,
+    TenantRestored,
     TenantStarted,
+)
+from marlaas.pipeline.context import PipelineOptions
+from marlaas.pipeline.runtime import (
+    PipelineRuntime,
+    RuntimeFailed,
+    RuntimeProgress,
+    RuntimeSpec,
 )
 from marlaas.pipeline.tenant import PipelineError, describe_failure
 from marlaas.service import datasets
@@ -385,7 +387,7 @@ class PipelineBackend:
 
     # -- progress -> reports ---------------------------------------------------------
 
-    def _on_progress(self, progress: Progress) -> None:
+    def _on_progress(self, progress: RuntimeProgress) -> None:
         """On the event loop, in order: queue the matching report."""
         if isinstance(progress, RuntimeFailed):
             for name, known in self._jobs.items():
@@ -401,16 +403,16 @@ class PipelineBackend:
                 job.running = True
                 self._report(lambda: self._reporter.status(job_id, JobStatus.RUNNING))
         elif isinstance(progress, StepDone):
-            step, metrics = progress.step, dict(progress.metrics)
+            step, metrics = progress.step, progress.metrics.as_dict()
             self._report(lambda: self._reporter.step(job_id, step, metrics))
         elif isinstance(progress, EvalDone):
-            version, values = progress.version, {"eval_accuracy": progress.accuracy}
+            version, values = progress.version, progress.as_dict()
             self._report(lambda: self._reporter.step(job_id, version, values))
         elif isinstance(progress, CheckpointWritten):
             if progress.version not in job.checkpoints:  # a re-save of a step: recorded
                 job.checkpoints.add(progress.version)
                 self._report_checkpoint(
-                    job_id, progress.version, progress.adapter_path, dict(progress.metrics)
+                    job_id, progress.version, progress.adapter_path, progress.metrics
                 )
         elif isinstance(progress, TenantEnded):
             job.ended, job.reason = progress.status, progress.reason
@@ -419,7 +421,7 @@ class PipelineBackend:
             elif progress.status is JobStatus.FAILED:
                 reason = progress.reason
                 self._report(lambda: self._reporter.status(job_id, JobStatus.FAILED, reason))
-        elif isinstance(progress, TenantResumed):
+        elif isinstance(progress, TenantRestored):
             log.info("job %s resumed from its checkpoint at step %d", job_id, progress.version)
             version = progress.version
             self._report(lambda: self._reporter.resumed(job_id, version))

@@ -1,0 +1,223 @@
+"""The typed progress records the pipeline emits, one class per thing that happened.
+
+The orchestrator (and the synchronous baseline) report a tenant's progress only as
+these records, through `Recorder.progress`; everything that follows a run subscribes
+to them: `RunRecorder` (JSONL files, summary, queries), the live view, the plots, the
+service's job rows (`service.pipeline_backend`) and the sync estimate
+(`pipeline.estimate`). A subscriber tells records apart by their type and reads their
+fields; nobody matches metric or event names as strings. Metric names appear in one
+place only: `StepMetrics.as_dict` and `EvalDone.as_dict`, which give the names under
+which figures are written to files and to the service's database (public names: the
+job API serves them).
+
+Each record also names itself for logs (`event`: the event name in `events.jsonl`, the
+trace and the summary) and gives its log fields (`log_fields`); logs are for people and
+tools, never read back by the system.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from marlaas.types import JobStatus
+
+#: The name under which an eval's accuracy is written (files, the job API's metrics).
+EVAL_ACCURACY = "eval_accuracy"
+
+
+@dataclass(frozen=True, slots=True)
+class StepMetrics:
+    """The figures of one optimizer step of one tenant (GRPO)."""
+
+    #: Mean and standard deviation of the step's rewards (over all G x P samples).
+    reward_mean: float
+    reward_std: float
+    loss: float
+    #: Fraction of tokens whose importance ratio was clipped.
+    clip_frac: float
+    ratio_mean: float
+    #: KL between the behaviour policy and the current one, per token.
+    kl_behaviour: float
+    entropy: float
+    #: Versions between the trained adapter and the oldest / the mean sample.
+    staleness_max: float
+    staleness_mean: float
+    tokens: float
+    rows: float
+    grad_norm: float
+    lr: float
+    #: Seconds since the tenant's previous step ended (or its setup).
+    step_time_s: float
+    #: Seconds from handing the batch to the device to its result.
+    train_wait_s: float
+    #: KL to the base model, when the algorithm computes it.
+    kl_base: float | None = None
+
+    def as_dict(self) -> dict[str, float]:
+        """The figures by name, as files and the service's database store them."""
+        return {k: float(v) for k, v in asdict(self).items() if v is not None}
+
+
+class _Record:
+    __slots__ = ()
+    _EVENT: ClassVar[str]
+
+    @property
+    def event(self) -> str:
+        """The record's name in logs (`events.jsonl`, the trace, the summary)."""
+        return self._EVENT
+
+    def log_fields(self) -> dict[str, object]:
+        """The record's fields for a log line (the tenant is logged on its own)."""
+        fields = asdict(self)  # type: ignore[call-overload]
+        fields.pop("tenant", None)
+        return {k: str(v) if isinstance(v, Path) else v for k, v in fields.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class TenantQueued(_Record):
+    """The job was submitted and waits for admission."""
+
+    _EVENT: ClassVar[str] = "tenant_queued"
+    tenant: str
+    total_steps: int
+    priority: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class TenantStarted(_Record):
+    """The tenant was admitted and runs."""
+
+    _EVENT: ClassVar[str] = "tenant_admitted"
+    tenant: str
+
+
+@dataclass(frozen=True, slots=True)
+class TenantPaused(_Record):
+    """The tenant stopped launching work. `admitted`: it was running (else it was
+    taken out of the admission queue and stays queued)."""
+
+    _EVENT: ClassVar[str] = "tenant_paused"
+    tenant: str
+    admitted: bool
+
+
+@dataclass(frozen=True, slots=True)
+class TenantUnpaused(_Record):
+    """A pause was undone: the tenant runs again (`admitted`) or is queued again."""
+
+    _EVENT: ClassVar[str] = "tenant_unpaused"
+    tenant: str
+    admitted: bool
+
+
+@dataclass(frozen=True, slots=True)
+class TenantRestored(_Record):
+    """The tenant was restored from its checkpoint at `version` (at `path`)."""
+
+    _EVENT: ClassVar[str] = "tenant_restored"
+    tenant: str
+    version: int
+    path: Path
+
+
+@dataclass(frozen=True, slots=True)
+class StepDone(_Record):
+    """Optimizer step `step` (1-based: the adapter version it made) finished."""
+
+    _EVENT: ClassVar[str] = "step"
+    tenant: str
+    step: int
+    metrics: StepMetrics
+
+
+@dataclass(frozen=True, slots=True)
+class EvalDone(_Record):
+    """Greedy held-out accuracy of adapter `version`."""
+
+    _EVENT: ClassVar[str] = "eval"
+    tenant: str
+    version: int
+    accuracy: float
+
+    def as_dict(self) -> dict[str, float]:
+        """The figure by name, as files and the service's database store it."""
+        return {EVAL_ACCURACY: self.accuracy}
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointWritten(_Record):
+    """A complete checkpoint of `version` lies at `path`, its PEFT adapter at
+    `adapter_path` (inside it). `step`: the figures of the step that made `version`,
+    and `eval_accuracy` that version's eval, when known as the checkpoint was written."""
+
+    _EVENT: ClassVar[str] = "checkpoint"
+    tenant: str
+    version: int
+    path: Path
+    adapter_path: Path
+    step: StepMetrics | None = None
+    eval_accuracy: float | None = None
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The figures a checkpoint's record keeps: reward, loss, entropy, eval."""
+        out: dict[str, float] = {}
+        if self.step is not None:
+            out.update(
+                reward_mean=self.step.reward_mean,
+                reward_std=self.step.reward_std,
+                loss=self.step.loss,
+                entropy=self.step.entropy,
+            )
+        if self.eval_accuracy is not None:
+            out[EVAL_ACCURACY] = self.eval_accuracy
+        return out
+
+    def log_fields(self) -> dict[str, object]:
+        return {"version": self.version, "path": str(self.path)}
+
+
+@dataclass(frozen=True, slots=True)
+class TenantEnded(_Record):
+    """The tenant reached a terminal status. `stopped`: it was cancelled by the
+    pipeline's graceful close (after its checkpoint), not by anyone's `cancel`."""
+
+    tenant: str
+    status: JobStatus
+    reason: str | None
+    stopped: bool = False
+
+    @property
+    def event(self) -> str:
+        return "tenant_stopped" if self.stopped else f"tenant_{self.status}"
+
+
+Progress = (
+    TenantQueued
+    | TenantStarted
+    | TenantPaused
+    | TenantUnpaused
+    | TenantRestored
+    | StepDone
+    | EvalDone
+    | CheckpointWritten
+    | TenantEnded
+)
+
+
+def status_after(record: Progress, current: JobStatus | None) -> JobStatus | None:
+    """The tenant's status once `record` happened, from `current` (None: unknown)."""
+    if isinstance(record, TenantQueued):
+        return JobStatus.QUEUED
+    if isinstance(record, TenantStarted):
+        return JobStatus.RUNNING
+    if isinstance(record, TenantPaused) and record.admitted:
+        return JobStatus.PAUSED
+    if isinstance(record, TenantUnpaused) and record.admitted:
+        return JobStatus.RUNNING
+    if isinstance(record, TenantEnded):
+        return record.status
+    return current
