@@ -7,7 +7,6 @@ of the whole code base: `_T` is a per-token sequence.
 
 from __future__ import annotations
 
-import enum
 import itertools
 from dataclasses import dataclass, field
 from typing import Literal
@@ -151,19 +150,3 @@ class Datum:
             got = len(getattr(self, name))
             if got not in (0, n):
                 raise DataError(f"{name} must be empty or have {n} entries, got {got}")
-
-
-class JobStatus(enum.StrEnum):
-    """Where a tenant's job stands: the pipeline's tenant state and the service's job
-    row use the same states (done, failed and cancelled are terminal)."""
-
-    QUEUED = "queued"
-    RUNNING = "running"
-    PAUSED = "paused"
-    DONE = "done"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-    @property
-    def terminal(self) -> bool:
-        return self in (JobStatus.DONE, JobStatus.FAILED, JobStatus.CANCELLED)

@@ -11,7 +11,7 @@ from obs_support import FakeClock, step_metrics
 
 from marlaas.obs.memory import RunRecorder
 from marlaas.obs.progress import EvalDone, StepDone, TenantEnded, TenantQueued, TenantStarted
-from marlaas.types import JobStatus
+from marlaas.status import JobStatus
 
 
 @pytest.fixture

@@ -26,7 +26,7 @@ from marlaas.obs.progress import (
     TenantUnpaused,
 )
 from marlaas.obs.recorder import Recorder
-from marlaas.types import JobStatus
+from marlaas.status import JobStatus
 
 P = 10.0 / 6  # the sample run's step period
 

@@ -25,7 +25,7 @@ from marlaas.pipeline.estimate import (
     slice_spec,
     step_times,
 )
-from marlaas.types import JobStatus
+from marlaas.status import JobStatus
 
 
 @pytest.mark.parametrize(

@@ -88,17 +88,17 @@ async def test_jobs_submitted_while_running_finish_with_progress(
         spec(base_dir), tmp_path, options=CPU, recorder=recorder, on_progress=log
     )
     try:
-        rt.submit(job("a", steps=2, checkpoint_every=1), resume=False)
+        rt.submit(job("a", steps=2, checkpoint_every=1), restore=False)
         with pytest.raises(PipelineError, match="already submitted"):
-            rt.submit(job("a", steps=2), resume=False)
+            rt.submit(job("a", steps=2), restore=False)
         with pytest.raises(ConfigError, match="max_staleness"):
-            rt.submit(job("x", staleness=3), resume=False)
+            rt.submit(job("x", staleness=3), restore=False)
         first = await asyncio.wait_for(rt.wait("a"), 120)
         assert first.status == "done" and first.version == 2
         # Idle, the runtime keeps serving: a job submitted later runs too.
         assert rt.running
         rt.submit(
-            job("b", "reverse", steps=2, checkpoint_every=1, keep_checkpoints=1), resume=False
+            job("b", "reverse", steps=2, checkpoint_every=1, keep_checkpoints=1), restore=False
         )
         second = await asyncio.wait_for(rt.wait("b"), 120)
         assert second.status == "done" and second.version == 2
@@ -109,7 +109,7 @@ async def test_jobs_submitted_while_running_finish_with_progress(
         await rt.close()
     assert not rt.running and rt.failure is None
     with pytest.raises(PipelineError, match="closing"):
-        rt.submit(job("c"), resume=False)
+        rt.submit(job("c"), restore=False)
     assert log.of("a", TenantStarted) == [TenantStarted("a")]
     assert [r.step for r in log.of("a", StepDone)] == [1, 2]
     assert all("reward_mean" in r.metrics.as_dict() for r in log.of("a", StepDone))
@@ -132,9 +132,9 @@ async def test_pause_resume_cancel_and_a_closing_checkpoint(base_dir: Path, tmp_
         spec(base_dir, max_active_tenants=2), tmp_path, options=CPU, on_progress=log
     )
     try:
-        rt.submit(job("a", steps=30), resume=False)
-        rt.submit(job("b", steps=30), resume=False)
-        rt.submit(job("q", steps=30), resume=False)  # waits: two tenants at most
+        rt.submit(job("a", steps=30), restore=False)
+        rt.submit(job("b", steps=30), restore=False)
+        rt.submit(job("q", steps=30), restore=False)  # waits: two tenants at most
         rt.pause("q")  # paused before admission: out of the queue
         await log.until(lambda: len(log.of("a", StepDone)) >= 1)
         rt.pause("a")
@@ -144,10 +144,10 @@ async def test_pause_resume_cancel_and_a_closing_checkpoint(base_dir: Path, tmp_
         assert rt.state("b").status == "cancelled"
         # b's place is free, but q is paused: it stays out of the queue.
         assert rt.state("q").status == "queued"
-        rt.resume("q")
+        rt.unpause("q")
         await log.until(lambda: bool(log.of("q", TenantStarted)))
         paused_at = rt.state("a").version
-        rt.resume("a")
+        rt.unpause("a")
         await log.until(lambda: rt.state("a").version >= paused_at + 1)
     finally:
         await rt.close(checkpoint=True)
@@ -171,8 +171,8 @@ async def test_pause_resume_cancel_and_a_closing_checkpoint(base_dir: Path, tmp_
     rt2 = await start_runtime(spec(base_dir), tmp_path, options=CPU, on_progress=log2)
     try:
         with pytest.raises(PipelineError, match="already has checkpoints"):
-            rt2.submit(job("a", steps=version + 1), resume=False)
-        rt2.submit(job("a", steps=version + 1), resume=True)
+            rt2.submit(job("a", steps=version + 1), restore=False)
+        rt2.submit(job("a", steps=version + 1), restore=True)
         final = await asyncio.wait_for(rt2.wait("a"), 120)
     finally:
         await rt2.close()
@@ -192,11 +192,11 @@ async def test_a_device_failure_ends_the_runtime(base_dir: Path, tmp_path: Path)
 
     rt.ctx.device.compute.trainer.forward_backward = broken  # type: ignore[attr-defined]
     try:
-        rt.submit(job("a", steps=2), resume=False)
+        rt.submit(job("a", steps=2), restore=False)
         await log.until(lambda: any(isinstance(r, RuntimeFailed) for r in log.records))
         assert not rt.running
         with pytest.raises(PipelineError, match="device lost"):
-            rt.submit(job("b"), resume=False)
+            rt.submit(job("b"), restore=False)
     finally:
         await rt.close()
     assert "device lost" in str(rt.failure)

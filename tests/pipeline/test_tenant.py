@@ -6,8 +6,9 @@ import pytest
 from pipeline_support import job
 
 from marlaas.pipeline.tenant import PipelineError, TenantState, describe_failure
+from marlaas.status import JobStatus
 from marlaas.train.batch import TenantStepResult, TrainBatch
-from marlaas.types import JobStatus, Trajectory
+from marlaas.types import Trajectory
 
 
 def traj(tenant: str, version: int, reward: float = 0.0, n: int = 0) -> Trajectory:

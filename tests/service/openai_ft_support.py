@@ -52,7 +52,7 @@ class HoldingBackend(AdapterBackend):
     """The scripted backend; `hold_at` holds new jobs at that step, and a resumed job
     runs again without finishing, so a job can be paused, resumed and cancelled."""
 
-    async def resume(self, job_id: str) -> None:
+    async def unpause(self, job_id: str) -> None:
         self.calls.append(("resume", job_id))
         await self._reporter.status(job_id, JobStatus.RUNNING)
 

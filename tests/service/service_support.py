@@ -77,7 +77,7 @@ class ScriptedBackend:
     async def pause(self, job_id: str) -> None:
         self.calls.append(("pause", job_id))
 
-    async def resume(self, job_id: str) -> None:
+    async def unpause(self, job_id: str) -> None:
         self.calls.append(("resume", job_id))
         await self._reporter.status(job_id, JobStatus.RUNNING)
         await self._advance(job_id, self.specs[job_id].steps)

@@ -197,7 +197,7 @@ def test_a_resumed_job_reruns_its_steps_without_repeating_their_events(
 
     before = step_ids(history())
     assert sorted(before) == list(range(1, 8))
-    asyncio.run(reporter.resumed(jid, 5))
+    asyncio.run(reporter.restored(jid, 5))
     assert client.get(f"/v1/jobs/{jid}", headers=acme).json()["steps_done"] == 5
     points = client.get(f"/v1/jobs/{jid}/metrics", headers=acme).json()["points"]
     assert max(p["step"] for p in points) == 5

@@ -45,7 +45,7 @@ from marlaas.obs.progress import (
 from marlaas.obs.recorder import STAGES
 from marlaas.obs.records import Event, MetricPoint, Span, Stamped, UtilizationBin
 from marlaas.obs.summary import summarize
-from marlaas.types import JobStatus
+from marlaas.status import JobStatus
 
 __all__ = ["Event", "MetricPoint", "RunRecorder", "Span", "Stamped", "UtilizationBin"]
 

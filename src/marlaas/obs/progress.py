@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import ClassVar
 
-from marlaas.types import JobStatus
+from marlaas.status import JobStatus
 
 #: The name under which an eval's accuracy is written (files, the job API's metrics).
 EVAL_ACCURACY = "eval_accuracy"

@@ -36,7 +36,7 @@ from marlaas.obs.progress import TenantEnded, TenantStarted
 from marlaas.obs.records import Span
 from marlaas.pipeline.context import BackendOpener, PipelineOptions
 from marlaas.pipeline.runner import RunResult, run_jobs
-from marlaas.types import JobStatus
+from marlaas.status import JobStatus
 
 
 def eval_count(job: JobSpec) -> int:

@@ -1,8 +1,8 @@
 """A long-lived pipeline for a process that runs jobs as they come (the service).
 
 `PipelineRuntime.start` opens the backend once, with the caller's `BackendOpener` (as
-`marlaas run` does), and starts a serve-mode `Orchestrator`, and returns a ready runtime. Jobs are then submitted, paused, resumed
-and cancelled at any time; tenant names are the job names and are unique for the
+`marlaas run` does), starts a serve-mode `Orchestrator`, and returns a ready runtime.
+Jobs are then submitted, paused, unpaused and cancelled at any time; tenant names are the job names and are unique for the
 runtime's life.
 
 Progress reaches the owner through one callback: every typed progress record the
@@ -12,9 +12,9 @@ ended with its status and reason), the very records its recorder gets, and
 `RuntimeFailed` if the pipeline itself fails. The callback runs on the event loop and
 must not block; it is called in the order things happened.
 
-Resume is per job: the context is built with `resume=True`, so a tenant restores from
-its latest checkpoint (adapter, optimizer, RNG, data cursor, eval history) when one
-exists. `submit(job, resume=False)` therefore refuses a job whose checkpoint directory
+Restoring is per job: the context is built with `resume=True`, so a tenant restores
+from its latest checkpoint (adapter, optimizer, RNG, data cursor, eval history) when one
+exists. `submit(job, restore=False)` therefore refuses a job whose checkpoint directory
 already holds checkpoints: it would silently continue them.
 
 Shutdown order (`close`): the orchestrator closes (admits nothing more; with
@@ -201,17 +201,17 @@ class PipelineRuntime:
 
     # -- jobs ------------------------------------------------------------------------
 
-    def submit(self, job: JobSpec, *, resume: bool) -> TenantState:
-        """Queue `job`. `resume=True` continues from its latest checkpoint, if any;
-        `resume=False` requires that it has none. Raises `PipelineError` (closed, name
+    def submit(self, job: JobSpec, *, restore: bool) -> TenantState:
+        """Queue `job`. `restore=True` continues from its latest checkpoint, if any;
+        `restore=False` requires that it has none. Raises `PipelineError` (closed, name
         taken, stale checkpoints) or `ConfigError` (a spec beyond the runtime's sizes)."""
         self._check_open()
-        if not resume:
+        if not restore:
             found = list_checkpoints(self.ctx.checkpoint_dir(job.name))
             if found:
                 raise PipelineError(
                     f"job {job.name!r} already has checkpoints under "
-                    f"{self.ctx.checkpoint_dir(job.name)}; submit it with resume=True to "
+                    f"{self.ctx.checkpoint_dir(job.name)}; submit it with restore=True to "
                     "continue from them, or give the job a new name"
                 )
         state = self._orch.submit(job)
@@ -226,7 +226,7 @@ class PipelineRuntime:
         """Stop scheduling the job's work; its in-flight work lands, its state stays."""
         self._orch.pause(name)
 
-    def resume(self, name: str) -> None:
+    def unpause(self, name: str) -> None:
         """Schedule a paused job again (a job paused before admission queues again)."""
         self._orch.unpause(name)
 

@@ -2,13 +2,12 @@
 accounting and the staleness-checked construction of train batches. Pure logic: no
 asyncio, no torch compute, so every rule here is unit-testable on its own.
 
-Status transitions (anything else is a bug and raises `PipelineError`)::
-
-    queued -> running | failed | cancelled
-    running <-> paused
-    running | paused -> done | failed | cancelled    (paused -> done: the last step was
-                                                      already trained when it paused)
-    done, failed, cancelled: terminal
+Status transitions follow the one job-status machine (`marlaas.status`); any other is
+a bug and raises `PipelineError`. The pipeline takes: queued -> running (admitted),
+running <-> paused (pause, unpause), running | paused -> done | failed | cancelled
+(paused -> done: the last step was already trained when it paused), queued -> failed |
+cancelled. A job paused before admission keeps its queued status: the orchestrator
+holds it out of the admission queue until it is unpaused.
 
 Group accounting (P = prompts_per_step, s = max_staleness, k = version):
 
@@ -35,8 +34,9 @@ from dataclasses import dataclass, field
 
 from marlaas.config.job import JobSpec
 from marlaas.errors import MarlaasError
+from marlaas.status import JobStatus, can_move
 from marlaas.train.batch import TenantStepResult, TrainBatch
-from marlaas.types import JobStatus, Trajectory
+from marlaas.types import Trajectory
 
 
 class PipelineError(MarlaasError, RuntimeError):
@@ -45,20 +45,6 @@ class PipelineError(MarlaasError, RuntimeError):
 
 class TenantFailure(MarlaasError, RuntimeError):
     """A tenant's own work failed for good; the tenant is failed, nobody else is."""
-
-
-_TRANSITIONS: dict[JobStatus, frozenset[JobStatus]] = {
-    JobStatus.QUEUED: frozenset({JobStatus.RUNNING, JobStatus.FAILED, JobStatus.CANCELLED}),
-    JobStatus.RUNNING: frozenset(
-        {JobStatus.PAUSED, JobStatus.DONE, JobStatus.FAILED, JobStatus.CANCELLED}
-    ),
-    JobStatus.PAUSED: frozenset(
-        {JobStatus.RUNNING, JobStatus.DONE, JobStatus.FAILED, JobStatus.CANCELLED}
-    ),
-    JobStatus.DONE: frozenset(),
-    JobStatus.FAILED: frozenset(),
-    JobStatus.CANCELLED: frozenset(),
-}
 
 
 @dataclass
@@ -128,7 +114,7 @@ class TenantState:
     # -- status ----------------------------------------------------------------------
 
     def transition(self, status: JobStatus, reason: str | None = None) -> None:
-        if status not in _TRANSITIONS[self.status]:
+        if not can_move(self.status, status):
             raise PipelineError(f"tenant {self.name!r}: cannot go from {self.status} to {status}")
         self.status = status
         if reason is not None:

@@ -1,5 +1,5 @@
-"""The synchronous heart of the rollout engine: one call of `Scheduler.iterate` is one
-iteration of continuous batching. No threads and no asyncio here; `RolloutEngine`
+"""The synchronous heart of the rollout engine: one call of `DecodeScheduler.iterate`
+is one iteration of continuous batching. No threads and no asyncio here; `RolloutEngine`
 serialises the calls and owns the request queue.
 
 One iteration:
@@ -85,7 +85,7 @@ class Pending:
     listener: TokenListener | None = None
 
 
-class Scheduler:
+class DecodeScheduler:
     """Admission, prefill, decode and completion over one `RowBatch` (not thread-safe)."""
 
     def __init__(

@@ -53,7 +53,7 @@ from marlaas.errors import EngineClosed
 from marlaas.model.bank import AdapterBank
 from marlaas.model.lora import AdapterTensors, LoRAModel
 from marlaas.rollout.batch import Deliver, TokenListener
-from marlaas.rollout.core import EngineStats, Pending, Scheduler
+from marlaas.rollout.core import DecodeScheduler, EngineStats, Pending
 from marlaas.rollout.prompts import PromptCache
 from marlaas.rollout.sessions import SessionCache
 from marlaas.types import Completion, RolloutRequest
@@ -93,7 +93,7 @@ class RolloutEngine:
         self.bank = bank
         self.tokenizer = tokenizer
         self.background = background
-        self._core = Scheduler(
+        self._core = DecodeScheduler(
             model,
             bank,
             tokenizer,

@@ -2,7 +2,7 @@
 
 Lifecycle: at startup the app calls a `BackendFactory` with a `JobReporter` and gets a
 ready `JobBackend`; the API then calls `submit` once per new job, and `cancel`,
-`pause`, `resume` after it has recorded the tenant's action in the database (the
+`pause`, `unpause` (the API's "resume") after it has recorded the tenant's action in the database (the
 database is the source of truth: the API has already answered the tenant by then). At
 shutdown the app calls `close`, which stops the backend's work (a real backend
 checkpoints running jobs first). The backend reports what really happens -- started,
@@ -33,11 +33,12 @@ class JobBackend(Protocol):
         ...
 
     async def pause(self, job_id: str) -> None:
-        """Stop scheduling the job's work, keeping its state to resume from."""
+        """Stop scheduling the job's work, keeping its state to go on from."""
         ...
 
-    async def resume(self, job_id: str) -> None:
-        """Schedule a paused job again; report `running` once it runs."""
+    async def unpause(self, job_id: str) -> None:
+        """Schedule a paused job again (the database says queued now); report
+        `running` once it runs."""
         ...
 
     async def close(self) -> None:

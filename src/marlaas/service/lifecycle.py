@@ -1,54 +1,73 @@
-"""A job's status and who may move it where.
+"""Who may move a job row where: the service's side of the one job-status machine
+(`marlaas.status`, which the pipeline's tenants follow too).
 
-The names match the pipeline's tenant states. Tenants act through the API (cancel,
-pause, resume); the runner reports what actually happened (running, done, failed).
-Terminal statuses never change again, so a late report from the runner after a cancel
-cannot bring a job back.
+Tenants act through the API (cancel, pause, and "resume", the API's public word for
+unpausing); the runner reports what actually happened (running: admitted, done,
+failed). Terminal statuses never change again, so a late report from the runner after
+a cancel cannot bring a job back.
 
-    queued --run--> running --done/failed--> done | failed
+    queued --admit--> running --finish/fail--> done | failed
       |  \\            |
       |   pause       pause          any non-terminal --cancel--> cancelled
       |     \\         v
-      |      `----> paused --resume--> queued  (the runner then reports running)
+      |      `----> paused --unpause ("resume")--> queued  (the runner then reports
+                                                           running)
+
+The database never records `paused -> running`: the API cannot know whether the runner
+still holds the job's place, so an unpaused row waits as queued until the runner says.
 """
 
 from __future__ import annotations
 
 import enum
 
-from marlaas.types import JobStatus
+from marlaas.status import ACTIVE, TERMINAL, JobStatus, Move, sources
 
-TERMINAL = frozenset({JobStatus.DONE, JobStatus.FAILED, JobStatus.CANCELLED})
-ACTIVE = frozenset({JobStatus.QUEUED, JobStatus.RUNNING, JobStatus.PAUSED})
+__all__ = [
+    "ACTIONS",
+    "ACTIVE",
+    "REPORTED",
+    "TERMINAL",
+    "Action",
+    "JobStatus",
+    "action_target",
+    "allowed_from",
+]
 
 
 class Action(enum.StrEnum):
-    """What a tenant may ask of a job."""
+    """What a tenant may ask of a job, by its public name in the API."""
 
     CANCEL = "cancel"
     PAUSE = "pause"
+    #: Unpause: the API's word (`POST .../resume`, the OpenAI fine-tuning API's too).
     RESUME = "resume"
 
 
+# action -> (the machine's move, the status it leads to in the database)
+_MOVES: dict[Action, tuple[Move, JobStatus]] = {
+    Action.CANCEL: (Move.CANCEL, JobStatus.CANCELLED),
+    Action.PAUSE: (Move.PAUSE, JobStatus.PAUSED),
+    Action.RESUME: (Move.UNPAUSE, JobStatus.QUEUED),
+}
+
 # action -> (statuses it applies to, status it leads to)
 ACTIONS: dict[Action, tuple[frozenset[JobStatus], JobStatus]] = {
-    Action.CANCEL: (ACTIVE, JobStatus.CANCELLED),
-    Action.PAUSE: (frozenset({JobStatus.QUEUED, JobStatus.RUNNING}), JobStatus.PAUSED),
-    Action.RESUME: (frozenset({JobStatus.PAUSED}), JobStatus.QUEUED),
+    action: (sources(move, target), target) for action, (move, target) in _MOVES.items()
 }
 
 # status the runner reports -> statuses it may come from
 REPORTED: dict[JobStatus, frozenset[JobStatus]] = {
-    JobStatus.RUNNING: frozenset({JobStatus.QUEUED}),
-    JobStatus.DONE: frozenset({JobStatus.RUNNING, JobStatus.PAUSED}),
-    JobStatus.FAILED: ACTIVE,
+    JobStatus.RUNNING: sources(Move.ADMIT, JobStatus.RUNNING),
+    JobStatus.DONE: sources(Move.FINISH, JobStatus.DONE),
+    JobStatus.FAILED: sources(Move.FAIL, JobStatus.FAILED),
 }
 
 
 def action_target(action: Action, status: JobStatus) -> JobStatus | None:
     """The status `action` leads to from `status`, or None when it does not apply."""
-    sources, target = ACTIONS[action]
-    return target if status in sources else None
+    sources_, target = ACTIONS[action]
+    return target if status in sources_ else None
 
 
 def allowed_from(action: Action) -> str:

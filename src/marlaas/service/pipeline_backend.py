@@ -12,17 +12,17 @@ Ids and files:
   whole folder (`deletion`).
 
 Reports (through the `JobReporter`, in the order things happened, by one worker task):
-running when the pipeline admits the job (and after a resume), every step's metrics,
+running when the pipeline admits the job (and when it unpauses it), every step's metrics,
 every eval (`eval_accuracy` at its adapter version), every checkpoint once per step,
 done or failed at the end. A tenant's cancel, and the pipeline's own stop at shutdown,
 report nothing: the database already says cancelled, or keeps the job active so that
-the next start resumes it.
+the next start restores it.
 
 Crash recovery: at startup every job that the database says is queued, running or
-paused is submitted again with `resume=True`, so it continues from its latest checkpoint
+paused is submitted again with `restore=True`, so it continues from its latest checkpoint
 on disk (paused ones stay paused). Checkpoints that reached the disk but not the
-database (a crash between the two) are reported first, then the step it resumes from
-(`JobReporter.resumed`). Steps after the last checkpoint are trained again, and
+database (a crash between the two) are reported first, then the step it is restored at
+(`JobReporter.restored`). Steps after the last checkpoint are trained again, and
 reported again with their new metrics. A job that cannot start again (its stored spec
 no longer validates, its dataset is gone, its spec is beyond this server's sizes) is
 reported failed with the reason, never retried; the server serves regardless.
@@ -56,6 +56,7 @@ from marlaas.obs.progress import (
     TenantEnded,
     TenantRestored,
     TenantStarted,
+    TenantUnpaused,
 )
 from marlaas.pipeline.context import PipelineOptions
 from marlaas.pipeline.runtime import (
@@ -249,7 +250,7 @@ class PipelineBackend:
             # Created while the pipeline started: recovery read it from the database
             # and runs it already.
             return
-        self._run(runtime, job_id, spec, resume=False)
+        self._run(runtime, job_id, spec, restore=False)
 
     async def cancel(self, job_id: str) -> None:
         runtime = await self.ready()
@@ -260,26 +261,22 @@ class PipelineBackend:
         runtime = await self.ready()
         if self._closing:
             return  # the next start reads the database, which says paused
-        self._known(job_id).running = False
+        self._known(job_id).running = False  # the database says paused
         runtime.pause(job_id)
 
-    async def resume(self, job_id: str) -> None:
+    async def unpause(self, job_id: str) -> None:
         runtime = await self.ready()
         if self._closing:
             return  # the next start reads the database, which says queued
         job = self._known(job_id)
-        runtime.resume(job_id)
-        # The database says queued now; tell it what the pipeline does with the job (a
-        # job paused before admission reports running when it is admitted).
-        state = runtime.state(job_id)
-        if state.status in (JobStatus.RUNNING, JobStatus.DONE):
-            job.running = True
-            self._report(lambda: self._reporter.status(job_id, JobStatus.RUNNING))
-        if state.status is JobStatus.DONE:  # its last step landed while it was paused
-            self._report(lambda: self._reporter.status(job_id, JobStatus.DONE))
-        elif state.status is JobStatus.FAILED:
-            reason = state.reason
-            self._report(lambda: self._reporter.status(job_id, JobStatus.FAILED, reason))
+        if job.ended is not None:
+            # It ended while paused and the database took the unpause before that end's
+            # report, which it then refused from queued: the runner says it again.
+            self._report_end(job_id, job, job.ended, job.reason)
+            return
+        # The database says queued; the pipeline's `TenantUnpaused` (admitted) or, for a
+        # job paused before admission, its `TenantStarted` reports running.
+        runtime.unpause(job_id)
 
     async def close(self) -> None:
         self._closing = True
@@ -322,7 +319,7 @@ class PipelineBackend:
                     known.checkpoints.add(step)
                     self._report_checkpoint(job.job_id, step, path / ADAPTER_DIR, {})
             try:
-                self._run(runtime, job.job_id, job.spec, resume=True, known=known)
+                self._run(runtime, job.job_id, job.spec, restore=True, known=known)
             except MarlaasError as e:  # e.g. a spec beyond this server's pipeline sizes
                 self._report_failure(job.job_id, f"cannot resume after a restart: {e}")
                 continue
@@ -360,7 +357,7 @@ class PipelineBackend:
         job_id: str,
         spec: JobSpec,
         *,
-        resume: bool,
+        restore: bool,
         known: _Job | None = None,
     ) -> None:
         """Submit the job under its id (raises on a spec the pipeline cannot take)."""
@@ -374,7 +371,7 @@ class PipelineBackend:
             raise PipelineError(f"job id {job_id!r} cannot name a pipeline tenant: {e}") from e
         self._jobs[job_id] = known or _Job()
         try:
-            runtime.submit(tenant_spec, resume=resume)
+            runtime.submit(tenant_spec, restore=restore)
         except BaseException:
             del self._jobs[job_id]
             raise
@@ -402,6 +399,10 @@ class PipelineBackend:
             if not job.running:
                 job.running = True
                 self._report(lambda: self._reporter.status(job_id, JobStatus.RUNNING))
+        elif isinstance(progress, TenantUnpaused):
+            if progress.admitted:  # the database says queued since the unpause
+                job.running = True
+                self._report(lambda: self._reporter.status(job_id, JobStatus.RUNNING))
         elif isinstance(progress, StepDone):
             step, metrics = progress.step, progress.metrics.as_dict()
             self._report(lambda: self._reporter.step(job_id, step, metrics))
@@ -416,15 +417,22 @@ class PipelineBackend:
                 )
         elif isinstance(progress, TenantEnded):
             job.ended, job.reason = progress.status, progress.reason
-            if progress.status is JobStatus.DONE:
-                self._report(lambda: self._reporter.status(job_id, JobStatus.DONE))
-            elif progress.status is JobStatus.FAILED:
-                reason = progress.reason
-                self._report(lambda: self._reporter.status(job_id, JobStatus.FAILED, reason))
+            self._report_end(job_id, job, progress.status, progress.reason)
         elif isinstance(progress, TenantRestored):
             log.info("job %s resumed from its checkpoint at step %d", job_id, progress.version)
             version = progress.version
-            self._report(lambda: self._reporter.resumed(job_id, version))
+            self._report(lambda: self._reporter.restored(job_id, version))
+
+    def _report_end(self, job_id: str, job: _Job, status: JobStatus, reason: str | None) -> None:
+        """Report a done or failed end (a cancel, or the pipeline's own stop, reports
+        nothing: the database says cancelled, or keeps the job active to restore)."""
+        if status is JobStatus.DONE:
+            if not job.running:  # done follows running (the database may say queued)
+                job.running = True
+                self._report(lambda: self._reporter.status(job_id, JobStatus.RUNNING))
+            self._report(lambda: self._reporter.status(job_id, JobStatus.DONE))
+        elif status is JobStatus.FAILED:
+            self._report(lambda: self._reporter.status(job_id, JobStatus.FAILED, reason))
 
     def _report_checkpoint(
         self, job_id: str, step: int, path: Path, metrics: dict[str, float]

@@ -8,17 +8,19 @@ action wins; the backend learns about that action through its own `cancel`/`paus
 call. Checkpoints and metrics are facts and are always recorded, with two exceptions:
 - a job's `keep_checkpoints`: recording a checkpoint drops the rows of older ones
   beyond it, then (after the commit) their folders; a crash in between leaves folders
-  that nothing refers to (a resumed job's backend reports them again, and they are
+  that nothing refers to (a restored job's backend reports them again, and they are
   dropped then; a finished job's go when the job is deleted);
 - a job the tenant deleted: every report about it is ignored (a late one of a backend
   still winding the job down; only a step still counts toward its steps used), and its
   files are removed by `deletion.purge_deleted_jobs`.
 
-A job resumed after a crash (`resumed`) continues from a checkpoint older than the
+A job restored from its checkpoint after a crash (`restored`) continues from a
+checkpoint older than the
 steps it had reported: `steps_done` goes back to the checkpoint's step and the later
 steps' metrics are dropped, since that work is lost and is trained again. Each re-run
 step then updates the event it had already (same id), so the event stream holds one
-event per step and never repeats one; a `resumed` event marks where it continued.
+event per step and never repeats one; a `resumed` event (its public name) marks where
+it continued.
 """
 
 from __future__ import annotations
@@ -109,16 +111,16 @@ class JobReporter:
             add_event(session, job, "status", {"status": str(status), "reason": reason})
             return True
 
-    async def resumed(self, job_id: str, step: int) -> None:
+    async def restored(self, job_id: str, step: int) -> None:
         """Report that the job continues from its checkpoint at `step` (see the module
         docstring)."""
-        rerun = await asyncio.to_thread(self._resumed, job_id, step)
+        rerun = await asyncio.to_thread(self._restored, job_id, step)
         self._rerun[job_id] = rerun
         self.notifier.notify(job_id)
 
-    def _resumed(self, job_id: str, step: int) -> dict[tuple[int, tuple[str, ...]], int]:
+    def _restored(self, job_id: str, step: int) -> dict[tuple[int, tuple[str, ...]], int]:
         with self._db.transaction() as session:
-            job = self._job(session, job_id, f"resumed at {step}")
+            job = self._job(session, job_id, f"restored at {step}")
             if job is None:
                 return {}
             job.steps_done = min(job.steps_done, step)

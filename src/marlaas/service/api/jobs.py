@@ -153,7 +153,7 @@ async def act(ctx: ServiceContext, caller: TenantCaller, job_id: str, action: Ac
         call = {
             Action.CANCEL: ctx.backend.cancel,
             Action.PAUSE: ctx.backend.pause,
-            Action.RESUME: ctx.backend.resume,
+            Action.RESUME: ctx.backend.unpause,
         }[action]
         try:
             await call(job_id)
