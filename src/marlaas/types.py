@@ -7,7 +7,7 @@ of the whole code base: `_T` is a per-token sequence.
 
 from __future__ import annotations
 
-import itertools
+import uuid
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -15,11 +15,10 @@ from marlaas.errors import DataError
 
 FinishReason = Literal["stop", "eos", "length", "aborted"]
 
-_request_ids = itertools.count()
-
 
 def next_request_id() -> str:
-    return f"req-{next(_request_ids)}"
+    """A fresh request id: random, so unique across processes without a shared counter."""
+    return f"req-{uuid.uuid4().hex[:16]}"
 
 
 @dataclass(frozen=True)

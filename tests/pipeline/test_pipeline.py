@@ -298,3 +298,24 @@ async def test_a_device_failure_stops_the_run(base_dir: Path, tmp_path: Path) ->
     finally:
         await ctx.backend.close()
     assert {s.status for s in orch.states.values()} <= {"cancelled", "failed"}
+
+
+async def test_a_teardown_error_is_logged_and_the_tenant_keeps_its_status(
+    base_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = run_spec(base_dir, job("a", steps=1))
+    ctx = await PipelineContext.open(
+        run, tmp_path, backend=open_backend, recorder=NullRecorder(), options=CPU
+    )
+
+    async def broken(name: str, *, keep_adapter: bool = False) -> None:
+        raise RuntimeError("the slot table is corrupt")
+
+    ctx.device.drop_tenant = broken  # type: ignore[method-assign]
+    try:
+        states = await asyncio.wait_for(Orchestrator(ctx, run.jobs).run(), 120)
+    finally:
+        await ctx.backend.close()
+    assert states["a"].status == "done"
+    assert "tenant 'a': freeing its training state failed" in caplog.text
+    assert "the slot table is corrupt" in caplog.text

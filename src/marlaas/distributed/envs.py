@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import itertools
 import threading
 import time
 import uuid
@@ -37,8 +36,6 @@ from marlaas.envs.base import Env, Example, StepResult, TaskFamily
 from marlaas.errors import MarlaasError
 from marlaas.obs.recorder import Recorder
 from marlaas.pipeline.envpool import EnvPool
-
-_episode_ids = itertools.count()
 
 
 class EnvWorkerLost(MarlaasError, RuntimeError):
@@ -168,7 +165,8 @@ class RemoteEnv(Env):
         self.max_turns = probe.max_turns
         self.tools = tuple(probe.tools)
         self.chat = probe.chat
-        self.episode_id = f"{placement.key[:8]}-{next(_episode_ids)}"
+        # Random: unique across driver processes without a shared counter.
+        self.episode_id = f"{placement.key[:8]}-{uuid.uuid4().hex[:16]}"
         self._worker: int | None = None
         self._release: weakref.finalize[Any, Any] | None = None
 

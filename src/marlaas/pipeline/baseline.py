@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -39,6 +40,8 @@ from marlaas.pipeline.tenant import (
     describe_failure,
 )
 from marlaas.train.batch import TrainBatchError
+
+log = logging.getLogger(__name__)
 
 
 class SyncBaseline:
@@ -90,8 +93,10 @@ class SyncBaseline:
             state.transition(JobStatus.FAILED, describe_failure(exc))
             recorder.progress(TenantEnded(state.name, JobStatus.FAILED, state.reason))
         finally:
-            with contextlib.suppress(Exception):
+            try:
                 await rt.teardown()
+            except Exception:  # the tenant has ended; its status stays what it was
+                log.exception("tenant %r: freeing its training state failed", state.name)
 
     async def _steps(self, state: TenantState, rt: TenantRuntime) -> None:
         if rt.evals and state.version not in state.stats.eval_accuracy:

@@ -37,7 +37,7 @@ the context then closes the backend (`runner.run_jobs`, `runtime.PipelineRuntime
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 import time
 from collections.abc import Coroutine, Sequence
 from typing import Any
@@ -62,6 +62,8 @@ from marlaas.pipeline.tenant import (
     describe_failure,
 )
 from marlaas.train.batch import TrainBatch, TrainBatchError
+
+log = logging.getLogger(__name__)
 
 
 class _Tasks:
@@ -296,8 +298,10 @@ class Orchestrator:
             await tasks.cancel_all()
             state.buffer.clear()  # never trained now; a long-lived pipeline keeps states
             self._tasks.pop(state.name, None)
-            with contextlib.suppress(Exception):
+            try:
                 await runtime.teardown()
+            except Exception:  # the tenant has ended; its status stays what it was
+                log.exception("tenant %r: freeing its training state failed", state.name)
 
     async def _drive(self, state: TenantState, rt: TenantRuntime, tasks: _Tasks) -> None:
         kept = self.ctx.device.versions_kept

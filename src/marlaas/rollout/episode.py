@@ -13,7 +13,7 @@ The loop never blocks: the engine and the environment are both awaited.
 
 from __future__ import annotations
 
-import itertools
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
@@ -25,8 +25,6 @@ from marlaas.types import Completion, FinishReason, RolloutRequest, SamplingPara
 
 #: How the episode reaches the engine: `RolloutEngine.submit`, or anything shaped like it.
 Submit = Callable[[RolloutRequest], Awaitable[Completion]]
-
-_episode_ids = itertools.count()
 
 
 def turn_sampling(sampling: SamplingParams) -> SamplingParams:
@@ -54,7 +52,7 @@ async def run_episode(
     prompt = await env.initial_observation()
     encode = encode_rendered if env.chat else encode_text
     prompt_ids = tuple(encode(tokenizer, prompt))
-    session = f"{tenant}/episode-{next(_episode_ids)}"
+    session = f"{tenant}/episode-{uuid.uuid4().hex[:16]}"  # unique without a shared counter
     turn_end = "" if env.chat else TURN_END
     if not env.chat:
         sampling = turn_sampling(sampling)
