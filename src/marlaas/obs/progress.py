@@ -5,10 +5,10 @@ these records, through `Recorder.progress`; everything that follows a run subscr
 to them: `RunRecorder` (JSONL files, summary, queries), the live view, the plots, the
 service's job rows (`service.pipeline_backend`) and the sync estimate
 (`pipeline.estimate`). A subscriber tells records apart by their type and reads their
-fields; nobody matches metric or event names as strings. Metric names appear in one
-place only: `StepMetrics.as_dict` and `EvalDone.as_dict`, which give the names under
-which figures are written to files and to the service's database (public names: the
-job API serves them).
+fields; nobody matches metric or event names as strings. Metric names appear here
+only (`StepMetrics.as_dict`, `EvalDone.as_dict`, `CheckpointWritten.metrics`): the names
+under which figures are written to files and to the service's database (public names:
+the job API serves them).
 
 Each record also names itself for logs (`event`: the event name in `events.jsonl`, the
 trace and the summary) and gives its log fields (`log_fields`); logs are for people and
