@@ -54,8 +54,10 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
+# Two workers (this machine's cores): much of the suite waits on live servers and
+# subprocesses; a file's tests stay on one worker (module-scoped servers).
 unit: $(STAMP)
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q -n auto --dist loadfile
 
 test: system-deps $(STAMP) lint typecheck unit
 

@@ -116,7 +116,8 @@ def test_delete_asks_first_and_only_takes_finished_jobs(
     assert files.is_dir()
 
     result = cli.invoke(app, ["delete", jid], input="n\n")
-    assert result.exit_code != 0 and "removes its checkpoints" in result.output
+    said = " ".join(result.output.split())  # the console wraps at the terminal's width
+    assert result.exit_code != 0 and "removes its checkpoints" in said
     assert "Delete it?" in result.output and files.is_dir()
     assert "deleted" in _ok(cli, "delete", jid, input="y\n") and not files.exists()
     result = cli.invoke(app, ["show", jid])
