@@ -40,10 +40,9 @@ from fastapi.routing import APIRoute
 
 from marlaas.service.api.deps import AUTH_ERRORS, TenantCaller, responses, tenant_id
 from marlaas.service.errors import ServiceError
-from marlaas.service.inference import (
+from marlaas.service.inference import InferenceHub, InferenceServer
+from marlaas.service.inference_limits import (
     BadInferenceRequest,
-    InferenceHub,
-    InferenceServer,
     check_request_size,
     unless_disconnected,
 )

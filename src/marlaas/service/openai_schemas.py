@@ -23,7 +23,7 @@ from pydantic import (
 )
 
 from marlaas.config.specs import Float, Int, integer_only, number_only
-from marlaas.service.inference import BadInferenceRequest
+from marlaas.service.inference_limits import BadInferenceRequest
 from marlaas.types import Completion, SamplingParams
 
 MAX_N = 16

@@ -27,7 +27,8 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from marlaas.service.errors import ServiceError
-from marlaas.service.inference import InferenceServer, unless_disconnected
+from marlaas.service.inference import InferenceServer
+from marlaas.service.inference_limits import unless_disconnected
 from marlaas.service.models_catalog import ServedModel
 from marlaas.service.openai_schemas import SamplingRequest, error_body, usage_of
 from marlaas.service.streaming import ChoiceEvents, IncrementalText

@@ -19,6 +19,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from marlaas.service.inference_limits import BadInferenceRequest
 from marlaas.service.models_catalog import ServedModel
 
 if TYPE_CHECKING:
@@ -78,7 +79,6 @@ class AdapterCache:
     async def _load(self, key: str, directory: Path) -> None:
         from marlaas.errors import ModelError
         from marlaas.model.peft_io import load_peft
-        from marlaas.service.inference import BadInferenceRequest  # imports this module
 
         provider = self.provider
         try:
