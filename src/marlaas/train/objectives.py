@@ -248,18 +248,14 @@ class ImportanceSampling:
 
 
 @dataclass(frozen=True)
-class PPO:
-    """The clipped surrogate (Tinker's `ppo`; Schulman et al. 2017, eq. 7), with the
-    clip range given as bounds on the ratio itself:
-
-        loss = -sum_{b,t} w * min(r * A, clip(r, clip_low_threshold, clip_high_threshold) * A)
-
-    Sums: `loss`, `tokens`, `ratio`, `clipped` (tokens on the clipped branch)."""
+class _RatioClip:
+    """What PPO and CISPO share: the clip range as bounds on the importance ratio, over
+    the sampler's log-probs and the advantages."""
 
     clip_low_threshold: float = 0.8
     clip_high_threshold: float = 1.2
 
-    name: ClassVar[str] = "ppo"
+    name: ClassVar[str]
     inputs: ClassVar[frozenset[str]] = frozenset({SAMPLING_LOGPROBS, ADVANTAGES})
 
     def __post_init__(self) -> None:
@@ -268,6 +264,18 @@ class PPO:
     @property
     def needs_base_logprobs(self) -> bool:
         return False
+
+
+@dataclass(frozen=True)
+class PPO(_RatioClip):
+    """The clipped surrogate (Tinker's `ppo`; Schulman et al. 2017, eq. 7), with the
+    clip range given as bounds on the ratio itself:
+
+        loss = -sum_{b,t} w * min(r * A, clip(r, clip_low_threshold, clip_high_threshold) * A)
+
+    Sums: `loss`, `tokens`, `ratio`, `clipped` (tokens on the clipped branch)."""
+
+    name: ClassVar[str] = "ppo"
 
     def __call__(self, x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
         mask_BT, w_BT, _, log_r_BT = _masked(x)
@@ -284,7 +292,7 @@ class PPO:
 
 
 @dataclass(frozen=True)
-class CISPO:
+class CISPO(_RatioClip):
     """Clipped importance-sampling policy optimisation (Tinker's `cispo`; MiniMax 2025,
     arXiv 2506.13585, eq. 4): the ratio is clipped and detached, so every token keeps a
     gradient (none is dropped, unlike PPO's clipped branch):
@@ -293,18 +301,7 @@ class CISPO:
 
     Sums: `loss`, `tokens`, `ratio`, `clipped` (tokens whose ratio was clipped)."""
 
-    clip_low_threshold: float = 0.8
-    clip_high_threshold: float = 1.2
-
     name: ClassVar[str] = "cispo"
-    inputs: ClassVar[frozenset[str]] = frozenset({SAMPLING_LOGPROBS, ADVANTAGES})
-
-    def __post_init__(self) -> None:
-        _check_thresholds(self.name, self.clip_low_threshold, self.clip_high_threshold)
-
-    @property
-    def needs_base_logprobs(self) -> bool:
-        return False
 
     def __call__(self, x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
         mask_BT, w_BT, p_BT, log_r_BT = _masked(x)
