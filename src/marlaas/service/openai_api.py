@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -216,6 +216,21 @@ async def _admit(
     return hub.slots.take(tenant_id(caller), quotas)
 
 
+async def _holding(
+    release: Callable[[], None], answer: Awaitable[dict[str, Any] | StreamingResponse]
+) -> dict[str, Any] | StreamingResponse:
+    """`answer` while holding its request slot: released when it is ready or fails; a
+    stream releases its slot itself, when its generation ends."""
+    try:
+        out = await answer
+    except BaseException:
+        release()
+        raise
+    if not isinstance(out, StreamingResponse):
+        release()
+    return out
+
+
 @router.get("/models")
 async def list_models(request: Request, caller: TenantCaller) -> dict[str, Any]:
     """The caller's models: `base`, and per job with a checkpoint (or training now) its
@@ -250,14 +265,7 @@ async def create_completion(
     items = _prompt_items(body.prompt)
     max_tokens = body.max_tokens or 16
     release = await _admit(request, caller, len(items), n, max_tokens)
-    try:
-        answer = await _complete(body, request, caller, items, n, max_tokens, release)
-    except BaseException:
-        release()
-        raise
-    if not isinstance(answer, StreamingResponse):
-        release()  # a stream releases its slot when its generation ends
-    return answer
+    return await _holding(release, _complete(body, request, caller, items, n, max_tokens, release))
 
 
 async def _complete(
@@ -317,14 +325,7 @@ async def create_chat_completion(
     messages = [(m.role, m.text()) for m in body.messages]
     max_tokens = body.max_completion_tokens or body.max_tokens or DEFAULT_CHAT_MAX_TOKENS
     release = await _admit(request, caller, 1, n, max_tokens)
-    try:
-        answer = await _chat(body, request, caller, messages, n, max_tokens, release)
-    except BaseException:
-        release()
-        raise
-    if not isinstance(answer, StreamingResponse):
-        release()  # a stream releases its slot when its generation ends
-    return answer
+    return await _holding(release, _chat(body, request, caller, messages, n, max_tokens, release))
 
 
 async def _chat(
