@@ -22,7 +22,6 @@ unknown fields; this module imports no heavy library.
 
 from __future__ import annotations
 
-import ast
 import re
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
@@ -30,7 +29,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, TypeAdapter, ValidationError, ValidationInfo, field_validator
 
 from marlaas.config.openai_graders import OPENAI_GRADER_TYPES, OpenAIGrader
-from marlaas.config.specs import Float, Spec
+from marlaas.config.specs import Float, Spec, check_grade_source
 from marlaas.errors import GraderError
 
 #: The placeholder a regex pattern may contain; it is replaced by the escaped reference.
@@ -154,34 +153,12 @@ class PythonGraderSpec(Spec):
     @field_validator("code")
     @classmethod
     def _defines_grade(cls, code: str) -> str:
-        try:
-            tree = ast.parse(code)
-        except SyntaxError as exc:
-            raise ValueError(
-                f"code does not parse: {exc.msg} at line {exc.lineno}; fix the syntax"
-            ) from exc
-        grades = [
-            node
-            for node in tree.body
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == "grade"
-        ]
-        if not grades:
-            raise ValueError(
-                "code defines no top-level function `grade`; add "
-                "`def grade(completion: str, reference: str, row: dict) -> float`"
-            )
-        fn = grades[-1]
-        if isinstance(fn, ast.AsyncFunctionDef):
-            raise ValueError("`grade` must be a plain `def`, not `async def`")
-        args = fn.args
-        positional = len(args.posonlyargs) + len(args.args)
-        required = positional - len(args.defaults)
-        if (positional < 3 and args.vararg is None) or required > 3:
-            raise ValueError(
-                "`grade` must take exactly three positional arguments (completion, reference, row)"
-            )
-        if any(d is None for d in args.kw_defaults):
-            raise ValueError("`grade` must not have required keyword-only arguments")
+        check_grade_source(
+            code,
+            "code",
+            "completion: str, reference: str, row: dict",
+            ("completion", "reference", "row"),
+        )
         return code
 
 

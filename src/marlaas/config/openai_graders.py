@@ -31,7 +31,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, TypeAdapter, ValidationError, ValidationInfo, field_validator
 
 from marlaas.config.openai_templates import parse_template
-from marlaas.config.specs import Spec
+from marlaas.config.specs import Spec, check_grade_source
 from marlaas.errors import GraderError
 
 OPENAI_GRADER_TYPES: tuple[str, ...] = (
@@ -130,30 +130,7 @@ class PythonGrader(_Named):
     @field_validator("source")
     @classmethod
     def _defines_grade(cls, source: str) -> str:
-        try:
-            tree = ast.parse(source)
-        except SyntaxError as exc:
-            raise ValueError(
-                f"source does not parse: {exc.msg} at line {exc.lineno}; fix the syntax"
-            ) from exc
-        grades = [
-            n
-            for n in tree.body
-            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name == "grade"
-        ]
-        if not grades:
-            raise ValueError(
-                "source defines no top-level function `grade`; add "
-                "`def grade(sample: dict, item: dict) -> float`"
-            )
-        fn = grades[-1]
-        if isinstance(fn, ast.AsyncFunctionDef):
-            raise ValueError("`grade` must be a plain `def`, not `async def`")
-        args = fn.args
-        positional = len(args.posonlyargs) + len(args.args)
-        required = positional - len(args.defaults)
-        if (positional < 2 and args.vararg is None) or required > 2:
-            raise ValueError("`grade` must take exactly two positional arguments (sample, item)")
+        check_grade_source(source, "source", "sample: dict, item: dict", ("sample", "item"))
         return source
 
 

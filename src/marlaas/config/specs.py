@@ -10,6 +10,8 @@ the machine it runs on and by the tenant's quotas (`marlaas.service.admission`).
 
 from __future__ import annotations
 
+import ast
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -317,3 +319,36 @@ class TaskSpec(Spec):
         # A range is a range whichever end comes first: accept both orders.
         lo, hi = sorted(value)
         return (lo, hi)
+
+
+def check_grade_source(text: str, field: str, signature: str, params: Sequence[str]) -> None:
+    """`ValueError` unless `text` (the `field` of a python grader) parses and defines a
+    top-level plain `def grade(<signature>)` callable with `params` positionally."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError as exc:
+        raise ValueError(
+            f"{field} does not parse: {exc.msg} at line {exc.lineno}; fix the syntax"
+        ) from exc
+    grades = [
+        node
+        for node in tree.body
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == "grade"
+    ]
+    if not grades:
+        raise ValueError(
+            f"{field} defines no top-level function `grade`; add `def grade({signature}) -> float`"
+        )
+    fn = grades[-1]
+    if isinstance(fn, ast.AsyncFunctionDef):
+        raise ValueError("`grade` must be a plain `def`, not `async def`")
+    args, n = fn.args, len(params)
+    positional = len(args.posonlyargs) + len(args.args)
+    required = positional - len(args.defaults)
+    if (positional < n and args.vararg is None) or required > n:
+        count = {2: "two", 3: "three"}.get(n, str(n))
+        raise ValueError(
+            f"`grade` must take exactly {count} positional arguments ({', '.join(params)})"
+        )
+    if any(d is None for d in args.kw_defaults):
+        raise ValueError("`grade` must not have required keyword-only arguments")
