@@ -56,7 +56,9 @@ class RolloutRequest:
     `version=None` samples with the tenant's newest published version at admission.
     `session` names a multi-turn episode: when the engine still holds the KV cache of
     that session's previous turn and `prompt_ids` extends it, only the new tokens are
-    prefilled.
+    prefilled. `account` names the tenant whose fair share of the sampler the request
+    is queued and charged under when that is not `tenant` (work of one tenant sampled
+    with another adapter: a training job's judge calling the base); None: `tenant`.
     """
 
     tenant: str
@@ -65,6 +67,12 @@ class RolloutRequest:
     version: int | None = None
     session: str | None = None
     request_id: str = field(default_factory=next_request_id)
+    account: str | None = None
+
+    @property
+    def share(self) -> str:
+        """The tenant whose fair share the request uses (`account`, else `tenant`)."""
+        return self.account if self.account is not None else self.tenant
 
 
 @dataclass(frozen=True)

@@ -255,3 +255,45 @@ async def test_inference_rows_go_first_and_training_leaves_rows_for_them(
         gate.fill()
         engine.step()
     assert gate.interactive_rows == 0 and not gate.interactive_active()
+
+
+async def test_a_request_on_an_account_uses_that_tenants_share(
+    saturated: tuple[RolloutEngine, AdapterBank],
+) -> None:
+    """A judge call of job p1 samples another adapter (p3 here) on p1's account: it
+    waits in p1's queue, at p1's weight, is counted to p1, and leaves with p1."""
+    engine, _ = saturated
+    gate = RequestGate(engine, capacity=6)
+    gate.set_weight("p1", 1.0)
+    gate.set_weight("p2", 1.0)
+    sampling = SamplingParams(max_new_tokens=6, seed=0)
+
+    def request(tenant: str, account: str | None = None) -> RolloutRequest:
+        return RolloutRequest(
+            tenant=tenant, prompt_ids=(10, 11, 12), sampling=sampling, account=account
+        )
+
+    own, judged = [], []
+    for _ in range(20):
+        own.append(gate.submit(request("p1")))
+        judged.append(gate.submit(request("p3", account="p1")))
+    other = [gate.submit(request("p2")) for _ in range(40)]
+    assert gate.waiting() == {"p1": 40, "p2": 40}  # no queue of p3's own
+    for _ in range(30):
+        gate.fill()
+        engine.step()
+    await asyncio.sleep(0)
+    # p1's own rows and its judge's share one tenant's half of the engine.
+    assert gate.tokens.keys() == {"p1", "p2"}
+    assert 0.8 <= gate.tokens["p1"] / gate.tokens["p2"] <= 1.25
+    done = [f for f in judged if f.done() and not f.cancelled()]
+    assert done and all(f.result().tenant == "p3" for f in done)  # sampled with p3
+    gate.remove("p1")  # the job ends: its judge calls still waiting end with it
+    await asyncio.sleep(0)
+    assert all(f.done() for f in own + judged) and gate.waiting().keys() == {"p2"}
+    for f in other:
+        f.cancel()
+    await asyncio.sleep(0)
+    while engine.has_work() or gate.has_waiting():
+        gate.fill()
+        engine.step()

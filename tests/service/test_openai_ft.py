@@ -233,13 +233,13 @@ def test_errors_answer_in_openais_shape(served: Served) -> None:
                     {
                         "type": "score_model",
                         "name": "j",
-                        "model": "base",
+                        "model": "ft:base:globex::job_0123456789abcdef",
                         "input": [{"role": "user", "content": "x"}],
                     }
                 )
             },
-            "method.reinforcement.grader",
-            "cannot call a judge",
+            "method.reinforcement.grader.model",
+            "does not exist or you do not have access to it",
         ),
     ]
     for change, param, fragment in cases:

@@ -282,3 +282,91 @@ def test_a_second_job_pauses_resumes_and_cancels(client: openai.OpenAI) -> None:
     ]
     assert messages[0] == "Fine-tuning job cancelled"
     assert "Fine-tuning job paused" in messages and "Fine-tuning job resumed" in messages
+
+
+@pytest.fixture(scope="module")
+def globex(client: openai.OpenAI) -> openai.OpenAI:
+    """A second tenant's client on the same server."""
+    base = str(client.base_url).rstrip("/").removesuffix("/v1")
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    r = httpx.post(f"{base}/v1/admin/tenants", json={"name": "globex"}, headers=admin)
+    assert r.status_code == 201, r.text
+    key = httpx.post(f"{base}/v1/admin/tenants/globex/keys", json={}, headers=admin).json()
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=key["key"], max_retries=0, timeout=120)
+
+
+def judged(model: str) -> dict[str, Any]:
+    """A multi grader whose `judge` sub-grader asks `model` for a score (short answers)."""
+    return {
+        "type": "multi",
+        "name": "judged",
+        "graders": {
+            "exact": MULTI["graders"]["exact"],  # type: ignore[index]
+            "judge": {
+                "type": "score_model",
+                "name": "judge",
+                "model": model,
+                "input": [
+                    {
+                        "role": "user",
+                        "content": "Is {{sample.output_text}} equal to {{item.answer}}?",
+                    }
+                ],
+                "range": [0, 10],
+                "sampling_params": {"temperature": 0, "max_completions_tokens": 4},
+            },
+        },
+        "calculate_output": "0.5 * exact + 0.05 * judge",
+    }
+
+
+def test_an_rft_job_with_a_judge_trains_and_judges_are_the_owners(
+    client: openai.OpenAI, globex: openai.OpenAI
+) -> None:
+    data = "".join(json.dumps(r) + "\n" for r in ROWS[:5]).encode()
+    training = client.files.create(file=("train.jsonl", io.BytesIO(data)), purpose="fine-tune")
+    hp = {"n_epochs": 1, "batch_size": 2, "compute_multiplier": 0.25}
+    grader = judged("base")
+    job = client.fine_tuning.jobs.create(
+        model="base",
+        training_file=training.id,
+        method={
+            "type": "reinforcement",
+            "reinforcement": {"grader": grader, "hyperparameters": hp},
+        },  # type: ignore[typeddict-item]
+        suffix="judged",
+        seed=5,
+    )
+    done = wait_for(client, job.id, ("succeeded",))
+    assert done.fine_tuned_model == f"ft:base:acme:judged:{job.id}"
+    events = list(client.fine_tuning.jobs.list_events(job.id, limit=100))
+    rewards = [
+        e.data["reward_mean"] for e in events if e.type == "metrics" and "reward_mean" in e.data
+    ]  # type: ignore[index,operator]
+    assert len(rewards) == 2 and all(0.0 <= r <= 1.0 for r in rewards)
+    # Another tenant cannot judge with acme's model: 400 naming the field, no job made.
+    theirs = globex.files.create(file=("train.jsonl", io.BytesIO(data)), purpose="fine-tune")
+    with pytest.raises(openai.BadRequestError) as refused:
+        globex.fine_tuning.jobs.create(
+            model="base",
+            training_file=theirs.id,
+            method={
+                "type": "reinforcement",
+                "reinforcement": {"grader": judged(done.fine_tuned_model)},
+            },  # type: ignore[typeddict-item,arg-type]
+        )
+    assert refused.value.param == "method.reinforcement.grader.graders.judge.model"
+    assert refused.value.code == "model_not_found"
+    assert "does not exist or you do not have access" in refused.value.message
+    assert globex.fine_tuning.jobs.list().data == []
+    # Its owner can: the job is created (and cancelled here).
+    own = client.fine_tuning.jobs.create(
+        model="base",
+        training_file=training.id,
+        method={
+            "type": "reinforcement",
+            "reinforcement": {"grader": judged(done.fine_tuned_model)},
+        },  # type: ignore[typeddict-item,arg-type]
+    )
+    assert own.status in ("queued", "running")
+    assert client.fine_tuning.jobs.cancel(own.id).status == "cancelled"

@@ -147,6 +147,7 @@ def serve(
         from marlaas.config.ray import RaySpec
         from marlaas.pipeline.context import PipelineOptions
         from marlaas.pipeline.runtime import RuntimeSpec
+        from marlaas.service.judges import ServiceJudges
         from marlaas.service.pipeline_backend import PipelineBackend
 
         spec = RuntimeSpec(
@@ -163,7 +164,9 @@ def serve(
             ray=ray or RaySpec(),
         )
         options = PipelineOptions(device=device, env_timeout_s=settings.env_timeout_s)
-        factory = PipelineBackend.factory(ctx.db, spec=spec, options=options)
+        factory = PipelineBackend.factory(
+            ctx.db, spec=spec, options=options, judges=ServiceJudges(ctx)
+        )
         what = f"pipeline on {base_model or 'the embedded base'} ({device}, dtype {dtype})"
         if ray is not None:
             # On this (the main) thread, before uvicorn installs its signal handlers:

@@ -23,12 +23,12 @@ unknown fields; this module imports no heavy library.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, TypeAdapter, ValidationError, ValidationInfo, field_validator
 
-from marlaas.config.openai_graders import OPENAI_GRADER_TYPES, OpenAIGrader
+from marlaas.config.openai_graders import OPENAI_GRADER_TYPES, OpenAIGrader, judge_models
 from marlaas.config.specs import Float, Spec, check_grade_source
 from marlaas.errors import GraderError
 
@@ -226,6 +226,16 @@ GRADER_TYPES: tuple[str, ...] = (
 )
 
 _ADAPTER: TypeAdapter[GraderSpec] = TypeAdapter(GraderSpec)
+
+
+def grader_judges(spec: GraderSpec, where: str = "grader") -> Iterator[tuple[str, str]]:
+    """(field path, model) of every judge model the grader calls: the `score_model` and
+    `label_model` graders inside its OpenAI graders, nested weighted children included."""
+    if isinstance(spec, WeightedGraderSpec):
+        for i, child in enumerate(spec.graders):
+            yield from grader_judges(child.grader, f"{where}.graders.{i}.grader")
+    elif isinstance(spec, OpenAIGraderSpec):
+        yield from judge_models(spec.grader, f"{where}.grader")
 
 
 def parse_grader(obj: Mapping[str, Any]) -> GraderSpec:

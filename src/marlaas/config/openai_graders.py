@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import ast
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, TypeAdapter, ValidationError, ValidationInfo, field_validator
@@ -345,13 +345,14 @@ OpenAIGrader = Annotated[
 _ADAPTER: TypeAdapter[OpenAIGrader] = TypeAdapter(OpenAIGrader)
 
 
-def uses_model(grader: OpenAIGrader) -> list[str]:
-    """The judge models a grader calls (none for string, similarity and python graders)."""
+def judge_models(grader: OpenAIGrader, where: str = "grader") -> Iterator[tuple[str, str]]:
+    """(field path, model) of every judge the grader calls, the path under `where` (none
+    for string, similarity and python graders)."""
     if isinstance(grader, MultiGrader):
-        return [m for sub in grader.graders.values() for m in uses_model(sub)]
-    if isinstance(grader, ScoreModelGrader | LabelModelGrader):
-        return [grader.model]
-    return []
+        for name, sub in grader.graders.items():
+            yield from judge_models(sub, f"{where}.graders.{name}")
+    elif isinstance(grader, ScoreModelGrader | LabelModelGrader):
+        yield f"{where}.model", grader.model
 
 
 def parse_openai_grader(obj: object, where: str = "grader") -> OpenAIGrader:

@@ -33,6 +33,12 @@ training is delayed, never stopped. An interactive request asks for a handful of
 for a few iterations, and the service bounds how many it may ask (rows and tokens per
 request, requests in flight per tenant), so the priority cannot be used to starve
 training.
+
+A request is queued, counted and charged under its `RolloutRequest.share`: its tenant,
+or the `account` it names. A training job's judge (a model grader calling the base or a
+served adapter) is that job's training work, so it is a training request on the job's
+account: it takes the job's share, at the job's weight, and is cancelled with the job's
+other requests when the job is removed; it never jumps ahead as inference does.
 """
 
 from __future__ import annotations
@@ -241,9 +247,7 @@ class RequestGate:
         with self._lock:
             if interactive:
                 self._interactive_until = time.monotonic() + RESERVE_HOLD_S
-            (self._interactive if interactive else self._share).push(
-                request.tenant, item, item.cost
-            )
+            (self._interactive if interactive else self._share).push(request.share, item, item.cost)
         future.add_done_callback(lambda f: self._withdraw(item) if f.cancelled() else None)
         if self.on_submit is not None:
             self.on_submit()
@@ -284,12 +288,12 @@ class RequestGate:
     def _withdraw(self, item: _Waiting) -> None:
         share = self._interactive if item.interactive else self._share
         with self._lock:
-            if not item.dispatched and share.discard(item.request.tenant, item):
+            if not item.dispatched and share.discard(item.request.share, item):
                 return
         self.engine.abort(item.request.request_id)
 
     def _done(self, item: _Waiting, result: Completion | BaseException) -> None:
-        tenant = item.request.tenant
+        tenant = item.request.share
         used = len(result.token_ids) if isinstance(result, Completion) else 0
         with self._lock:
             if item.interactive:

@@ -17,7 +17,9 @@ Contract of a `Grader`: `await grader(completion, reference, row)` returns a flo
   result to stdout.
 - `weighted` awaits its children concurrently and returns their normalised weighted mean.
 - `openai` evaluates an OpenAI grader (`marlaas.envs.openai_graders`); its python graders
-  run in the same sandbox. It has no judge here, so it cannot score with model graders.
+  run in the same sandbox, its model graders (`score_model`, `label_model`) call the
+  `judge` the caller gives (the pipeline's, `marlaas.pipeline.judges`). Without one, a
+  model grader fails to score (`GraderError`).
 
 Any failure to score (a user grader that raises, hangs, exits or returns a non-number
 or a value outside [0, 1]; a reference the grader cannot read; a math timeout) raises
@@ -52,6 +54,7 @@ from marlaas.config.graders import (
 from marlaas.errors import GraderError
 
 if TYPE_CHECKING:
+    from marlaas.envs.openai_graders import Judge
     from marlaas.envs.sandbox import Sandbox
 
 
@@ -63,10 +66,16 @@ class Grader(Protocol):
         ...
 
 
-def build_grader(spec: GraderSpec | Mapping[str, Any], *, sandbox: Sandbox | None = None) -> Grader:
+def build_grader(
+    spec: GraderSpec | Mapping[str, Any],
+    *,
+    sandbox: Sandbox | None = None,
+    judge: Judge | None = None,
+) -> Grader:
     """A ready grader for `spec` (a parsed spec, or plain data that `parse_grader` takes).
 
-    `sandbox` runs `python` graders; without it they use the default sandbox.
+    `sandbox` runs `python` graders; without it they use the default sandbox. `judge`
+    answers the model graders of OpenAI graders.
     """
     if isinstance(spec, Mapping):
         spec = parse_grader(spec)
@@ -85,12 +94,14 @@ def build_grader(spec: GraderSpec | Mapping[str, Any], *, sandbox: Sandbox | Non
             sandbox = default_sandbox()
         return PythonGrader(spec, sandbox)
     if isinstance(spec, WeightedGraderSpec):
-        children = [build_grader(child.grader, sandbox=sandbox) for child in spec.graders]
+        children = [
+            build_grader(child.grader, sandbox=sandbox, judge=judge) for child in spec.graders
+        ]
         return WeightedGrader(spec, children)
     if isinstance(spec, OpenAIGraderSpec):
         from marlaas.envs.openai_graders import OpenAIRewardGrader
 
-        return OpenAIRewardGrader(spec.grader, sandbox=sandbox)
+        return OpenAIRewardGrader(spec.grader, sandbox=sandbox, judge=judge)
     raise GraderError(f"unknown grader spec {type(spec).__name__}")
 
 

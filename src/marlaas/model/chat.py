@@ -90,6 +90,35 @@ def render_chat(
     return str(text)
 
 
+#: Ends each message in the plain chat format; also the default stop of a chat reply
+#: there, because a model turn of the embedded base is one line (`envs.base.TURN_END`).
+PLAIN_TURN_END = "\n"
+
+
+def chat_prompt(
+    tokenizer: PreTrainedTokenizerBase, messages: Sequence[tuple[str, str]]
+) -> tuple[list[int], tuple[str, ...]]:
+    """Token ids of a chat prompt of (role, text) messages and the default stop strings
+    of its reply (the OpenAI routes' chat prompts, and a judge's).
+
+    With a tokenizer chat template: the template with the generation prompt, no
+    default stops. Without one (the embedded base), the plain format that matches the
+    built-in tasks' `Q: ...\\nA: ` prompts: each message on its own line -- system and
+    developer text as is, a user turn as `Q: <text>`, an assistant turn as
+    `A: <text>` -- then `A: ` for the reply, which stops at the end of its line.
+    """
+    if has_chat_template(tokenizer):
+        text = tokenizer.apply_chat_template(
+            [{"role": r, "content": c} for r, c in messages],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        return encode_rendered(tokenizer, str(text)), ()
+    prefix = {"system": "", "developer": "", "user": "Q: ", "assistant": "A: "}
+    lines = [f"{prefix[role]}{content}{PLAIN_TURN_END}" for role, content in messages]
+    return encode_text(tokenizer, "".join(lines) + "A: "), (PLAIN_TURN_END,)
+
+
 # -- tool calls in the model's own format ------------------------------------------------
 
 ToolStyle = Literal["tags", "json", "text"]

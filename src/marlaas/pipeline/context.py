@@ -5,7 +5,9 @@ the run's components (`PipelineContext`), built once per run.
 The backend is chosen above the pipeline: `PipelineContext.open` (so `run_jobs` and
 `PipelineRuntime.start`) takes a `BackendOpener` (`marlaas.backends.open_backend` reads
 the run's `backend` and opens the in-process or the Ray one); the pipeline only ever
-sees the port. The context owns no per-tenant state: that lives in `TenantState` /
+sees the port. Likewise the judges of model graders (`marlaas.pipeline.judges`): the
+owner gives a `JudgeFactory`, or none, and a job whose grader calls a model is then
+refused when it is submitted. The context owns no per-tenant state: that lives in `TenantState` /
 `TenantRuntime`.
 """
 
@@ -24,9 +26,12 @@ from marlaas.config.specs import Spec
 from marlaas.device.config import DeviceConfig
 from marlaas.device.port import DevicePort
 from marlaas.envs.base import TaskFamily
+from marlaas.envs.openai_graders import Judge
+from marlaas.errors import ConfigError
 from marlaas.model.chat import require_template
 from marlaas.obs.recorder import Recorder
 from marlaas.pipeline.envpool import EnvPool
+from marlaas.pipeline.judges import JudgeFactory, job_judges
 
 
 class PipelineOptions(Spec):
@@ -107,6 +112,8 @@ class PipelineContext:
     resume: bool = False
     #: Task families that replace a job's own task, by job name (custom environments).
     tasks: Mapping[str, TaskFamily] = field(default_factory=dict)
+    #: Who judges the jobs' model graders; None: a job whose grader calls a model is refused.
+    judges: JudgeFactory | None = None
 
     @property
     def device(self) -> DevicePort:
@@ -128,6 +135,7 @@ class PipelineContext:
         resume: bool = False,
         tasks: Mapping[str, TaskFamily] | None = None,
         max_staleness: int | None = None,
+        judges: JudgeFactory | None = None,
     ) -> PipelineContext:
         """The run's components on a backend `backend` opens. `max_staleness`: None is
         the largest among `run.jobs` (a long-lived pipeline, whose jobs come later, gives
@@ -144,6 +152,7 @@ class PipelineContext:
             options=options,
             resume=resume,
             tasks=dict(tasks or {}),
+            judges=judges,
         )
 
     def resolve_job(self, job: JobSpec) -> JobSpec:
@@ -154,8 +163,26 @@ class PipelineContext:
         record explicit names."""
         if job.task.format == "chat":
             require_template(self.device.tokenizer, f"job {job.name!r}: task.format chat")
+        self.judge_for(job)  # a job that cannot be judged is refused here, before it starts
         lora = self.device.model.resolve(job.lora, default=self.run.default_target_modules)
         return job if lora is job.lora else job.model_copy(update={"lora": lora})
+
+    def judge_for(self, job: JobSpec) -> Judge | None:
+        """The judge of the job's model graders (None when it has none, or its task is
+        replaced by a custom one); `ConfigError` naming the field when nobody can judge
+        them."""
+        called = job_judges(job)
+        if not called or job.name in self.tasks:
+            return None
+        if self.judges is None:
+            where, model = called[0]
+            raise ConfigError(
+                f"job {job.name!r}: {where} calls the judge model {model!r}, and this "
+                "pipeline was started without judges; run it with a judge factory "
+                "(`marlaas run` and `marlaas serve` give one), or grade without "
+                "score_model / label_model"
+            )
+        return self.judges(self.device, job)
 
     def tenant_dir(self, name: str) -> Path:
         return self.out_dir / "tenants" / name

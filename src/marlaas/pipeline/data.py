@@ -24,6 +24,7 @@ from marlaas.envs.base import Example, TaskFamily
 from marlaas.envs.chat import ChatFamily, render_examples
 from marlaas.envs.datasets import DatasetTask, load_jsonl
 from marlaas.envs.graders import build_grader
+from marlaas.envs.openai_graders import Judge
 from marlaas.envs.tasks import get_family
 from marlaas.errors import ConfigError, DataError
 from marlaas.types import SamplingParams
@@ -32,9 +33,12 @@ from marlaas.types import SamplingParams
 BLOCK = 256
 
 
-def build_task(job: JobSpec, tokenizer: PreTrainedTokenizerBase | None = None) -> TaskFamily:
-    """The job's task: a built-in family with its knobs, or its dataset and grader; in
-    chat format, rendered with `tokenizer`'s chat template (`marlaas.envs.chat`).
+def build_task(
+    job: JobSpec, tokenizer: PreTrainedTokenizerBase | None = None, judge: Judge | None = None
+) -> TaskFamily:
+    """The job's task: a built-in family with its knobs, or its dataset and grader (its
+    model graders calling `judge`); in chat format, rendered with `tokenizer`'s chat
+    template (`marlaas.envs.chat`).
 
     Raises `ConfigError` / `DataError` / `GraderError` for a bad spec or bad data (a
     chat task for a tokenizer without a chat template among them).
@@ -43,7 +47,7 @@ def build_task(job: JobSpec, tokenizer: PreTrainedTokenizerBase | None = None) -
     if isinstance(task, DatasetSpec):
         examples = load_jsonl(task.path, task.prompt_field, task.reference_field)
         examples, chat = render_examples(examples, tokenizer, task.format, task.path)
-        grader = build_grader(task.grader)
+        grader = build_grader(task.grader, judge=judge)
         held_out = None
         if task.eval_path is not None:
             # Ids only need to be unique within a file: the eval file's get a prefix.

@@ -126,7 +126,8 @@ class TenantRuntime:
         self._training = grpo_training(job)
         family = ctx.tasks.get(self.name)
         if family is None:
-            family = await asyncio.to_thread(build_task, job, ctx.device.tokenizer)
+            judge = ctx.judge_for(job)
+            family = await asyncio.to_thread(build_task, job, ctx.device.tokenizer, judge)
         family = ctx.envs.place(family)  # where its environments run (a backend's choice)
         self._family = family
         self.stream = ExampleStream(family, job)

@@ -29,6 +29,7 @@ from marlaas.fileio import atomic_write_json
 from marlaas.obs.recorder import NullRecorder, Recorder
 from marlaas.pipeline.baseline import SyncBaseline
 from marlaas.pipeline.context import BackendOpener, PipelineContext, PipelineOptions
+from marlaas.pipeline.judges import JudgeFactory, base_judge
 from marlaas.pipeline.orchestrator import Orchestrator
 from marlaas.pipeline.tenant import TenantState
 
@@ -117,6 +118,7 @@ async def run_jobs(
     resume: bool = False,
     options: PipelineOptions | None = None,
     tasks: Mapping[str, TaskFamily] | None = None,
+    judges: JudgeFactory | None = base_judge,
 ) -> RunResult:
     """Run every job of `run` to the end (see the module docstring for the outputs).
 
@@ -124,7 +126,8 @@ async def run_jobs(
     `run.backend`). `mode="async"` is the event-driven multi-tenant pipeline, `"sync"`
     the conventional baseline. `resume=True` restores each job from its latest
     checkpoint (adapter, optimizer, step, RNG, data cursor) and continues to its
-    `steps`. `tasks` replaces the task of the named jobs with a custom `TaskFamily`. A
+    `steps`. `tasks` replaces the task of the named jobs with a custom `TaskFamily`.
+    `judges` answers the jobs' model graders (default: the run's base, `base_judge`). A
     job's failure is reported in its `TenantResult`; only a failure of the shared device
     raises.
     """
@@ -141,6 +144,7 @@ async def run_jobs(
         options=options,
         resume=resume,
         tasks=tasks,
+        judges=judges,
     )
     ctx.recorder.event("run_started", mode=mode, jobs=len(run.jobs), resume=resume)
     t0 = time.perf_counter()

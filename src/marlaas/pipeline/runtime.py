@@ -42,6 +42,7 @@ from marlaas.fileio import atomic_write_json
 from marlaas.obs.progress import Progress, TenantEnded
 from marlaas.obs.recorder import NullRecorder, Recorder
 from marlaas.pipeline.context import BackendOpener, PipelineContext, PipelineOptions
+from marlaas.pipeline.judges import JudgeFactory
 from marlaas.pipeline.orchestrator import Orchestrator
 from marlaas.pipeline.tenant import PipelineError, TenantState, describe_failure
 from marlaas.train.checkpoint import list_checkpoints
@@ -178,9 +179,11 @@ class PipelineRuntime:
         options: PipelineOptions | None = None,
         recorder: Recorder | None = None,
         on_progress: ProgressCallback | None = None,
+        judges: JudgeFactory | None = None,
     ) -> PipelineRuntime:
         """Open the backend (`backend`: e.g. `marlaas.backends.open_backend`) and start
-        the orchestrator. Tenant outputs go under `out_dir/tenants/<job name>/`."""
+        the orchestrator. Tenant outputs go under `out_dir/tenants/<job name>/`.
+        `judges` answers the jobs' model graders (None: such jobs are refused)."""
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_json(out_dir / "runtime.json", spec.model_dump(mode="json"), sort_keys=True)
@@ -194,6 +197,7 @@ class PipelineRuntime:
             options=options,
             resume=True,
             max_staleness=spec.max_staleness,
+            judges=judges,
         )
         runtime = cls(ctx, Orchestrator(ctx, serve=True), on_progress)
         progress.emit = runtime._progress

@@ -11,7 +11,7 @@ from marlaas.service.admission import JobAdmission
 from marlaas.service.auth import PrincipalCache
 from marlaas.service.backend import JobBackend
 from marlaas.service.db import Database
-from marlaas.service.inference import InferenceProvider
+from marlaas.service.inference import InferenceHub, InferenceProvider
 from marlaas.service.metrics import RequestMetrics
 from marlaas.service.reporter import JobReporter
 from marlaas.service.settings import ServiceSettings
@@ -37,3 +37,11 @@ class ServiceContext:
     inference: InferenceProvider | None = field(default=None)
     """The shared engine the OpenAI-compatible routes serve from; None: the backend's,
     if it implements `InferenceSource`, else an engine of their own (see `inference`)."""
+    _hub: InferenceHub | None = field(default=None, init=False, repr=False)
+
+    def inference_hub(self) -> InferenceHub:
+        """The service's serving state (one per context, built on first use): the
+        OpenAI routes and the training jobs' judges share its engine and adapters."""
+        if self._hub is None:
+            self._hub = InferenceHub(self)
+        return self._hub

@@ -100,8 +100,9 @@ class InferenceProvider(Protocol):
     queues a request (through the device's fair-share gate, or on the service's own
     engine) and resolves with the `Completion`; cancelling the awaitable aborts the
     request; `on_token` (streaming) is called on the loop with each token as it is
-    sampled, when the engine streams. `base_adapter` names the plain base. Serving only
-    ever adds and drops `serve:*` adapters.
+    sampled, when the engine streams; `interactive=False` (a training job's judge)
+    queues it as training work of its `account` instead of inference. `base_adapter`
+    names the plain base. Serving only ever adds and drops `serve:*` adapters.
     """
 
     @property
@@ -114,7 +115,11 @@ class InferenceProvider(Protocol):
     def base_adapter(self) -> str: ...
 
     def sample(
-        self, request: RolloutRequest, on_token: Callable[[int], None] | None = None
+        self,
+        request: RolloutRequest,
+        on_token: Callable[[int], None] | None = None,
+        *,
+        interactive: bool = True,
     ) -> Awaitable[Completion]: ...
 
     def has_adapter(self, name: str) -> bool: ...
@@ -191,9 +196,13 @@ class DeviceProvider:
         return BASE
 
     def sample(
-        self, request: RolloutRequest, on_token: Callable[[int], None] | None = None
+        self,
+        request: RolloutRequest,
+        on_token: Callable[[int], None] | None = None,
+        *,
+        interactive: bool = True,
     ) -> Awaitable[Completion]:
-        return self.device.sample(request, on_token, interactive=True)
+        return self.device.sample(request, on_token, interactive=interactive)
 
     def has_adapter(self, name: str) -> bool:
         return self.device.has_adapter(name)
@@ -225,8 +234,13 @@ class EngineProvider:
         return BASE_KEY
 
     def sample(
-        self, request: RolloutRequest, on_token: Callable[[int], None] | None = None
+        self,
+        request: RolloutRequest,
+        on_token: Callable[[int], None] | None = None,
+        *,
+        interactive: bool = True,
     ) -> Awaitable[Completion]:
+        # No gate on an engine of the service's own: no training shares it.
         if request.tenant == BASE_KEY and BASE_KEY not in self.bank:
             # Rank 0 on one module: the plain base, with the least idle lane compute.
             targets = self.model.target_modules[:1]
@@ -300,9 +314,15 @@ class InferenceServer:
         sampling: SamplingParams,
         n: int,
         events: ChoiceEvents | None = None,
+        *,
+        account: str | None = None,
     ) -> list[Completion]:
         """`n` completions of each prompt, prompt-major; choice `j` of a seeded request
         samples with seed `seed + j`, so choices differ and each is reproducible.
+
+        `account`: the pipeline tenant (a job id) whose training work this is (its
+        judge): the requests go to the sampler as that job's training rows, on its fair
+        share, rather than as inference (see `marlaas.pipeline.judges`).
 
         With `events` (streaming), choice `k` (prompt-major) reports each token as it is
         sampled (`events.token`) and its completion as soon as it has it
@@ -316,12 +336,17 @@ class InferenceServer:
                     sampling=sampling
                     if sampling.seed is None
                     else replace(sampling, seed=sampling.seed + j),
+                    account=account,
                 )
                 for prompt in prompts
                 for j in range(n)
             ]
+            interactive = account is None
             if events is None:
-                futures = [asyncio.ensure_future(self.provider.sample(r)) for r in requests]
+                futures = [
+                    asyncio.ensure_future(self.provider.sample(r, interactive=interactive))
+                    for r in requests
+                ]
             else:
                 futures = [
                     asyncio.ensure_future(

@@ -113,11 +113,6 @@ class OpenAIRoute(APIRoute):
 # -- conversion -----------------------------------------------------------------------
 
 
-#: Ends each message in the plain chat format; also the default stop of a chat reply
-#: there, because a model turn of the embedded base is one line (`envs.base.TURN_END`).
-PLAIN_TURN_END = "\n"
-
-
 def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     """Text to token ids as the pipeline encodes text prompts (BOS as the tokenizer
     expects, no other special tokens)."""
@@ -129,26 +124,11 @@ def encode(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
 def chat_prompt(
     tokenizer: PreTrainedTokenizerBase, messages: Sequence[tuple[str, str]]
 ) -> tuple[list[int], tuple[str, ...]]:
-    """Token ids of a chat prompt and the default stop strings of its reply.
+    """Token ids of a chat prompt and the default stop strings of its reply
+    (`marlaas.model.chat.chat_prompt`: the template, else the plain format)."""
+    from marlaas.model.chat import chat_prompt as render  # transformers: on first use
 
-    With a tokenizer chat template: the template with the generation prompt, no
-    default stops. Without one (the embedded base), the plain format that matches the
-    built-in tasks' `Q: ...\\nA: ` prompts: each message on its own line -- system and
-    developer text as is, a user turn as `Q: <text>`, an assistant turn as
-    `A: <text>` -- then `A: ` for the reply, which stops at the end of its line.
-    """
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(
-            [{"role": r, "content": c} for r, c in messages],
-            tokenize=False,
-            add_generation_prompt=True,
-        )
-        from marlaas.model.chat import encode_rendered
-
-        return encode_rendered(tokenizer, str(text)), ()
-    prefix = {"system": "", "developer": "", "user": "Q: ", "assistant": "A: "}
-    lines = [f"{prefix[role]}{content}{PLAIN_TURN_END}" for role, content in messages]
-    return encode(tokenizer, "".join(lines) + "A: "), (PLAIN_TURN_END,)
+    return render(tokenizer, messages)
 
 
 def _finish(completion: Completion) -> str:
@@ -165,7 +145,7 @@ def _model_card(m: ServedModel, owner: str) -> dict[str, Any]:
 
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-    hub = InferenceHub(app.state.context)
+    hub = app.state.context.inference_hub()
     app.state.inference_hub = hub
     try:
         yield
@@ -196,7 +176,7 @@ def inference_hub(request: Request) -> InferenceHub:
     """The app's serving state (also the OpenAI fine-tuning routes' judge models)."""
     hub: InferenceHub | None = getattr(request.app.state, "inference_hub", None)
     if hub is None:  # the app runs without its lifespan: an engine it never closes
-        hub = request.app.state.inference_hub = InferenceHub(request.app.state.context)
+        hub = request.app.state.inference_hub = request.app.state.context.inference_hub()
     return hub
 
 

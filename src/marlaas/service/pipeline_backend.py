@@ -59,6 +59,7 @@ from marlaas.obs.progress import (
     TenantUnpaused,
 )
 from marlaas.pipeline.context import PipelineOptions
+from marlaas.pipeline.judges import JudgeFactory
 from marlaas.pipeline.runtime import (
     PipelineRuntime,
     RuntimeFailed,
@@ -128,8 +129,10 @@ class PipelineBackend:
         spec: RuntimeSpec | None = None,
         options: PipelineOptions | None = None,
         recover: bool = True,
+        judges: JudgeFactory | None = None,
     ) -> None:
         self._reporter = reporter
+        self._judges = judges  # the jobs' model graders (`service.judges.ServiceJudges`)
         self._db = db
         self._jobs: dict[str, _Job] = {}
         self._closing = False
@@ -151,11 +154,13 @@ class PipelineBackend:
         spec: RuntimeSpec | None = None,
         options: PipelineOptions | None = None,
         recover: bool = True,
+        judges: JudgeFactory | None = None,
     ) -> BackendFactory:
-        """The app's `BackendFactory` for this backend over the service's database."""
+        """The app's `BackendFactory` for this backend over the service's database;
+        `judges` answers the jobs' model graders (None: such jobs fail to start)."""
 
         def make(reporter: JobReporter) -> PipelineBackend:
-            return cls(reporter, db, spec=spec, options=options, recover=recover)
+            return cls(reporter, db, spec=spec, options=options, recover=recover, judges=judges)
 
         return make
 
@@ -295,7 +300,12 @@ class PipelineBackend:
         self, spec: RuntimeSpec, options: PipelineOptions, recover: bool
     ) -> PipelineRuntime:
         runtime = await PipelineRuntime.start(
-            spec, self.out_dir, backend=open_backend, options=options, on_progress=self._on_progress
+            spec,
+            self.out_dir,
+            backend=open_backend,
+            options=options,
+            on_progress=self._on_progress,
+            judges=self._judges,
         )
         if recover:
             try:

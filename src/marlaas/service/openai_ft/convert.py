@@ -14,7 +14,9 @@ Hyperparameters (`method.reinforcement.hyperparameters`) map onto the job spec; 
 | `eval_samples` | 64 | `eval_episodes`: held-out prompts per eval (greedy, each once) |
 
 The held-out prompts are the validation file's rows, or 10% of the training file's
-without one. `reasoning_effort`, `integrations`, the deprecated top-level
+without one. A `score_model` or `label_model` judge is any model the tenant may call
+(`base`, its own jobs and checkpoints); the job's creation checks it
+(`graders.check_judges`). `reasoning_effort`, `integrations`, the deprecated top-level
 `hyperparameters`, unknown fields, and the `supervised` and `dpo` methods are refused
 with a 400 naming the field: marlaas never ignores a setting it cannot honour.
 """
@@ -33,7 +35,6 @@ from marlaas.config.openai_graders import (
     OpenAIGrader,
     OpenAIGraderError,
     parse_openai_grader,
-    uses_model,
 )
 from marlaas.config.specs import GRPOSpec, describe_problems
 from marlaas.envs.openai_graders import check_runnable
@@ -166,13 +167,6 @@ def check_request(body: CreateJob) -> OpenAIGrader:
         raise bad_request(str(e), e.param) from None
     except GraderError as e:
         raise bad_request(str(e), where) from None
-    if uses_model(grader):
-        raise bad_request(
-            f"{where}: score_model and label_model graders can be tried with "
-            "POST /v1/fine_tuning/alpha/graders/run, but training jobs cannot call a judge "
-            "model yet; grade with string_check, text_similarity, python or multi",
-            where,
-        )
     effort = (method.reinforcement.hyperparameters or Hyperparameters()).reasoning_effort
     if effort is not None:
         raise bad_request(

@@ -7,36 +7,34 @@ its `name`, string contents as text parts), or a 400 naming the field. `run` sco
 sub-rewards, and `metadata` (the error flags, execution time, scores, token usage).
 A judge (`score_model`, `label_model`) is a model marlaas serves: `base`, or one of the
 caller's (a job id, a checkpoint, an `ft:` name), run by the OpenAI inference engine
-with the grader's messages through the chat template; a judge the caller cannot use is
-a 400 naming its `model` field, before anything runs.
+with the grader's messages through the chat template (`service.judges`); a judge the
+caller cannot use is a 400 naming its `model` field, before anything runs
+(`check_judges`, which a job's creation runs too).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
 from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, TypeAdapter
 
 from marlaas.config.openai_graders import (
-    LabelModelGrader,
     MultiGrader,
     OpenAIGrader,
     OpenAIGraderError,
-    ScoreModelGrader,
+    judge_models,
     parse_openai_grader,
 )
-from marlaas.envs.openai_graders import JudgeError, JudgeReply, check_runnable, evaluate
+from marlaas.envs.openai_graders import check_runnable, evaluate
 from marlaas.errors import GraderError
 from marlaas.service.api.deps import TenantCaller, tenant_id
-from marlaas.service.errors import ServiceError
 from marlaas.service.inference import InferenceHub
+from marlaas.service.judges import ServiceJudge
 from marlaas.service.models_catalog import ModelNotFound
-from marlaas.service.openai_api import chat_prompt, inference_hub
+from marlaas.service.openai_api import inference_hub
 from marlaas.service.openai_ft.errors import ERRORS, FineTuningRoute, bad_request
-from marlaas.types import SamplingParams
 
 router = APIRouter(
     prefix="/v1/fine_tuning/alpha/graders",
@@ -61,47 +59,16 @@ class RunBody(_Wire):
     item: dict[str, Any] | None = None
 
 
-class ServiceJudge:
-    """A `Judge` over the service's inference engine, for one tenant's models."""
-
-    def __init__(self, hub: InferenceHub, tenant: str) -> None:
-        self.hub = hub
-        self.tenant = tenant
-
-    async def __call__(
-        self,
-        model: str,
-        messages: Sequence[tuple[str, str]],
-        *,
-        max_tokens: int,
-        temperature: float,
-        top_p: float,
-        seed: int | None,
-    ) -> JudgeReply:
+async def check_judges(
+    grader: OpenAIGrader, hub: InferenceHub, tenant: str, where: str = "grader"
+) -> None:
+    """A 400 naming the `model` field of the first judge the tenant cannot call (a model
+    that does not exist, or another tenant's, alike)."""
+    for param, model in judge_models(grader, where):
         try:
-            server = await self.hub.server()
-            served = await server.resolve(self.tenant, model)
-            prompt, stops = chat_prompt(server.provider.tokenizer, messages)
-            sampling = SamplingParams(
-                temperature=temperature,
-                top_p=top_p,
-                max_new_tokens=max_tokens,
-                stop=stops,
-                seed=seed,
-            )
-            (out,) = await server.generate(served, [prompt], sampling, 1)
-        except ServiceError as e:
-            raise JudgeError(f"judge model {model!r}: {e}") from e
-        return JudgeReply(out.text, len(prompt), len(out.token_ids))
-
-
-def _judges(grader: OpenAIGrader, where: str = "grader") -> Iterator[tuple[str, str]]:
-    """(field path, model) of every judge the grader calls."""
-    if isinstance(grader, MultiGrader):
-        for name, sub in grader.graders.items():
-            yield from _judges(sub, f"{where}.graders.{name}")
-    elif isinstance(grader, ScoreModelGrader | LabelModelGrader):
-        yield f"{where}.model", grader.model
+            await hub.resolve(tenant, model)
+        except ModelNotFound as e:
+            raise bad_request(f"{param}: {e}", param, "model_not_found") from None
 
 
 async def _checked(raw: dict[str, Any], hub: InferenceHub, tenant: str) -> OpenAIGrader:
@@ -112,11 +79,7 @@ async def _checked(raw: dict[str, Any], hub: InferenceHub, tenant: str) -> OpenA
         raise bad_request(str(e), e.param) from None
     except GraderError as e:
         raise bad_request(str(e), "grader") from None
-    for param, model in _judges(grader):
-        try:
-            await hub.resolve(tenant, model)
-        except ModelNotFound as e:
-            raise bad_request(f"{param}: {e}", param, "model_not_found") from None
+    await check_judges(grader, hub, tenant)
     return grader
 
 

@@ -40,6 +40,7 @@ from marlaas.service.openai_ft.errors import (
 )
 from marlaas.service.openai_ft.file_check import check_prompts
 from marlaas.service.openai_ft.files import file_path, find_file
+from marlaas.service.openai_ft.graders import check_judges
 from marlaas.service.openai_ft.names import fine_tuned_model
 
 log = logging.getLogger(__name__)
@@ -126,6 +127,7 @@ async def create_job(body: convert.CreateJob, ctx: Context, caller: TenantCaller
     tenant = tenant_id(caller)
     grader = convert.check_request(body)
     _check_chat_model(ctx)
+    await check_judges(grader, ctx.inference_hub(), tenant, "method.reinforcement.grader")
     files = [("training_file", body.training_file)]
     if body.validation_file is not None:
         files.append(("validation_file", body.validation_file))

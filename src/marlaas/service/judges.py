@@ -1,0 +1,123 @@
+"""Judge models in the service: `ServiceJudge` answers an OpenAI model grader
+(`score_model`, `label_model`) with a model marlaas serves to a tenant -- `base`, or one
+of the tenant's own (a job id, a checkpoint, an `ft:` name) -- through the service's
+inference engine, the grader's messages rendered with the chat template.
+
+Two callers:
+- `POST /v1/fine_tuning/alpha/graders/run`: someone waits for the answer, so its
+  requests are inference (`interactive`, ahead of training rows, within the engine's
+  bounds; `marlaas.device.gate`).
+- A training job's grader (`ServiceJudges`, the pipeline's `JudgeFactory` in the
+  service): a judge call is that job's training work, so its requests are training rows
+  on the job's own account of the fair share (`account=<job id>`, see
+  `marlaas.pipeline.judges`): the job pays for its judge's tokens out of its own share and
+  at its own priority, and other tenants' work never waits for more than fair sharing
+  gives it. The models it may call are its owner's, the same ones the owner may call
+  through the API; the job's creation checks them first (400 naming the grader's
+  `model` field), and a model that is gone when a call is made fails that job only.
+
+Tokenizing runs in a worker thread and generation only awaits the device, so a judge
+call never blocks the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from marlaas.envs.openai_graders import Judge, JudgeError, JudgeReply
+from marlaas.service.errors import ServiceError
+from marlaas.service.inference import InferenceHub
+from marlaas.service.models import Job
+from marlaas.service.openai_api import chat_prompt
+from marlaas.types import SamplingParams
+
+if TYPE_CHECKING:
+    from marlaas.config.job import JobSpec
+    from marlaas.device.port import DevicePort
+    from marlaas.service.context import ServiceContext
+
+
+class ServiceJudge:
+    """A `Judge` over the service's inference engine, for one tenant's models; with
+    `account` (a job id), its calls are that job's training work."""
+
+    def __init__(self, hub: InferenceHub, tenant: str, *, account: str | None = None) -> None:
+        self.hub = hub
+        self.tenant = tenant
+        self.account = account
+
+    async def __call__(
+        self,
+        model: str,
+        messages: Sequence[tuple[str, str]],
+        *,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int | None,
+    ) -> JudgeReply:
+        try:
+            server = await self.hub.server()
+            served = await server.resolve(self.tenant, model)
+            tokenizer = server.provider.tokenizer
+            prompt, stops = await asyncio.to_thread(chat_prompt, tokenizer, messages)
+            sampling = SamplingParams(
+                temperature=temperature,
+                top_p=top_p,
+                max_new_tokens=max_tokens,
+                stop=stops,
+                seed=seed,
+            )
+            (out,) = await server.generate(served, [prompt], sampling, 1, account=self.account)
+        except ServiceError as e:
+            raise JudgeError(f"judge model {model!r}: {e}") from e
+        return JudgeReply(out.text, len(prompt), len(out.token_ids))
+
+
+class _JobJudge:
+    """The judge of one training job: its owner's models, on the job's account. The
+    owner is read from the database at the first call (off the event loop)."""
+
+    def __init__(self, ctx: ServiceContext, job_id: str) -> None:
+        self.ctx = ctx
+        self.job_id = job_id
+        self._judge: ServiceJudge | None = None
+
+    def _owner(self) -> str:
+        with self.ctx.db.transaction() as session:
+            job = session.get(Job, self.job_id)
+            if job is None:
+                raise JudgeError(f"job {self.job_id!r} is gone; its judge cannot run")
+            return job.tenant_id
+
+    async def __call__(
+        self,
+        model: str,
+        messages: Sequence[tuple[str, str]],
+        *,
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int | None,
+    ) -> JudgeReply:
+        if self._judge is None:
+            owner = await asyncio.to_thread(self._owner)
+            hub = self.ctx.inference_hub()
+            self._judge = ServiceJudge(hub, owner, account=self.job_id)
+        return await self._judge(
+            model, messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed
+        )
+
+
+class ServiceJudges:
+    """The pipeline's `JudgeFactory` in the service: a job (a pipeline tenant named by
+    its job id) is judged by its owner's models (see the module docstring)."""
+
+    def __init__(self, ctx: ServiceContext) -> None:
+        self.ctx = ctx
+
+    def __call__(self, device: DevicePort, job: JobSpec) -> Judge:
+        # The engine is the hub's, which serves from this same device.
+        return _JobJudge(self.ctx, job.name)
