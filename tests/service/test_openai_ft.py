@@ -399,3 +399,60 @@ def test_a_validation_file_is_the_jobs_eval_set(served: Served) -> None:
     everything = [j.id for j in client.fine_tuning.jobs.list(limit=100).data]
     assert len(everything) >= 3 and everything[0] == job.id
     assert [j.id for j in client.fine_tuning.jobs.list(limit=1)] == everything
+
+
+def test_judges_are_models_of_the_jobs_owner(served: Served) -> None:
+    """A job's score_model judge may be the base or the owner's model; another tenant's
+    is refused before the job exists, in the OpenAI route (400) and the native one (422)."""
+    acme, globex = served.acme, served.globex
+    served.backend.hold_at = None
+    mine = acme.fine_tuning.jobs.create(
+        model="base", training_file=upload(acme, jsonl(ROWS)).id, method=rft()
+    )  # type: ignore[arg-type]
+    assert mine.status == "succeeded" and mine.fine_tuned_model is not None
+
+    def judged(model: str) -> dict[str, Any]:
+        judge = {
+            "type": "score_model",
+            "name": "judge",
+            "model": model,
+            "input": [{"role": "user", "content": "Is {{sample.output_text}} {{item.answer}}?"}],
+            "range": [0, 1],
+        }
+        return {**MULTI, "graders": {**MULTI["graders"], "judge": judge}}  # type: ignore[dict-item]
+
+    theirs = upload(globex, jsonl(ROWS))
+    before = len(globex.fine_tuning.jobs.list().data)
+    with pytest.raises(openai.BadRequestError) as refused:
+        globex.fine_tuning.jobs.create(
+            model="base", training_file=theirs.id, method=rft(judged(mine.fine_tuned_model))
+        )  # type: ignore[arg-type]
+    assert refused.value.param == "method.reinforcement.grader.graders.judge.model"
+    assert "does not exist or you do not have access" in refused.value.message
+    native = {
+        "name": "judged",
+        "steps": 1,
+        "task": {
+            "type": "dataset",
+            "path": theirs.id,
+            "format": "chat",
+            "reference_field": None,
+            "grader": {"type": "openai", "grader": judged(mine.fine_tuned_model)},
+        },
+    }
+    auth = {"Authorization": f"Bearer {globex.api_key}"}
+    r = httpx.post(f"{served.url}/v1/jobs", json=native, headers=auth)
+    assert r.status_code == 422, r.text
+    (problem,) = r.json()["detail"]
+    assert problem["loc"] == ["body", "task", "grader", "grader", "graders", "judge", "model"]
+    assert len(globex.fine_tuning.jobs.list().data) == before
+    # The owner may judge with its own model, and anyone with the base.
+    ok = acme.fine_tuning.jobs.create(
+        model="base",
+        training_file=upload(acme, jsonl(ROWS)).id,
+        method=rft(judged(mine.fine_tuned_model)),
+    )  # type: ignore[arg-type]
+    assert ok.status == "succeeded"
+    native["task"]["grader"]["grader"] = judged("base")  # type: ignore[index]
+    r = httpx.post(f"{served.url}/v1/jobs", json=native, headers=auth)
+    assert r.status_code == 201, r.text

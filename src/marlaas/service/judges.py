@@ -13,8 +13,9 @@ Two callers:
   `marlaas.pipeline.judges`): the job pays for its judge's tokens out of its own share and
   at its own priority, and other tenants' work never waits for more than fair sharing
   gives it. The models it may call are its owner's, the same ones the owner may call
-  through the API; the job's creation checks them first (400 naming the grader's
-  `model` field), and a model that is gone when a call is made fails that job only.
+  through the API; the job's creation checks them first (`check_job_judges`, and the
+  OpenAI route's 400 naming the grader's `model` field), and a model that is gone when
+  a call is made fails that job only.
 
 Tokenizing runs in a worker thread and generation only awaits the device, so a judge
 call never blocks the event loop.
@@ -27,9 +28,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from marlaas.envs.openai_graders import Judge, JudgeError, JudgeReply
-from marlaas.service.errors import ServiceError
+from marlaas.pipeline.judges import job_judges
+from marlaas.service.errors import InvalidField, ServiceError
 from marlaas.service.inference import InferenceHub
 from marlaas.service.models import Job
+from marlaas.service.models_catalog import ModelNotFound
 from marlaas.service.openai_api import chat_prompt
 from marlaas.types import SamplingParams
 
@@ -121,3 +124,13 @@ class ServiceJudges:
     def __call__(self, device: DevicePort, job: JobSpec) -> Judge:
         # The engine is the hub's, which serves from this same device.
         return _JobJudge(self.ctx, job.name)
+
+
+async def check_job_judges(hub: InferenceHub, tenant: str, spec: JobSpec) -> None:
+    """A native job's judge models, checked before it is created: `InvalidField` (422,
+    located at the grader's `model` field) for one the tenant cannot call."""
+    for where, model in job_judges(spec):
+        try:
+            await hub.resolve(tenant, model)
+        except ModelNotFound as e:
+            raise InvalidField(("body", *where.split(".")), f"{where}: {e}") from None

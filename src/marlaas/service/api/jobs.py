@@ -27,6 +27,7 @@ from marlaas.service.deletion import purge_deleted_jobs
 from marlaas.service.errors import NotFound
 from marlaas.service.events import stream_events
 from marlaas.service.inference import provider_of
+from marlaas.service.judges import check_job_judges
 from marlaas.service.lifecycle import Action, JobStatus
 from marlaas.service.models import Checkpoint, Job, Metric, Tenant
 from marlaas.service.schemas import (
@@ -85,8 +86,9 @@ async def _fail(ctx: ServiceContext, job_id: str, error: Exception) -> None:
 async def create_job(spec: JobSpec, ctx: Context, caller: TenantCaller) -> JobOut:
     """Create a job from a validated spec. Nothing is stored unless every check passes:
     the spec's bounds, what the served model and this server's engine can take, the
-    task itself (a dataset's rows read, its prompts tokenized, its grader built), and
-    the tenant's quotas of the job's cost (see `service.admission`)."""
+    task itself (a dataset's rows read, its prompts tokenized, its grader built, its
+    judge models the tenant's), and the tenant's quotas of the job's cost (see
+    `service.admission`)."""
     tenant, settings = tenant_id(caller), ctx.settings
     limits = {"max_rank": settings.max_lora_rank, "max_staleness": settings.max_staleness}
 
@@ -95,6 +97,7 @@ async def create_job(spec: JobSpec, ctx: Context, caller: TenantCaller) -> JobOu
             return ops.precheck_job(session, tenant, spec, settings.artifact_dir, **limits)
 
     runnable = await asyncio.to_thread(precheck)
+    await check_job_judges(ctx.inference_hub(), tenant, spec)
     shared = provider_of(ctx.inference, ctx.backend)
     cost = await ctx.admission.assess(spec, runnable, shared)
 
