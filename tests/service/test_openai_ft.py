@@ -11,6 +11,7 @@ The jobs run on a scripted backend whose checkpoints hold real PEFT adapters (se
 
 from __future__ import annotations
 
+import csv
 import io
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -456,3 +457,39 @@ def test_judges_are_models_of_the_jobs_owner(served: Served) -> None:
     native["task"]["grader"]["grader"] = judged("base")  # type: ignore[index]
     r = httpx.post(f"{served.url}/v1/jobs", json=native, headers=auth)
     assert r.status_code == 201, r.text
+
+
+def test_a_succeeded_job_has_a_results_file(served: Served) -> None:
+    """The results CSV (per-step metrics) is one of the tenant's files, listed in the
+    job's `result_files`; a job that did not succeed has none; others cannot read it."""
+    client = served.acme
+    served.backend.hold_at = None
+    train = upload(client, jsonl(ROWS))
+    job = client.fine_tuning.jobs.create(
+        model="base", training_file=train.id, method=rft(batch_size=3)
+    )  # type: ignore[arg-type]
+    assert job.status == "succeeded" and len(job.result_files) == 1
+    (file_id,) = job.result_files
+    assert client.fine_tuning.jobs.retrieve(job.id).result_files == [file_id]
+    info = client.files.retrieve(file_id)
+    assert (info.purpose, info.status, info.filename) == (
+        "fine-tune-results",
+        "processed",
+        "step_metrics.csv",
+    )
+    assert file_id in [f.id for f in client.files.list(purpose="fine-tune-results")]
+    content = client.files.content(file_id).content
+    assert info.bytes == len(content)
+    rows = list(csv.DictReader(io.StringIO(content.decode())))
+    # The scripted backend's metrics: 3 steps (9 rows in batches of 3), reward step/10.
+    assert [int(r["step"]) for r in rows] == [1, 2, 3]
+    assert [float(r["reward"]) for r in rows] == [0.1, 0.2, 0.3]
+    assert [float(r["loss"]) for r in rows] == [1.0, 0.5, 1 / 3]
+    events = client.fine_tuning.jobs.list_events(job.id, limit=100)
+    by_step = {e.data["step"]: e.data["reward"] for e in events if e.type == "metrics"}  # type: ignore[index]
+    assert by_step == {int(r["step"]): float(r["reward"]) for r in rows}
+    with pytest.raises(openai.NotFoundError):
+        served.globex.files.content(file_id)
+    served.backend.hold_at = 1
+    held = client.fine_tuning.jobs.create(model="base", training_file=train.id, method=rft())  # type: ignore[arg-type]
+    assert client.fine_tuning.jobs.cancel(held.id).result_files == []

@@ -9,6 +9,7 @@ turns, written as a template), since RFT prompts are chat messages."""
 
 from __future__ import annotations
 
+import csv
 import io
 import json
 import os
@@ -344,6 +345,12 @@ def test_an_rft_job_with_a_judge_trains_and_judges_are_the_owners(
         e.data["reward_mean"] for e in events if e.type == "metrics" and "reward_mean" in e.data
     ]  # type: ignore[index,operator]
     assert len(rewards) == 2 and all(0.0 <= r <= 1.0 for r in rewards)
+    # The results file holds the same per-step rewards.
+    (results,) = done.result_files
+    assert client.files.retrieve(results).purpose == "fine-tune-results"
+    table = list(csv.DictReader(io.StringIO(client.files.content(results).content.decode())))
+    train = [float(r["reward_mean"]) for r in table if r["reward_mean"]]
+    assert sorted(train) == sorted(rewards)
     # Another tenant cannot judge with acme's model: 400 naming the field, no job made.
     theirs = globex.files.create(file=("train.jsonl", io.BytesIO(data)), purpose="fine-tune")
     with pytest.raises(openai.BadRequestError) as refused:

@@ -58,7 +58,7 @@ def open_context(settings: ServiceSettings) -> tuple[ServiceContext, str | None]
     ctx = ServiceContext(
         settings=settings,
         db=db,
-        reporter=JobReporter(db, settings.artifact_dir),
+        reporter=JobReporter(db, settings.artifact_dir, on_done=(openai_ft.write_results,)),
         registry=registry,
         request_metrics=request_metrics,
         admission=JobAdmission(settings),

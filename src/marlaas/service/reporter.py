@@ -14,6 +14,10 @@ call. Checkpoints and metrics are facts and are always recorded, with two except
   still winding the job down; only a step still counts toward its steps used), and its
   files are removed by `deletion.purge_deleted_jobs`.
 
+When a job is done, the reporter's `on_done` hooks run in the transaction that says so,
+each in a savepoint of its own: a hook that fails is logged and undone, and the job is
+done regardless (the OpenAI routes' results file, `openai_ft.results`).
+
 A job restored from its checkpoint after a crash (`restored`) continues from a
 checkpoint older than the
 steps it had reported: `steps_done` goes back to the checkpoint's step and the later
@@ -28,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -59,12 +63,17 @@ def _event_key(data: Mapping[str, Any]) -> tuple[int, tuple[str, ...]]:
     return int(data["step"]), tuple(sorted(data["metrics"]))
 
 
+#: Run when a job is done: (session, job, artifact directory); see the module docstring.
+DoneHook = Callable[[Session, Job, Path], None]
+
+
 class JobReporter:
     """The backend's handle on the database; one per app."""
 
-    def __init__(self, db: Database, artifact_dir: Path) -> None:
+    def __init__(self, db: Database, artifact_dir: Path, on_done: Sequence[DoneHook] = ()) -> None:
         self._db = db
         self.artifact_dir = artifact_dir
+        self._on_done = tuple(on_done)
         self.notifier = JobNotifier()
         """Woken after every committed report, so event streams need not poll."""
         #: Per resumed job, the events of steps it trains again: (step, metric names) ->
@@ -109,6 +118,13 @@ class JobReporter:
             if status is JobStatus.FAILED:
                 job.failure_reason = reason or "failed (no reason given)"
             add_event(session, job, "status", {"status": str(status), "reason": reason})
+            if status is JobStatus.DONE:
+                for hook in self._on_done:
+                    try:
+                        with session.begin_nested():
+                            hook(session, job, self.artifact_dir)
+                    except Exception:
+                        log.exception("job %s: a hook on its end failed", job_id)
             return True
 
     async def restored(self, job_id: str, step: int) -> None:

@@ -1,7 +1,8 @@
 """The OpenAI-compatible Files API (`purpose: fine-tune` only): upload, list, retrieve,
 content, delete, with the tenant's API key.
 
-An upload (multipart `file`, `purpose`, optional `expires_after[anchor]` and
+A succeeded job's results CSV (`results`, purpose `fine-tune-results`) is one of these
+files too. An upload (multipart `file`, `purpose`, optional `expires_after[anchor]` and
 `expires_after[seconds]`) is streamed to disk, checked line by line
 (`file_check.check_chat_file`) and stored as the tenant's dataset named by the file's id,
 so it counts toward `max_dataset_bytes` and cannot be deleted while an active job uses it
@@ -46,6 +47,8 @@ router = APIRouter(
 )
 
 PURPOSE = "fine-tune"
+#: A succeeded job's results CSV (`results`): listed and downloaded like an upload.
+RESULTS_PURPOSE = "fine-tune-results"
 _EXPIRY_S = (3600, 30 * 24 * 3600)
 _CHUNK = 1 << 20
 
@@ -250,12 +253,13 @@ def retrieve_file(file_id: str, ctx: Context, caller: TenantCaller) -> dict[str,
 
 @router.get("/{file_id}/content", response_model=None, responses=NOT_FOUND)
 def file_content(file_id: str, ctx: Context, caller: TenantCaller) -> FileResponse:
-    """The file's bytes as uploaded."""
+    """The file's bytes as uploaded (a job's results file: its CSV)."""
     tenant = tenant_id(caller)
     with ctx.db.transaction() as session:
         row = _get(session, tenant, file_id)
         path, name = file_path(session, tenant, row, ctx.settings.artifact_dir), row.filename
-    return FileResponse(path, media_type="application/jsonl", filename=name)
+        csv = row.purpose == RESULTS_PURPOSE
+    return FileResponse(path, media_type="text/csv" if csv else "application/jsonl", filename=name)
 
 
 @router.delete("/{file_id}", responses=NOT_FOUND)

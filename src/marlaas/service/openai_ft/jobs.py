@@ -42,6 +42,7 @@ from marlaas.service.openai_ft.file_check import check_prompts
 from marlaas.service.openai_ft.files import file_path, find_file
 from marlaas.service.openai_ft.graders import check_judges
 from marlaas.service.openai_ft.names import fine_tuned_model
+from marlaas.service.openai_ft.results import result_files
 
 log = logging.getLogger(__name__)
 router = APIRouter(
@@ -71,7 +72,8 @@ def _object(session: Session, job: Job, ft: FineTuningJob) -> dict[str, Any]:
         select(func.sum(Metric.value)).where(Metric.job_id == job.id, Metric.name == "tokens")
     )
     trained = int(tokens) if tokens is not None else 0
-    return wire.job_object(job, ft, tenant.name, trained, datetime.now(UTC))
+    results = result_files(session, job)
+    return wire.job_object(job, ft, tenant.name, trained, datetime.now(UTC), results)
 
 
 def _read(ctx: ServiceContext, tenant: str, job_id: str) -> dict[str, Any]:

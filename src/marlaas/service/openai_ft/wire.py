@@ -6,7 +6,7 @@ Status words: marlaas `queued`, `running`, `paused`, `cancelled`, `failed` are O
 own; `done` is `succeeded`. Files are checked when they are uploaded, so a job is never
 `validating_files`: it is `queued` as soon as it is created. `fine_tuned_model` is set
 once the job succeeded (the adapter of a running job answers to the same name already).
-`result_files` is empty: metrics come as events and checkpoints instead of a CSV file.
+`result_files` names the results CSV of a succeeded job (`results`), else is empty.
 """
 
 from __future__ import annotations
@@ -35,7 +35,12 @@ def _ts(when: datetime) -> int:
 
 
 def job_object(
-    job: Job, ft: FineTuningJob, organization: str, trained_tokens: int | None, now: datetime
+    job: Job,
+    ft: FineTuningJob,
+    organization: str,
+    trained_tokens: int | None,
+    now: datetime,
+    result_files: list[str] | None = None,
 ) -> dict[str, Any]:
     status = JobStatus(job.status)
     done = status in TERMINAL
@@ -59,7 +64,7 @@ def job_object(
         },
         "model": ft.model,
         "organization_id": organization,
-        "result_files": [],
+        "result_files": result_files or [],
         "seed": ft.seed,
         "status": STATUS[status],
         "trained_tokens": trained_tokens if done else None,
