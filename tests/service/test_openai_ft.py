@@ -493,3 +493,33 @@ def test_a_succeeded_job_has_a_results_file(served: Served) -> None:
     served.backend.hold_at = 1
     held = client.fine_tuning.jobs.create(model="base", training_file=train.id, method=rft())  # type: ignore[arg-type]
     assert client.fine_tuning.jobs.cancel(held.id).result_files == []
+
+
+@pytest.mark.filterwarnings("ignore:Retrieve is deprecated:DeprecationWarning")  # the SDK's
+def test_checkpoint_permissions_are_refused_saying_why(served: Served) -> None:
+    client = served.acme
+    served.backend.hold_at = None
+    job = client.fine_tuning.jobs.create(
+        model="base", training_file=upload(client, jsonl(ROWS)).id, method=rft(batch_size=9)
+    )  # type: ignore[arg-type]
+    (ckpt,) = client.fine_tuning.jobs.checkpoints.list(job.id).data
+    name = ckpt.fine_tuned_model_checkpoint
+    permissions = client.fine_tuning.checkpoints.permissions
+    calls = [
+        lambda: permissions.create(name, project_ids=["proj_globex"]),
+        lambda: permissions.retrieve(name),
+        lambda: permissions.list(name),
+        lambda: permissions.delete("cp_1", fine_tuned_model_checkpoint=name),
+        # Another tenant's checkpoint answers alike: nothing about it is told.
+        lambda: served.globex.fine_tuning.checkpoints.permissions.list(name),
+    ]
+    for call in calls:
+        with pytest.raises(openai.BadRequestError) as refused:
+            call()
+        assert refused.value.param == "fine_tuned_model_checkpoint"
+        assert refused.value.code == "unsupported_feature"
+        assert "checkpoint permissions are not supported" in refused.value.message
+        assert "PEFT adapter" in refused.value.message
+    stranger = openai.OpenAI(base_url=f"{served.url}/v1", api_key="mk_wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        stranger.fine_tuning.checkpoints.permissions.list(name)

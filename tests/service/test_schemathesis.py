@@ -15,6 +15,7 @@ operation, nowhere else):
 - the OpenAI fine-tuning routes: 400 in OpenAI's error shape, as OpenAI's API answers,
   for what their schema leaves open (a grader's fields by its type, a file's JSONL, a
   multipart upload's parts), and for a job 422 of the job checks as `POST /v1/jobs`;
+  the checkpoint permissions routes answer every request 400 (not supported);
 - the Tinker-compatible routes (`/api/v1/...`): 400 for what the SDK's bodies carry
   beyond their schema (a `tinker://` path's or a model id's form, a run's state), and
   410 for a heartbeat of a session that has finished or never was (the SDK stops on it).
@@ -64,6 +65,10 @@ checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "403",
 [[operations]]
 include-name = "POST /v1/fine_tuning/jobs"
 checks.positive_data_acceptance.expected-statuses = ["2xx", "400", "401", "403", "404", "409", "422", "429"]
+
+[[operations]]
+include-path-regex = "^/v1/fine_tuning/checkpoints/"
+checks.positive_data_acceptance.expected-statuses = ["400", "401", "403"]
 
 [[operations]]
 include-path-regex = "^/api/v1/"

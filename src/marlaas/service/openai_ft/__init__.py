@@ -1,7 +1,7 @@
 """OpenAI-compatible fine-tuning: the Files API (`files`), fine-tuning jobs (`jobs`,
 their wire shapes in `wire` and their mapping onto marlaas jobs in `convert`), the
 `alpha/graders` routes (`graders`), the `ft:` model names (`names`) and a succeeded
-job's results file (`results`).
+job's results file (`results`); checkpoint permissions are refused (`permissions`).
 
 An OpenAI fine-tuning job is an ordinary marlaas job underneath (same id, tenant, quotas,
 dashboard, downloads, crash recovery); these modules only translate. `routers` lists
@@ -22,9 +22,9 @@ if TYPE_CHECKING:
 
 
 def routers() -> list[APIRouter]:
-    from marlaas.service.openai_ft import files, graders, jobs
+    from marlaas.service.openai_ft import files, graders, jobs, permissions
 
-    return [files.router, jobs.router, graders.router]
+    return [files.router, jobs.router, graders.router, permissions.router]
 
 
 def write_results(session: Session, job: Job, artifact_dir: Path) -> None:
