@@ -19,8 +19,9 @@ from marlaas.device.port import DevicePort
 from marlaas.envs.openai_graders import Judge, JudgeReply
 from marlaas.errors import ConfigError
 from marlaas.obs.recorder import NullRecorder
-from marlaas.pipeline import PipelineOptions
-from marlaas.pipeline.context import PipelineContext
+from marlaas.pipeline import PipelineOptions, run_jobs
+from marlaas.pipeline.context import Backend, PipelineContext
+from marlaas.pipeline.envpool import EnvPool
 from marlaas.pipeline.judges import base_judge, job_judges
 from marlaas.pipeline.runtime import PipelineRuntime, RuntimeSpec
 
@@ -188,3 +189,49 @@ def test_a_pipeline_without_judges_refuses_a_job_that_needs_one(tmp_path: Path) 
         ConfigError, match=r"graders\.1\.grader\.grader\.graders\.judge\.model.*without judges"
     ):
         ctx.judge_for(spec)
+
+
+class _RemotePool(EnvPool):
+    """A pool whose environments run elsewhere (as the Ray backend's do)."""
+
+    in_process = False
+
+
+def test_a_judge_is_refused_where_graders_run_on_remote_workers(tmp_path: Path) -> None:
+    ctx = PipelineContext(
+        run=RunSpec.model_construct(jobs=()),
+        out_dir=tmp_path,
+        backend=Backend(device=cast(Any, None), envs=_RemotePool()),
+        recorder=NullRecorder(),
+        options=CPU,
+        judges=base_judge,
+    )
+    spec = judged_job("remote", tmp_path / "rows.jsonl")
+    with pytest.raises(ConfigError, match=r"graders\.judge\.model.*remote environment workers"):
+        ctx.judge_for(spec)
+
+
+async def test_run_jobs_judges_with_the_runs_base_by_default(
+    base_dir: Path, tmp_path: Path
+) -> None:
+    """`marlaas run`'s path: no judge given, the base judges."""
+    data = tmp_path / "rows.jsonl"
+    rows = [
+        {"prompt": f"Q: {i}+2\nA: ", "reference": str(i + 2), "answer": str(i + 2)}
+        for i in range(6)
+    ]
+    data.write_text("".join(json.dumps({**r, "never": "x" * 30}) + "\n" for r in rows))
+    run = RunSpec(
+        base_model=str(base_dir), jobs=(judged_job("run", data),), engine=EngineSpec(max_rank=4)
+    )
+    recorder = MemoryRecorder()
+    result = await run_jobs(
+        run, tmp_path / "out", backend=open_backend, options=CPU, recorder=recorder
+    )
+    tenant = result.tenants["run"]
+    assert tenant.status == "done", tenant.failure_reason
+    # The judge's rows were the job's: its generated tokens are its rollouts' (the tokens
+    # it trained on), its evals' (2 evals of 1 held-out row, at most 4 tokens each) and
+    # its judge's, at least one token for each of the 8 samples it trained on.
+    rollouts = sum(m["tokens"] for m in recorder.train_metrics("run"))
+    assert tenant.tokens_generated - rollouts - 2 * 4 >= 8

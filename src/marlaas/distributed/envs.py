@@ -45,6 +45,8 @@ class EnvWorkerLost(MarlaasError, RuntimeError):
 class RayEnvPool(EnvPool):
     """Environment calls, bounded and timed as in-process, run on worker actors."""
 
+    in_process = False
+
     def __init__(
         self,
         workers: Sequence[Any],

@@ -182,6 +182,14 @@ class PipelineContext:
                 "(`marlaas run` and `marlaas serve` give one), or grade without "
                 "score_model / label_model"
             )
+        if not self.envs.in_process:
+            where, model = called[0]
+            raise ConfigError(
+                f"job {job.name!r}: {where} calls the judge model {model!r}, and this "
+                "backend grades on remote environment workers, which cannot call a judge "
+                "yet; run the job on the in-process backend, or grade without "
+                "score_model / label_model"
+            )
         return self.judges(self.device, job)
 
     def tenant_dir(self, name: str) -> Path:

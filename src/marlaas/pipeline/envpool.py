@@ -68,6 +68,10 @@ class EnvPool:
         self._slots = asyncio.Semaphore(max_concurrency)
         self._active = 0
 
+    #: Whether environments (and so graders) run in this process. A judge of a model
+    #: grader calls this process's device, so only such a pool can run one.
+    in_process: bool = True
+
     def place(self, family: TaskFamily) -> TaskFamily:
         """`family` with its environments where this pool runs them: in this process
         here; a distributed backend's pool moves them onto its workers."""
