@@ -4,12 +4,20 @@ judges on the served base (the service's own engine)."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import io
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import openai
 import pytest
-from openai_ft_support import MULTI, Served, serving
+from openai_ft_support import MULTI, ROWS, Served, jsonl, rft, serving
+
+from marlaas.config.job import JobSpec
+from marlaas.service.judges import ServiceJudge, ServiceJudges
+from marlaas.service.models import Job
+from marlaas.types import Completion, RolloutRequest
 
 
 @pytest.fixture(scope="module")
@@ -142,3 +150,67 @@ def test_graders_run_model_judges_on_the_base(served: Served) -> None:
             {},
         )
     assert missing.value.param == "grader.model" and missing.value.code == "model_not_found"
+
+
+class _Recording:
+    """An `InferenceProvider` that answers every request with "7" at once, keeping how
+    each was queued (its adapter, its account, whether it was interactive)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.base_adapter = ":base"
+        self.queued: list[tuple[str, str | None, bool]] = []
+
+    @property
+    def model(self) -> Any:
+        raise AssertionError("the base is served without reading adapter shapes")
+
+    def sample(
+        self, request: RolloutRequest, on_token: Any = None, *, interactive: bool = True
+    ) -> asyncio.Future[Completion]:
+        self.queued.append((request.tenant, request.account, interactive))
+        done: asyncio.Future[Completion] = asyncio.get_running_loop().create_future()
+        done.set_result(
+            Completion(
+                request.request_id,
+                request.tenant,
+                0,
+                len(request.prompt_ids),
+                (7,),
+                (0.0,),
+                "7",
+                "stop",
+            )
+        )
+        return done
+
+    def has_adapter(self, name: str) -> bool:
+        return False
+
+    async def add_adapter(self, name: str, lora: Any, tensors: Any) -> None:
+        raise AssertionError("no adapter is loaded for the base")
+
+    async def drop_adapter(self, name: str) -> None:
+        return None
+
+
+def test_a_training_jobs_judge_queues_training_rows_on_the_jobs_account(served: Served) -> None:
+    """The judge of a training job samples as that job's training work (its account, not
+    interactive); the alpha/graders/run judge as the caller's inference."""
+    from transformers import AutoTokenizer
+
+    served.backend.hold_at = 1  # the job stays running, as a judged job would
+    train = served.acme.files.create(file=("t.jsonl", io.BytesIO(jsonl(ROWS))), purpose="fine-tune")
+    job = served.acme.fine_tuning.jobs.create(model="base", training_file=train.id, method=rft())  # type: ignore[arg-type]
+    recording = _Recording(AutoTokenizer.from_pretrained(served.data_dir / "chat-base"))
+    ctx = dataclasses.replace(served.ctx, inference=recording)  # type: ignore[arg-type]
+    spec = JobSpec.model_validate({**served.backend.specs[job.id].model_dump(), "name": job.id})
+    judge = ServiceJudges(ctx)(cast(Any, None), spec)
+    kw: dict[str, Any] = {"max_tokens": 3, "temperature": 0.0, "top_p": 1.0, "seed": None}
+    reply = asyncio.run(judge("base", [("user", "Q: 2+2")], **kw))
+    assert (reply.text, reply.completion_tokens) == ("7", 1) and reply.prompt_tokens > 0
+    with ctx.db.transaction() as session:
+        owner = session.get(Job, job.id).tenant_id  # type: ignore[union-attr]
+    asyncio.run(ServiceJudge(ctx.inference_hub(), owner)("base", [("user", "Q: 2+2")], **kw))
+    assert recording.queued == [(":base", job.id, False), (":base", None, True)]
+    served.acme.fine_tuning.jobs.cancel(job.id)

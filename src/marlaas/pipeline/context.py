@@ -7,8 +7,8 @@ The backend is chosen above the pipeline: `PipelineContext.open` (so `run_jobs` 
 the run's `backend` and opens the in-process or the Ray one); the pipeline only ever
 sees the port. Likewise the judges of model graders (`marlaas.pipeline.judges`): the
 owner gives a `JudgeFactory`, or none, and a job whose grader calls a model is then
-refused when it is submitted. The context owns no per-tenant state: that lives in `TenantState` /
-`TenantRuntime`.
+refused when it is submitted. The context owns no per-tenant state: that lives in
+`TenantState` / `TenantRuntime`.
 """
 
 from __future__ import annotations
