@@ -164,6 +164,12 @@ def test_a_job_runs_to_done_through_the_api(servers: Servers, settings: ServiceS
     # Prometheus: the pipeline's device, stage and per-job figures, labelled by tenant.
     text = client.get("/metrics", headers=ADMIN).text
     assert f'marlaas_job_steps_trained{{job="{job_id}",tenant="acme"}} 3.0' in text, text
+    generated = re.search(
+        rf'^marlaas_job_tokens_generated_total{{job="{job_id}",tenant="acme"}} ([0-9.e+]+)$',
+        text,
+        re.M,
+    )
+    assert generated and float(generated.group(1)) > 0, text
     busy = re.search(r"^marlaas_device_busy_fraction ([0-9.e-]+)$", text, re.M)
     assert busy and 0.0 < float(busy.group(1)) <= 1.0
     assert 'marlaas_stage_busy_seconds_total{stage="train"}' in text

@@ -66,6 +66,8 @@ class PipelineFigures:
     #: Adapter version (steps trained) and highest staleness so far, by job id.
     job_steps: dict[str, int] = field(default_factory=dict)
     job_staleness_max: dict[str, int] = field(default_factory=dict)
+    #: Tokens each job's sampling generated: its rollouts, evals and judge calls.
+    job_tokens: dict[str, int] = field(default_factory=dict)
 
 
 @runtime_checkable
@@ -146,6 +148,14 @@ class PipelineMetrics(Collector):
             stale.add_metric([owners.get(job, ""), job], f.job_staleness_max.get(job, 0))
         yield steps
         yield stale
+        tokens = CounterMetricFamily(
+            "marlaas_job_tokens_generated",
+            "Tokens a job's sampling generated (rollouts, evals and its graders' judge calls).",
+            labels=labels,
+        )
+        for job, n in sorted(f.job_tokens.items()):
+            tokens.add_metric([owners.get(job, ""), job], n)
+        yield tokens
 
     def _owners(self, job_ids: set[str]) -> dict[str, str]:
         if not job_ids:

@@ -243,6 +243,7 @@ class PipelineBackend:
             waiting_requests={t: n for t, n in figures.waiting_by_tenant.items() if t in states},
             job_steps={name: s.version for name, s in states.items()},
             job_staleness_max={name: s.stats.staleness_max for name, s in states.items()},
+            job_tokens={t: n for t, n in figures.tokens_by_tenant.items() if t in states},
         )
 
     # -- JobBackend ------------------------------------------------------------------
