@@ -47,6 +47,9 @@ def test_bench_tinker_runs_both_modes_and_writes_json(tmp_path: Path) -> None:
         assert r["tokens"] > 0 and r["server_cpu_s"] > 0
         assert r["forward_backward_calls"] <= n  # a group with one reward trains nothing
     assert set(result["ratios"]) == {"1", "2"}
+    assert result["engine_rows"] == 2 * 4 * 2  # one step of both clients of N = 2
+    for r in runs.values():
+        assert r["device_decode_s"] > 0 and r["device_train_s"] >= 0
     with pytest.raises(subprocess.CalledProcessError):
         subprocess.run(
             [sys.executable, "-m", "marlaas.cli", "bench", "tinker", "--loss-fn", "gspo"],

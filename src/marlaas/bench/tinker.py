@@ -3,7 +3,9 @@
 (N threads at once, each its own tenant) and one after another, side by side.
 
 One server serves every run (the base is loaded once; its device is the hub's own,
-`--backend none`). Per N and mode: wall time, tokens per second (sampled plus trained),
+`--backend none`), with engine rows for one step's samples of every client of the
+largest N (`serve --max-batch-rows`), so clients served together can share decode
+iterations; one client alone uses its share of them. Per N and mode: wall time, tokens per second (sampled plus trained),
 and what the device shared over the run (training passes, the most tenants one pass
 held, rows per engine iteration), read from the server's `/metrics` before and after.
 The ratio is the one-after-another wall time over the together wall time. A table on
@@ -94,6 +96,8 @@ def _run(
         "server_cpu_s": server_cpu,
         "client_cpu_s": client_cpu,
         "device_busy_s": delta("marlaas_device_busy_seconds_total"),
+        "device_decode_s": delta("marlaas_device_decode_seconds_total"),
+        "device_train_s": delta("marlaas_device_train_seconds_total"),
         "train_passes": passes,
         "forward_backward_calls": calls,
         "calls_per_pass": calls / passes if passes else 0.0,
@@ -104,18 +108,26 @@ def _run(
     }
 
 
+def default_engine_rows(clients: Sequence[int], config: LoopConfig) -> int:
+    """Rows for one step's samples of every client of the largest N (at most 4096)."""
+    return min(config.prompts_per_step * config.group_size * max(clients), 4096)
+
+
 def run_tinker_bench(
     clients: Sequence[int],
     config: LoopConfig,
     json_path: str | Path | None = None,
     console: Console | None = None,
+    *,
+    engine_rows: int | None = None,
 ) -> dict[str, Any]:
     """Run every N together and one after another on one server; print and return."""
     console = console or Console(width=120)  # the whole table, even without a terminal
+    rows = engine_rows or default_engine_rows(clients, config)
     runs: list[dict[str, Any]] = []
     with (
         tempfile.TemporaryDirectory(prefix="marlaas-bench-tinker-") as tmp,
-        serving(Path(tmp)) as served,
+        serving(Path(tmp), "--max-batch-rows", str(rows)) as served,
     ):
         key = served.tenant("bench-probe")
         caps = tinker.RestClient(base_url=served.url, api_key=key).get_server_capabilities()
@@ -127,6 +139,7 @@ def run_tinker_bench(
                 runs.append(_run(served, n, base, config, mode, f"{mode}-{n}"))
     result = {
         "config": asdict(config),
+        "engine_rows": rows,
         "machine": {"python": platform.python_version(), "platform": platform.platform()},
         "runs": runs,
         "ratios": {str(n): _ratio(runs, n) for n in clients},
@@ -147,7 +160,8 @@ def _print(console: Console, result: dict[str, Any]) -> None:
     c = result["config"]
     table = Table(
         title=f"Tinker SDK clients, each an RL loop of {c['steps']} steps "
-        f"({c['prompts_per_step']}x{c['group_size']} samples, {c['loss_fn']})"
+        f"({c['prompts_per_step']}x{c['group_size']} samples, {c['loss_fn']}; "
+        f"{result['engine_rows']} engine rows)"
     )
     for col in (
         "clients",
@@ -156,6 +170,8 @@ def _print(console: Console, result: dict[str, Any]) -> None:
         "tokens/s",
         "server CPU s",
         "device s",
+        "decode s",
+        "train s",
         "calls/pass",
         "ratio",
     ):
@@ -169,12 +185,14 @@ def _print(console: Console, result: dict[str, Any]) -> None:
             f"{r['tokens_per_s']:.0f}",
             f"{r['server_cpu_s']:.1f}",
             f"{r['device_busy_s']:.1f}",
+            f"{r['device_decode_s']:.1f}",
+            f"{r['device_train_s']:.1f}",
             f"{r['tenants_per_pass']:.2f}",
             f"{result['ratios'][str(r['clients'])]:.2f}x" if together else "",
         )
     console.print(table)
     console.print(
         "ratio: one-after-another wall time / together wall time (same server, same loops). "
-        "server CPU s: CPU the server used; device s: time inside engine iterations and "
-        "training; tenants/pass: tenants per forward/backward pass of the device."
+        "server CPU s: CPU the server used; device s: time inside engine iterations (decode "
+        "s) and training passes and optimizer steps (train s); tenants/pass: tenants per forward/backward pass of the device."
     )

@@ -295,6 +295,13 @@ def tinker_bench(
     loss_fn: str = typer.Option(
         "importance_sampling", help="importance_sampling, ppo, cispo or dro."
     ),
+    engine_rows: int | None = typer.Option(
+        None,
+        min=1,
+        max=4096,
+        help="The server's engine rows (serve --max-batch-rows); default: one step's "
+        "samples of every client of the largest N (prompts x group x N, at most 4096).",
+    ),
 ) -> None:
     """N tinker SDK clients running the same RL loop on one marlaas serve: together vs
     one after another (wall-time ratio, tokens/s, passes shared)."""
@@ -312,5 +319,5 @@ def tinker_bench(
         loss_fn=loss_fn,  # type: ignore[arg-type]  # checked just above
         eval_prompts=0,
     )
-    run_tinker_bench(_counts(clients), config, json_out)
+    run_tinker_bench(_counts(clients), config, json_out, engine_rows=engine_rows)
     typer.echo(f"wrote {json_out}")

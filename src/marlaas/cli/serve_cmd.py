@@ -99,6 +99,13 @@ def serve(
     max_active_jobs: int = typer.Option(
         32, min=1, max=4096, help="Jobs trained at once; further jobs wait in a queue."
     ),
+    max_batch_rows: int = typer.Option(
+        64,
+        min=1,
+        max=4096,
+        help="Rows the engine decodes at once, all tenants together (jobs' groups, "
+        "inference and Tinker sampling share them); size it for the tenants served at once.",
+    ),
 ) -> None:
     """Serve the job API. The admin key comes from $MARLAAS_ADMIN_KEY, or is generated
     at first start and printed once."""
@@ -129,6 +136,7 @@ def serve(
         serve_device=device,
         serve_dtype=model_dtype,
         default_target_modules=targets,
+        max_batch_rows=max_batch_rows,
     )
     ctx, new_admin_key = open_context(settings)
     if new_admin_key is not None:

@@ -54,7 +54,9 @@ def install(app: FastAPI, ctx: ServiceContext) -> TinkerHub:
 
 
 async def _own_device(ctx: ServiceContext) -> SharedDevice:
-    from marlaas.config.job import EngineSpec
+    """The hub's own device, sized and placed as the service's settings say (the same
+    engine rows, LoRA rank, trainer budget, torch device and dtype a job backend gets)."""
+    from marlaas.config.job import EngineSpec, TrainerSpec
     from marlaas.device.config import DeviceConfig
     from marlaas.device.inprocess import open_inprocess_device
     from marlaas.model.base import default_base_path
@@ -62,5 +64,11 @@ async def _own_device(ctx: ServiceContext) -> SharedDevice:
 
     settings = ctx.settings
     base = str((settings.serve_base_model or default_base_path()).resolve())
-    config = DeviceConfig(base_model=base, engine=EngineSpec(max_rank=settings.max_lora_rank))
+    config = DeviceConfig(
+        base_model=base,
+        dtype=settings.serve_dtype,
+        engine=EngineSpec(max_rank=settings.max_lora_rank, max_batch_size=settings.max_batch_rows),
+        trainer=TrainerSpec(max_tokens_per_microbatch=settings.max_tokens_per_microbatch),
+        torch_device=settings.serve_device,
+    )
     return SharedDevice(await open_inprocess_device(config), base)

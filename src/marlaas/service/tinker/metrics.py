@@ -35,6 +35,16 @@ class TinkerMetrics(Collector):
                 value=f.busy_s,
             )
             yield CounterMetricFamily(
+                "marlaas_device_train_seconds",
+                "Seconds the device spent in training passes and optimizer steps.",
+                value=f.busy_train_s,
+            )
+            yield CounterMetricFamily(
+                "marlaas_device_decode_seconds",
+                "Seconds the device spent in engine iterations.",
+                value=f.busy_decode_s,
+            )
+            yield CounterMetricFamily(
                 "marlaas_device_train_passes",
                 "Multi-lane forward/backward passes of the device.",
                 value=f.train_passes,
