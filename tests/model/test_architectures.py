@@ -16,6 +16,7 @@ import torch
 from arch_support import ARCHS, CONFIGS, WINDOWED, char_tokenizer, save_model
 from peft import LoraConfig, PeftModel, get_peft_model
 from torch import Tensor
+from transformers import AutoModelForCausalLM
 
 from marlaas.backends import open_backend
 from marlaas.config.job import RunSpec
@@ -49,6 +50,37 @@ LAYERS = {
     ),
     "gpt2": ("c_attn", "c_proj", "c_fc"),
 }
+
+
+#: Each architecture's attention projections (the rest of `LAYERS` is feed-forward;
+#: GPT-2's `c_proj` is both the attention's and the MLP's output projection).
+ATTENTION = {
+    "phi3": {"o_proj", "qkv_proj"},
+    "gpt_neox": {"query_key_value", "dense"},
+    "opt": {"k_proj", "v_proj", "q_proj", "out_proj"},
+    "gpt2": {"c_attn", "c_proj"},
+}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_layers_have_the_role_of_where_they_sit(arch: str) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = AutoModelForCausalLM.from_config(CONFIGS[arch]())
+    roles = LoRAModel(base, max_rank=4).target_roles
+    layers = LAYERS.get(arch, LAYERS["llama"])
+    assert tuple(roles) == layers
+    attention = ATTENTION.get(arch, {"q_proj", "k_proj", "v_proj", "o_proj"})
+    both = {"c_proj"} if arch == "gpt2" else set()
+    for name, of in roles.items():
+        expected = (
+            {"attention", "mlp"}
+            if name in both
+            else {"attention"}
+            if name in attention
+            else {"mlp"}
+        )
+        assert of == expected, name
 
 
 @pytest.fixture(scope="module")

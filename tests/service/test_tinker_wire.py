@@ -203,16 +203,46 @@ def test_sampling_parameters_map_and_refuse() -> None:
         convert.prompt_tokens(wire.ModelInputJson(chunks=[{"type": "image", "data": "x"}]))
 
 
+LLAMA_ROLES = {
+    **{n: frozenset({"attention"}) for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
+    **{n: frozenset({"mlp"}) for n in ("gate_proj", "up_proj", "down_proj")},
+}
+GPT2_ROLES = {
+    "c_attn": frozenset({"attention"}),
+    "c_proj": frozenset({"attention", "mlp"}),
+    "c_fc": frozenset({"mlp"}),
+}
+
+
 def test_lora_flags_pick_the_projections() -> None:
-    injected = (*convert.ATTENTION, *convert.MLP)
-    attn = convert.lora_spec(wire.LoraConfig(rank=4, train_mlp=False), injected)
-    assert attn.target_modules == convert.ATTENTION and attn.alpha == convert.LORA_ALPHA
-    assert convert.lora_flags(attn) == {
+    attn = convert.lora_spec(wire.LoraConfig(rank=4, train_mlp=False), LLAMA_ROLES)
+    assert attn.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj")
+    assert attn.alpha == convert.LORA_ALPHA
+    assert convert.lora_flags(attn, LLAMA_ROLES) == {
         "train_attn": True,
         "train_mlp": False,
         "train_unembed": False,
     }
+    mlp = convert.lora_spec(wire.LoraConfig(rank=4, train_attn=False), LLAMA_ROLES)
+    assert mlp.target_modules == ("gate_proj", "up_proj", "down_proj")
+    assert convert.lora_flags(mlp, LLAMA_ROLES)["train_mlp"]
     with pytest.raises(UserError, match="trains no module"):
-        convert.lora_spec(wire.LoraConfig(rank=4, train_mlp=False, train_attn=False), injected)
+        convert.lora_spec(wire.LoraConfig(rank=4, train_mlp=False, train_attn=False), LLAMA_ROLES)
     with pytest.raises(UserError, match="rank must be >= 1"):
-        convert.lora_spec(wire.LoraConfig(rank=0), injected)
+        convert.lora_spec(wire.LoraConfig(rank=0), LLAMA_ROLES)
+
+
+def test_lora_flags_follow_the_roles_of_other_architectures() -> None:
+    """GPT-2's names: a leaf name shared by attention and MLP layers is trained only
+    when both are asked for (a leaf name adapts every layer of that name)."""
+    attn = convert.lora_spec(wire.LoraConfig(rank=4, train_mlp=False), GPT2_ROLES)
+    assert attn.target_modules == ("c_attn",)
+    mlp = convert.lora_spec(wire.LoraConfig(rank=4, train_attn=False), GPT2_ROLES)
+    assert mlp.target_modules == ("c_fc",)
+    both = convert.lora_spec(wire.LoraConfig(rank=4), GPT2_ROLES)
+    assert both.target_modules == ("c_attn", "c_proj", "c_fc")
+    assert convert.lora_flags(both, GPT2_ROLES) == {
+        "train_attn": True,
+        "train_mlp": True,
+        "train_unembed": False,
+    }

@@ -8,6 +8,9 @@ spec resolves to, and what is refused before any work starts.
 - `resolve_targets` is the one function that turns a spec's `target_modules` (leaf
   names, `"all-linear"` or None) into the leaf names of one base, in module order;
   every error names the option to change and lists what the base has.
+- `layer_roles` says which leaf names are attention projections and which feed-forward
+  ones, from where each layer sits (inside an attention module or not), for options
+  that name a role rather than layers (Tinker's `train_attn` / `train_mlp`).
 - `check_attention` refuses attention layers other than full and sliding-window ones
   (chunked, linear attention): the rollout engine and the trainer's shared-prefix cache
   handle those two, windows included (Mistral's `sliding_window`, Qwen2's
@@ -16,8 +19,8 @@ spec resolves to, and what is refused before any work starts.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
-from typing import Any
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import Any, Literal
 
 from torch import nn
 from transformers.pytorch_utils import Conv1D
@@ -108,6 +111,31 @@ def resolve_targets(
         )
     wanted = set(requested)
     return tuple(name for name in leaves if name in wanted)
+
+
+#: What a layer does in its block: an attention projection, or part of the feed-forward.
+Role = Literal["attention", "mlp"]
+
+
+def layer_roles(base: nn.Module, paths: Iterable[str]) -> dict[str, frozenset[Role]]:
+    """Leaf name -> the roles of the layers at `paths` with that name, in path order.
+
+    A layer is "attention" when one of its enclosing modules is an attention module (its
+    class name says Attention or Attn: Llama's `self_attn`, GPT-2's `attn`, OPT's and
+    Phi's attention), else "mlp": the rest of a block (Llama's `mlp`, OPT's `fc1`/`fc2`
+    directly in the block, MoE routers and shared experts). A leaf name can have both
+    (GPT-2's `c_proj` is the attention's and the MLP's output projection)."""
+    roles: dict[str, set[Role]] = {}
+    for path in paths:
+        parts = path.split(".")
+        role: Role = "mlp"
+        for i in range(1, len(parts)):
+            name = type(base.get_submodule(".".join(parts[:i]))).__name__.lower()
+            if "attention" in name or "attn" in name:
+                role = "attention"
+                break
+        roles.setdefault(parts[-1], set()).add(role)
+    return {name: frozenset(r) for name, r in roles.items()}
 
 
 def fused_weights(base: nn.Module) -> dict[str, str]:

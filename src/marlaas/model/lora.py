@@ -51,10 +51,12 @@ from transformers.pytorch_utils import Conv1D
 from marlaas.config.specs import LoRASpec, TargetModules
 from marlaas.errors import ModelError
 from marlaas.model.arch import (
+    Role,
     adaptable_layers,
     check_attention,
     fused_weights,
     layer_features,
+    layer_roles,
     leaf,
     output_head,
     resolve_targets,
@@ -212,6 +214,8 @@ class LoRAModel:
             self._shapes[path] = layer_features(layer)
         self._fan_in_fan_out = {path for path in self._shapes if isinstance(layers[path], Conv1D)}
         self._skipped = {leaf(p) for p in layers} - wanted
+        #: Injected leaf name -> its roles ("attention", "mlp"), in module order.
+        self.target_roles: dict[str, frozenset[Role]] = layer_roles(base, self._shapes)
 
     def _resolve(
         self, requested: TargetModules, paths: Sequence[str], option: str

@@ -23,6 +23,7 @@ import numpy as np
 
 from marlaas.config.specs import LoRASpec
 from marlaas.errors import ConfigError
+from marlaas.model.arch import Role
 from marlaas.service.tinker import wire
 from marlaas.service.tinker.errors import UserError
 from marlaas.train.objectives import Objective, make_objective
@@ -31,8 +32,6 @@ from marlaas.types import Datum, SamplingParams
 
 #: LoRA alpha of every Tinker adapter (Tinker fixes it; the update is scaled by alpha/r).
 LORA_ALPHA = 32.0
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP = ("gate_proj", "up_proj", "down_proj")
 #: Losses this server runs, by Tinker name (all of the trainer's objective registry that
 #: Tinker clients name).
 LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
@@ -55,32 +54,40 @@ class ModelLimits:
 # -- LoRA -----------------------------------------------------------------------------
 
 
-def lora_spec(config: wire.LoraConfig | None, injected: Sequence[str]) -> LoRASpec:
-    """The adapter of a `create_model`: rank as asked, alpha `LORA_ALPHA`, the attention
-    and/or MLP projections the base has adapters on. `train_unembed` cannot be honoured
-    (the unembedding is never adapted here) and is ignored; the README says so."""
+def lora_spec(config: wire.LoraConfig | None, roles: Mapping[str, frozenset[Role]]) -> LoRASpec:
+    """The adapter of a `create_model`: rank as asked, alpha `LORA_ALPHA`, the layers of
+    the roles asked for (`train_attn`: attention projections, `train_mlp`: feed-forward
+    layers; `roles` maps the base's injected leaf names to theirs, `model.arch`). A leaf
+    name of both roles (GPT-2's `c_proj`) is trained only when both are asked for: a
+    leaf name adapts every layer of that name. `train_unembed` cannot be honoured (the
+    unembedding is never adapted here) and is ignored; the README says so."""
     if config is None:
         raise UserError("create_model needs a lora_config (this server trains LoRA adapters)")
     if config.rank < 1:
         raise UserError(f"lora_config.rank must be >= 1, got {config.rank}")
-    wanted = (ATTENTION if config.train_attn else ()) + (MLP if config.train_mlp else ())
-    targets = tuple(m for m in wanted if m in injected)
+    wanted: set[Role] = set()
+    if config.train_attn:
+        wanted.add("attention")
+    if config.train_mlp:
+        wanted.add("mlp")
+    targets = tuple(name for name, of in roles.items() if of <= wanted)
     if not targets:
+        described = ", ".join(f"{n} ({'+'.join(sorted(r))})" for n, r in roles.items())
         raise UserError(
             "lora_config trains no module this base has adapters on: set train_attn or "
-            f"train_mlp (adaptable here: {', '.join(injected)})"
+            f"train_mlp (adaptable here: {described})"
         )
     return LoRASpec(rank=config.rank, alpha=LORA_ALPHA, target_modules=targets)
 
 
-def lora_flags(spec: LoRASpec) -> dict[str, bool]:
+def lora_flags(spec: LoRASpec, roles: Mapping[str, frozenset[Role]]) -> dict[str, bool]:
     """The `train_*` flags a spec of `lora_spec` came from."""
     names = spec.target_modules
     assert isinstance(names, tuple), "a Tinker run's spec names its modules (lora_spec)"
-    targets = set(names)
+    trained = set().union(*(roles.get(n, frozenset()) for n in names))
     return {
-        "train_attn": bool(targets & set(ATTENTION)),
-        "train_mlp": bool(targets & set(MLP)),
+        "train_attn": "attention" in trained,
+        "train_mlp": "mlp" in trained,
         "train_unembed": False,
     }
 

@@ -124,13 +124,13 @@ async def weights_info(
     body: wire.WeightsInfoRequest, hub: Hub, caller: Caller
 ) -> wire.WeightsInfoResponse:
     path = TinkerPath.parse(body.tinker_path)
+    roles = (await hub.device()).port.model.target_roles  # the one base this server serves
 
     def read() -> wire.WeightsInfoResponse:
         hub.store.checkpoint(caller, path)
         run = hub.store.run(caller, path.run_id)
-        return wire.WeightsInfoResponse(
-            base_model=run.base_model, lora_rank=run.lora.rank, **convert.lora_flags(run.lora)
-        )
+        flags = convert.lora_flags(run.lora, roles)
+        return wire.WeightsInfoResponse(base_model=run.base_model, lora_rank=run.lora.rank, **flags)
 
     return await asyncio.to_thread(read)
 

@@ -126,7 +126,7 @@ async def create_model(
         raise UserError(f"optimizer {body.optimizer_config.type!r} is not supported; use adamw")
     base = await hub.base_model(body.base_model)
     device = (await hub.device()).port
-    lora = convert.lora_spec(body.lora_config, device.model.target_modules)
+    lora = convert.lora_spec(body.lora_config, device.model.target_roles)
     try:
         device.model.validate_spec(lora)
     except Exception as e:
