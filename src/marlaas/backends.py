@@ -3,7 +3,7 @@ and the Ray one, above the pipeline. The command line, the service and the bench
 pass `open_backend` to the pipeline (`run_jobs`, `PipelineRuntime.start`), which only
 ever sees the device port and the environment pool it returns.
 
-`open_backend` reads the run's `backend`: "inprocess" builds the device in this process
+`open_backend` reads the spec's `backend`: "inprocess" builds the device in this process
 (`marlaas.device.inprocess`) and an `EnvPool` on the event loop; "ray" joins Ray on the
 calling thread (Ray ties the processes it starts to the thread that called `ray.init`)
 and builds the actors (`marlaas.distributed`, imported only then).
@@ -11,7 +11,8 @@ and builds the actors (`marlaas.distributed`, imported only then).
 
 from __future__ import annotations
 
-from marlaas.config.job import RunSpec
+from marlaas.config.job import PipelineSpec
+from marlaas.device.config import DeviceConfig
 from marlaas.device.inprocess import open_inprocess_device
 from marlaas.obs.recorder import Recorder
 from marlaas.pipeline.context import Backend, PipelineOptions
@@ -19,25 +20,21 @@ from marlaas.pipeline.envpool import EnvPool
 
 
 async def open_backend(
-    run: RunSpec, *, options: PipelineOptions, recorder: Recorder, max_staleness: int
+    spec: PipelineSpec, *, options: PipelineOptions, recorder: Recorder
 ) -> Backend:
-    """The backend `run.backend` names, ready (a `BackendOpener`)."""
-    if run.backend == "ray":  # the optional extra: imported only when asked for
+    """The backend `spec.backend` names, ready (a `BackendOpener`)."""
+    if spec.backend == "ray":  # the optional extra: imported only when asked for
         from marlaas.distributed import open_ray_backend
 
-        return await open_ray_backend(
-            run, options=options, recorder=recorder, max_staleness=max_staleness
-        )
-    return await open_inprocess_backend(
-        run, options=options, recorder=recorder, max_staleness=max_staleness
-    )
+        return await open_ray_backend(spec, options=options, recorder=recorder)
+    return await open_inprocess_backend(spec, options=options, recorder=recorder)
 
 
 async def open_inprocess_backend(
-    run: RunSpec, *, options: PipelineOptions, recorder: Recorder, max_staleness: int
+    spec: PipelineSpec, *, options: PipelineOptions, recorder: Recorder
 ) -> Backend:
     """The device in this process and an environment pool on the event loop."""
     device = await open_inprocess_device(
-        options.device_config(run, max_staleness), recorder=recorder
+        DeviceConfig.for_pipeline(spec, torch_device=options.device), recorder=recorder
     )
     return Backend(device, EnvPool(options.env_concurrency, options.env_timeout_s, recorder))

@@ -50,7 +50,7 @@ from service_support import ADMIN, ADMIN_KEY, Tenants
 from typer.testing import CliRunner
 
 from marlaas.cli.main import app as cli
-from marlaas.config.job import EngineSpec, JobSpec, RunSpec
+from marlaas.config.job import EngineSpec, JobSpec, PipelineSpec, RunSpec
 from marlaas.config.ray import ActorResources, RaySpec
 from marlaas.device import BASE
 from marlaas.device.device import ExecutorDevice
@@ -63,7 +63,7 @@ from marlaas.errors import ConfigError
 from marlaas.obs.recorder import NullRecorder
 from marlaas.pipeline import Orchestrator, PipelineContext, PipelineOptions
 from marlaas.pipeline.data import build_task
-from marlaas.pipeline.runtime import PipelineRuntime, RuntimeSpec
+from marlaas.pipeline.runtime import PipelineRuntime
 from marlaas.pipeline.tenant import TenantState
 from marlaas.service.app import create_app, open_context
 from marlaas.service.pipeline_backend import PipelineBackend
@@ -124,6 +124,7 @@ async def ctx(
         ray=SPEC,
         jobs=(job("warmup", steps=1),),
         engine=EngineSpec(max_batch_size=16, max_rank=4),
+        max_staleness=2,
     )
     out = tmp_path_factory.mktemp("ray-run")
     context = await PipelineContext.open(
@@ -132,7 +133,6 @@ async def ctx(
         backend=open_ray_backend,
         recorder=NullRecorder(),
         options=PipelineOptions(device="cpu"),
-        max_staleness=2,
     )
     try:
         yield context
@@ -243,9 +243,7 @@ def test_a_role_no_node_can_host_fails_fast_with_a_clear_error(
     spec = SPEC.model_copy(update={"env": ActorResources(num_cpus=0, resources={"gpu-box": 1})})
     run = ctx.run.model_copy(update={"ray": spec})
     with pytest.raises(ConfigError, match="no node of the Ray cluster offers"):
-        build_ray_backend(
-            run, options=PipelineOptions(device="cpu"), recorder=NullRecorder(), max_staleness=2
-        )
+        build_ray_backend(run, options=PipelineOptions(device="cpu"), recorder=NullRecorder())
 
 
 # -- runs ----------------------------------------------------------------------------
@@ -391,7 +389,7 @@ def test_the_service_runs_a_job_on_ray_and_serves_its_models(
     settings = ServiceSettings(
         data_dir=tmp_path / "data", admin_key=ADMIN_KEY, max_serving_adapters=1
     )
-    spec = RuntimeSpec(
+    spec = PipelineSpec(
         base_model=str(tiny_base),
         backend="ray",
         ray=SMALL,
@@ -546,7 +544,7 @@ def test_the_tinker_sdk_trains_and_samples_on_the_ray_device(
     from tinker import types
 
     settings = ServiceSettings(data_dir=tmp_path / "data", admin_key=ADMIN_KEY)
-    spec = RuntimeSpec(
+    spec = PipelineSpec(
         base_model=str(tiny_base),
         backend="ray",
         ray=SMALL,

@@ -13,7 +13,7 @@ import pytest
 from pipeline_support import MemoryRecorder, job
 
 from marlaas.backends import open_backend
-from marlaas.config.job import EngineSpec
+from marlaas.config.job import EngineSpec, PipelineSpec
 from marlaas.errors import ConfigError
 from marlaas.obs.progress import (
     CheckpointWritten,
@@ -24,18 +24,13 @@ from marlaas.obs.progress import (
     TenantStarted,
 )
 from marlaas.pipeline import PipelineError, PipelineOptions
-from marlaas.pipeline.runtime import (
-    PipelineRuntime,
-    RuntimeFailed,
-    RuntimeProgress,
-    RuntimeSpec,
-)
+from marlaas.pipeline.runtime import PipelineRuntime, RuntimeFailed, RuntimeProgress
 from marlaas.train.checkpoint import list_checkpoints
 
 CPU = PipelineOptions(device="cpu")
 
 
-def start_runtime(spec: RuntimeSpec, out: Path, **kw: Any) -> Coroutine[Any, Any, PipelineRuntime]:
+def start_runtime(spec: PipelineSpec, out: Path, **kw: Any) -> Coroutine[Any, Any, PipelineRuntime]:
     """`PipelineRuntime.start` on the backend the spec names (in-process here)."""
     return PipelineRuntime.start(spec, out, backend=open_backend, **kw)
 
@@ -43,8 +38,8 @@ def start_runtime(spec: RuntimeSpec, out: Path, **kw: Any) -> Coroutine[Any, Any
 P = TypeVar("P")
 
 
-def spec(base: Path, **kw: object) -> RuntimeSpec:
-    return RuntimeSpec.model_validate(
+def spec(base: Path, **kw: object) -> PipelineSpec:
+    return PipelineSpec.model_validate(
         {
             "base_model": str(base),
             "engine": EngineSpec.model_validate({"max_batch_size": 32, "max_rank": 4}),

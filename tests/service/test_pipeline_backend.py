@@ -19,9 +19,9 @@ from fastapi.testclient import TestClient
 from service_support import ADMIN, Tenants
 from sqlalchemy import delete, select
 
-from marlaas.config.job import EngineSpec
+from marlaas.config.job import EngineSpec, PipelineSpec
 from marlaas.pipeline.context import PipelineOptions
-from marlaas.pipeline.runtime import PipelineRuntime, RuntimeSpec
+from marlaas.pipeline.runtime import PipelineRuntime
 from marlaas.service.app import create_app, open_context
 from marlaas.service.db import Database
 from marlaas.service.models import Checkpoint, Job
@@ -31,7 +31,7 @@ from marlaas.train.checkpoint import list_checkpoints
 
 torch.set_num_threads(1)
 
-SPEC = RuntimeSpec(engine=EngineSpec(max_batch_size=32, max_rank=16))
+SPEC = PipelineSpec(engine=EngineSpec(max_batch_size=32, max_rank=16))
 CPU = PipelineOptions(device="cpu")
 
 

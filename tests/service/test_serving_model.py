@@ -14,11 +14,11 @@ import torch
 from fastapi.testclient import TestClient
 from service_support import ScriptedBackend, Tenants
 
+from marlaas.config.job import PipelineSpec
 from marlaas.model.bank import AdapterBank
 from marlaas.model.base import default_base_path, load_base
 from marlaas.model.lora import LoRAModel
 from marlaas.pipeline.context import PipelineOptions
-from marlaas.pipeline.runtime import RuntimeSpec
 from marlaas.rollout.engine import RolloutEngine
 from marlaas.service.app import create_app, open_context
 from marlaas.service.inference import EngineProvider, InferenceHub
@@ -87,7 +87,7 @@ def test_a_starting_pipeline_answers_503_with_retry_after(settings: ServiceSetti
 def test_a_pipeline_that_failed_to_start_serves_nothing(
     settings: ServiceSettings, tmp_path: Path
 ) -> None:
-    spec = RuntimeSpec(base_model=str(tmp_path / "no-such-model"))
+    spec = PipelineSpec(base_model=str(tmp_path / "no-such-model"))
     ctx, _ = open_context(settings)
     factory = PipelineBackend.factory(
         ctx.db, spec=spec, options=PipelineOptions(device="cpu"), recover=False

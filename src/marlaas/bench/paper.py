@@ -203,8 +203,8 @@ def _run_regime(
     for n in counts:
         k = n if baseline_tenants is None else min(n, baseline_tenants)
         on_base = {"base_model": str(base), **(placement or {})}
-        spec = workload.instantiate(n, steps=n_steps).model_copy(update=on_base)
-        spec_k = workload.instantiate(k, steps=n_steps).model_copy(update=on_base)
+        spec = workload.instantiate(n, steps=n_steps).updated(**on_base)
+        spec_k = workload.instantiate(k, steps=n_steps).updated(**on_base)
         run_dir = out_dir / f"n{n:03d}"
         load_start = _load()
         log(f"[{workload.regime}] N={n}: marlaas async, {n} tenants x {n_steps} steps")

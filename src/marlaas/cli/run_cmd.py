@@ -46,7 +46,7 @@ def run(
         raise ConfigError(f"--backend must be 'inprocess' or 'ray', got {backend!r}")
     spec = load_run_spec(jobs_file)
     if backend is not None:
-        spec = spec.model_copy(update={"backend": backend})
+        spec = spec.updated(backend=backend)
     out = out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
     result = execute(spec, out, mode=mode, resume=resume, live=live)
     failed = failures(result)

@@ -151,25 +151,14 @@ def serve(
     if chosen is Backend.none:
         what = "none -- jobs are accepted and stored but stay queued (--backend none)"
     else:
-        from marlaas.config.job import EngineSpec, TrainerSpec
-        from marlaas.config.ray import RaySpec
         from marlaas.pipeline.context import PipelineOptions
-        from marlaas.pipeline.runtime import RuntimeSpec
         from marlaas.service.judges import ServiceJudges
         from marlaas.service.pipeline_backend import PipelineBackend
 
-        spec = RuntimeSpec(
-            base_model=str(base_dir) if base_dir else None,
-            dtype=model_dtype,
-            default_target_modules=targets,
+        spec = settings.pipeline_spec(
+            backend="ray" if chosen is Backend.ray else "inprocess",
+            ray=ray,
             max_active_tenants=max_active_jobs,
-            max_staleness=settings.max_staleness,
-            engine=EngineSpec(
-                max_rank=settings.max_lora_rank, max_batch_size=settings.max_batch_rows
-            ),
-            trainer=TrainerSpec(max_tokens_per_microbatch=settings.max_tokens_per_microbatch),
-            backend=chosen.value,
-            ray=ray or RaySpec(),
         )
         options = PipelineOptions(device=device, env_timeout_s=settings.env_timeout_s)
         factory = PipelineBackend.factory(

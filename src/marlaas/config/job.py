@@ -1,9 +1,11 @@
 """A tenant's RL job, and a run of several jobs.
 
 `JobSpec` is what a tenant submits (over HTTP or in a JOBS.yaml): the data and its
-grader, the adapter shape, the algorithm and the schedule. `RunSpec` is what
-`marlaas run` executes: the shared base, the engine and trainer sizes, and the jobs.
-Both are pure data (no torch import) and are written next to a run's outputs, resolved.
+grader, the adapter shape, the algorithm and the schedule. `PipelineSpec` is what every
+pipeline is built from (the shared base, the engine and trainer sizes, the window of
+versions); `RunSpec`, what `marlaas run` and the benches execute, is a `PipelineSpec`
+plus its jobs. All are pure data (no torch import) and are written next to a run's
+outputs, resolved.
 """
 
 from __future__ import annotations
@@ -194,8 +196,12 @@ class JobSpec(Spec):
         return self
 
 
+#: `PipelineSpec.max_staleness` of a pipeline whose jobs come later (the service).
+DEFAULT_MAX_STALENESS = 4
+
+
 class EngineSpec(Spec):
-    """Sizes of the shared rollout engine."""
+    """Sizes and seed of the shared rollout engine."""
 
     max_batch_size: Int = Field(
         64, ge=1, le=4096, description="Rows decoded per iteration (1-4096)."
@@ -205,6 +211,14 @@ class EngineSpec(Spec):
     )
     max_rank: Int = Field(
         16, ge=1, le=256, description="Largest LoRA rank any tenant may use (1-256)."
+    )
+    max_prefill_tokens: Int = Field(
+        4096, ge=1, le=2**24, description="Prompt tokens the engine admits per iteration."
+    )
+    seed: Seed = Field(
+        0,
+        description="Seed of the engine's own sampling generator, for requests without a "
+        "seed of their own (Ray engine replica i: this + i).",
     )
 
 
@@ -220,8 +234,11 @@ class TrainerSpec(Spec):
     )
 
 
-class RunSpec(Spec):
-    """A set of tenant jobs run together on one shared base (`marlaas run JOBS.yaml`)."""
+class PipelineSpec(Spec):
+    """What a pipeline is built from, whatever runs on it: the shared base, where the
+    stages run, the engine and trainer sizes and the window of adapter versions. A
+    long-lived pipeline (the service, `PipelineRuntime`) takes one as it is and gets its
+    jobs later; a `RunSpec` is one plus its fixed jobs."""
 
     base_model: str | None = Field(
         None, description="Hugging Face causal-LM directory; None: the embedded base."
@@ -244,14 +261,48 @@ class RunSpec(Spec):
     max_active_tenants: int = Field(
         32, ge=1, le=4096, description="Admission cap; further jobs wait in a queue."
     )
+    max_staleness: Int | None = Field(
+        None,
+        ge=0,
+        le=64,
+        description="Largest `algorithm.max_staleness` a job may ask (0-64); it sizes the "
+        "window of adapter versions the sampler keeps (`versions_kept`). None: the largest "
+        f"of the run's jobs; a pipeline without fixed jobs: {DEFAULT_MAX_STALENESS}.",
+    )
     engine: EngineSpec = Field(default_factory=EngineSpec)
     trainer: TrainerSpec = Field(default_factory=TrainerSpec)
-    jobs: tuple[JobSpec, ...] = Field(..., min_length=1, description="The tenants' jobs.")
 
     @field_validator("default_target_modules")
     @classmethod
     def _targets(cls, v: TargetModules) -> TargetModules:
         return check_target_names(v)
+
+    @property
+    def staleness_limit(self) -> int:
+        """The largest `algorithm.max_staleness` a job of this pipeline may have."""
+        return DEFAULT_MAX_STALENESS if self.max_staleness is None else self.max_staleness
+
+    @property
+    def versions_kept(self) -> int:
+        """Adapter versions the sampler keeps per tenant: the newest, the one a train
+        step in flight trains on, and the `staleness_limit` stale ones a batch may still
+        hold. The one place this window is derived."""
+        return self.staleness_limit + 2
+
+
+class RunSpec(PipelineSpec):
+    """A set of tenant jobs run together on one shared base (`marlaas run JOBS.yaml`):
+    the pipeline's spec and its jobs."""
+
+    jobs: tuple[JobSpec, ...] = Field(..., min_length=1, description="The tenants' jobs.")
+
+    @property
+    def staleness_limit(self) -> int:
+        """`max_staleness` when given, else the largest of the jobs' (the validator keeps
+        every job within it)."""
+        if self.max_staleness is not None:
+            return self.max_staleness
+        return max(job.algorithm.max_staleness for job in self.jobs)
 
     @model_validator(mode="after")
     def _check(self) -> RunSpec:
@@ -264,6 +315,13 @@ class RunSpec(Spec):
             raise ValueError(
                 f"jobs {', '.join(too_big)} ask for a LoRA rank above engine.max_rank "
                 f"({self.engine.max_rank}); raise engine.max_rank or lower their rank"
+            )
+        limit = self.staleness_limit
+        stale = [j.name for j in self.jobs if j.algorithm.max_staleness > limit]
+        if stale:
+            raise ValueError(
+                f"jobs {', '.join(stale)} ask for an algorithm.max_staleness above "
+                f"max_staleness ({limit}); raise max_staleness or lower theirs"
             )
         return self
 

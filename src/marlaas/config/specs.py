@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, Self
 
 from pydantic import (
     BaseModel,
@@ -147,6 +147,12 @@ class Spec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
+    def updated(self, **changes: Any) -> Self:
+        """A copy with `changes`, validated as a new spec (its validators run again;
+        `model_copy(update=...)` would skip them). Unchanged fields keep their values."""
+        fields = {name: getattr(self, name) for name in self.model_fields_set}
+        return self.model_validate({**fields, **changes})
+
 
 class LoRASpec(Spec):
     """A tenant's LoRA adapter shape."""
@@ -211,7 +217,10 @@ Beta = Annotated[float, Field(ge=0.0, lt=1.0), BeforeValidator(number_only)]
 
 
 class GRPOSpec(Spec):
-    """Group-relative policy optimisation (Shao et al. 2024) and its common variants."""
+    """Group-relative policy optimisation (Shao et al. 2024) and its common variants.
+
+    The one algorithm family today, so `JobSpec.algorithm` is this type; `type` already
+    keys it, so a second family makes that field a union discriminated on `type`."""
 
     type: Literal["grpo"] = "grpo"
     group_size: Int = Field(
@@ -274,9 +283,6 @@ class GRPOSpec(Spec):
     @property
     def samples_per_step(self) -> int:
         return self.group_size * self.prompts_per_step
-
-
-AlgorithmSpec = Annotated[GRPOSpec, Field(discriminator="type")]
 
 
 #: One end of a tool latency range, in seconds.

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from marlaas.config.job import EngineSpec, TrainerSpec
+from marlaas.config.job import EngineSpec, PipelineSpec, TrainerSpec
 from marlaas.config.specs import ModelDType
 from marlaas.errors import ConfigError
 from marlaas.model.base import default_base_path
@@ -18,8 +18,9 @@ from marlaas.model.base import default_base_path
 @dataclass(frozen=True)
 class DeviceConfig:
     """A device's sizes. `base_model=None` is the embedded base, `dtype` its weights'
-    (`RunSpec.dtype`); `versions_kept` is the sampler's window of versions per tenant (a
-    pipeline keeps `max_staleness + 2`); `torch_device` "auto" is cuda when available."""
+    (`PipelineSpec.dtype`); `versions_kept` is the sampler's window of versions per
+    tenant (a pipeline's is `PipelineSpec.versions_kept`: `for_pipeline`);
+    `torch_device` "auto" is cuda when available."""
 
     base_model: str | None = None
     dtype: ModelDType = "auto"
@@ -27,8 +28,18 @@ class DeviceConfig:
     trainer: TrainerSpec = field(default_factory=TrainerSpec)
     versions_kept: int = 2
     torch_device: str = "auto"
-    max_prefill_tokens: int = 4096
-    engine_seed: int = 0
+
+    @classmethod
+    def for_pipeline(cls, spec: PipelineSpec, *, torch_device: str = "auto") -> DeviceConfig:
+        """The device a pipeline built from `spec` needs."""
+        return cls(
+            base_model=spec.base_model,
+            dtype=spec.dtype,
+            engine=spec.engine,
+            trainer=spec.trainer,
+            versions_kept=spec.versions_kept,
+            torch_device=torch_device,
+        )
 
     def __post_init__(self) -> None:
         if self.versions_kept < 1:

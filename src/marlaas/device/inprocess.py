@@ -39,9 +39,9 @@ def build_local_compute(config: DeviceConfig) -> tuple[LocalCompute, PreTrainedT
         bank,
         tokenizer,
         max_batch_size=config.engine.max_batch_size,
-        max_prefill_tokens=config.max_prefill_tokens,
+        max_prefill_tokens=config.engine.max_prefill_tokens,
         background=False,
-        seed=config.engine_seed,
+        seed=config.engine.seed,
     )
     trainer = MultiLaneTrainer(
         model, max_tokens_per_microbatch=config.trainer.max_tokens_per_microbatch

@@ -1,5 +1,5 @@
 """`open_ray_backend`: a run's device and environment pool on Ray actors, placed by
-resources (`RunSpec.ray`), behind the same device port and `EnvPool` the in-process
+resources (`PipelineSpec.ray`), behind the same device port and `EnvPool` the in-process
 backend gives, so the orchestrator, the sync baseline and the service drive them
 unchanged.
 
@@ -37,7 +37,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from marlaas.config.job import RunSpec
+from marlaas.config.job import PipelineSpec
+from marlaas.device.config import DeviceConfig
 from marlaas.device.device import ExecutorDevice
 from marlaas.distributed.actors import EngineReplica, TrainerWorker
 from marlaas.distributed.cluster import connect, place
@@ -73,13 +74,13 @@ def load_skeleton(path: Path, max_rank: int) -> tuple[LoRAModel, PreTrainedToken
 
 
 def build_ray_backend(
-    run: RunSpec, *, options: PipelineOptions, recorder: Recorder, max_staleness: int
+    run: PipelineSpec, *, options: PipelineOptions, recorder: Recorder
 ) -> tuple[RayCompute, RayEnvPool, PreTrainedTokenizerBase, Path]:
     """The actors and their clients (blocking: the actors load the base). Ray must be
     joined already. Raises `ConfigError` when no node can host a role, `ModelError`
     for a bad base path."""
     spec = run.ray
-    config = options.device_config(run, max_staleness)
+    config = DeviceConfig.for_pipeline(run, torch_device=options.device)
     base_path = config.base_path.resolve()
     model, tokenizer = load_skeleton(base_path, config.engine.max_rank)
     replica_cls = place(EngineReplica, "engine", spec.engine, spec)
@@ -92,8 +93,8 @@ def build_ray_backend(
             adapter_slots=config.engine.adapter_slots,
             versions_kept=config.versions_kept,
             max_batch_size=config.engine.max_batch_size,
-            max_prefill_tokens=config.max_prefill_tokens,
-            seed=config.engine_seed + i,
+            max_prefill_tokens=config.engine.max_prefill_tokens,
+            seed=config.engine.seed + i,
             device=config.torch_device,
             dtype=config.dtype,
             torch_threads=spec.torch_threads,
@@ -132,19 +133,19 @@ def build_ray_backend(
 
 
 async def open_ray_backend(
-    run: RunSpec, *, options: PipelineOptions, recorder: Recorder, max_staleness: int
+    run: PipelineSpec, *, options: PipelineOptions, recorder: Recorder
 ) -> Backend:
     """The run's backend on Ray (a `BackendOpener`; see the module docstring)."""
     connect(run.ray)
     compute, envs, tokenizer, base_path = await asyncio.to_thread(
-        build_ray_backend, run, options=options, recorder=recorder, max_staleness=max_staleness
+        build_ray_backend, run, options=options, recorder=recorder
     )
     device = ExecutorDevice.start(
         compute,
         model=compute.model,
         tokenizer=tokenizer,
         base_name=str(base_path),
-        versions_kept=options.device_config(run, max_staleness).versions_kept,
+        versions_kept=run.versions_kept,
         recorder=recorder,
     )
     return Backend(device, envs)

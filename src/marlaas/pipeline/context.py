@@ -17,13 +17,12 @@ import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from marlaas.config.job import JobSpec, RunSpec
+from marlaas.config.job import JobSpec, PipelineSpec
 from marlaas.config.specs import Spec
-from marlaas.device.config import DeviceConfig
 from marlaas.device.port import DevicePort
 from marlaas.envs.base import TaskFamily
 from marlaas.envs.openai_graders import Judge
@@ -32,6 +31,9 @@ from marlaas.model.chat import require_template
 from marlaas.obs.recorder import Recorder
 from marlaas.pipeline.envpool import EnvPool
 from marlaas.pipeline.judges import JudgeFactory, job_judges
+
+#: Engine settings that moved from `PipelineOptions` to `EngineSpec`, and where they are.
+_MOVED = {"max_prefill_tokens": "engine.max_prefill_tokens", "engine_seed": "engine.seed"}
 
 
 class PipelineOptions(Spec):
@@ -55,25 +57,18 @@ class PipelineOptions(Spec):
         description="Retries of an episode whose environment failed, before its tenant is failed.",
     )
     keep_checkpoints: int = Field(default=3, ge=1, description="Checkpoints kept per tenant.")
-    max_prefill_tokens: int = Field(
-        default=4096, ge=1, description="Prompt tokens the engine admits per iteration."
-    )
-    engine_seed: int = Field(default=0, description="Seed of the engine's own sampling generator.")
 
-    def device_config(self, run: RunSpec, max_staleness: int) -> DeviceConfig:
-        """The device a run of jobs with at most `max_staleness` needs: the sampler keeps
-        `max_staleness + 2` versions (the newest, the one a step in flight trains on, and
-        the stale ones a batch may still hold)."""
-        return DeviceConfig(
-            base_model=run.base_model,
-            dtype=run.dtype,
-            engine=run.engine,
-            trainer=run.trainer,
-            versions_kept=max_staleness + 2,
-            torch_device=self.device,
-            max_prefill_tokens=self.max_prefill_tokens,
-            engine_seed=self.engine_seed,
-        )
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            moved = [f"{old} is now {new}" for old, new in _MOVED.items() if old in data]
+            if moved:
+                raise ValueError(
+                    f"{'; '.join(moved)} of the pipeline's spec (`PipelineSpec` / RunSpec, "
+                    "the `engine:` section of a JOBS.yaml); set it there"
+                )
+        return data
 
 
 @dataclass(frozen=True, eq=False)
@@ -92,11 +87,11 @@ class Backend:
 
 
 class BackendOpener(Protocol):
-    """Opens a ready `Backend` for `run` (blocking work off the loop). `max_staleness`
-    bounds the jobs' `algorithm.max_staleness`: it sizes the sampler's window."""
+    """Opens a ready `Backend` for a pipeline built from `spec` (blocking work off the
+    loop); the sampler keeps `spec.versions_kept` versions per tenant."""
 
     async def __call__(
-        self, run: RunSpec, *, options: PipelineOptions, recorder: Recorder, max_staleness: int
+        self, spec: PipelineSpec, *, options: PipelineOptions, recorder: Recorder
     ) -> Backend: ...
 
 
@@ -104,7 +99,8 @@ class BackendOpener(Protocol):
 class PipelineContext:
     """The run's shared components (see the module docstring)."""
 
-    run: RunSpec
+    #: What the pipeline was built from (a `RunSpec` for `run_jobs`).
+    run: PipelineSpec
     out_dir: Path
     backend: Backend
     recorder: Recorder
@@ -126,7 +122,7 @@ class PipelineContext:
     @classmethod
     async def open(
         cls,
-        run: RunSpec,
+        run: PipelineSpec,
         out_dir: Path,
         *,
         backend: BackendOpener,
@@ -134,16 +130,19 @@ class PipelineContext:
         options: PipelineOptions | None = None,
         resume: bool = False,
         tasks: Mapping[str, TaskFamily] | None = None,
-        max_staleness: int | None = None,
         judges: JudgeFactory | None = None,
     ) -> PipelineContext:
-        """The run's components on a backend `backend` opens. `max_staleness`: None is
-        the largest among `run.jobs` (a long-lived pipeline, whose jobs come later, gives
-        it). Close it with `ctx.backend.close()`."""
+        """The run's components on a backend `backend` opens. Close it with
+        `ctx.backend.close()`."""
         options = options or PipelineOptions()
-        if max_staleness is None:
-            max_staleness = max(job.algorithm.max_staleness for job in run.jobs)
-        opened = await backend(run, options=options, recorder=recorder, max_staleness=max_staleness)
+        opened = await backend(run, options=options, recorder=recorder)
+        if opened.device.versions_kept < run.versions_kept:
+            await opened.close()
+            raise ConfigError(
+                f"the backend's device keeps {opened.device.versions_kept} versions per "
+                f"tenant, the spec needs {run.versions_kept} (`versions_kept`); build the "
+                "device with `DeviceConfig.for_pipeline(spec)`"
+            )
         return cls(
             run=run,
             out_dir=Path(out_dir),

@@ -59,7 +59,7 @@ def slice_spec(run: RunSpec, steps: int) -> RunSpec:
     if steps < 1:
         raise ConfigError(f"the sync slice needs at least 1 step per tenant, got {steps}")
     jobs = tuple(job.model_copy(update={"steps": min(steps, job.steps)}) for job in run.jobs)
-    return run.model_copy(update={"jobs": jobs})
+    return run.updated(jobs=jobs)
 
 
 @dataclass(frozen=True)

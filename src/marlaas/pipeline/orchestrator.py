@@ -141,10 +141,11 @@ class Orchestrator:
                 f"max_rank {device.model.max_rank}; lower the rank"
             )
         job = self.ctx.resolve_job(job)
-        if job.algorithm.max_staleness + 2 > device.versions_kept:
+        limit = self.ctx.run.staleness_limit  # the device keeps `run.versions_kept`
+        if job.algorithm.max_staleness > limit:
             raise ConfigError(
                 f"job {job.name!r}: algorithm.max_staleness {job.algorithm.max_staleness} is "
-                f"above this pipeline's limit of {device.versions_kept - 2}; lower it"
+                f"above this pipeline's limit of {limit}; lower it"
             )
         state = self.states[job.name] = TenantState(job, order=len(self.states))
         self._queue.push(job.name, job.priority)

@@ -1,7 +1,10 @@
 """A long-lived pipeline for a process that runs jobs as they come (the service).
 
-`PipelineRuntime.start` opens the backend once, with the caller's `BackendOpener` (as
-`marlaas run` does), starts a serve-mode `Orchestrator`, and returns a ready runtime.
+`PipelineRuntime.start` takes a validated `PipelineSpec` (the one spec every pipeline is
+built from; `marlaas run` gives a `RunSpec`, which is one plus its jobs), opens the
+backend once with the caller's `BackendOpener` (as `marlaas run` does), starts a
+serve-mode `Orchestrator`, and returns a ready runtime. The jobs' `max_staleness` is
+bounded by the spec's `staleness_limit` (its `max_staleness`, default 4).
 Jobs are then submitted, paused, unpaused and cancelled at any time; tenant names are the job names and are unique for the
 runtime's life.
 
@@ -31,13 +34,8 @@ import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
-from pydantic import Field
-
-from marlaas.config.job import EngineSpec, JobSpec, RunSpec, TrainerSpec
-from marlaas.config.ray import RaySpec
-from marlaas.config.specs import ModelDType, Spec, TargetModules
+from marlaas.config.job import JobSpec, PipelineSpec
 from marlaas.fileio import atomic_write_json
 from marlaas.obs.progress import Progress, TenantEnded
 from marlaas.obs.recorder import NullRecorder, Recorder
@@ -48,49 +46,6 @@ from marlaas.pipeline.tenant import PipelineError, TenantState, describe_failure
 from marlaas.train.checkpoint import list_checkpoints
 
 log = logging.getLogger(__name__)
-
-
-class RuntimeSpec(Spec):
-    """The shared parts of a long-lived pipeline (its jobs come later)."""
-
-    base_model: str | None = Field(
-        None, description="Hugging Face causal-LM directory; None: the embedded base."
-    )
-    dtype: ModelDType = Field("auto", description="The base's dtype (`RunSpec.dtype`).")
-    default_target_modules: TargetModules = Field(
-        None, description="LoRA targets of jobs that name none (`RunSpec`); None: all-linear."
-    )
-    max_active_tenants: int = Field(
-        32, ge=1, le=4096, description="Admission cap; further jobs wait in a queue."
-    )
-    max_staleness: int = Field(
-        4,
-        ge=0,
-        le=64,
-        description="Largest `algorithm.max_staleness` a job may ask (sizes the adapter "
-        "bank's window of versions).",
-    )
-    engine: EngineSpec = Field(default_factory=EngineSpec)
-    trainer: TrainerSpec = Field(default_factory=TrainerSpec)
-    backend: Literal["inprocess", "ray"] = Field("inprocess", description="Where stages run.")
-    ray: RaySpec = Field(
-        default_factory=RaySpec, description="Ray cluster and actor placement (backend: ray)."
-    )
-
-    def as_run_spec(self) -> RunSpec:
-        """The context's `RunSpec`: the shared sizes, no fixed jobs. Every field comes
-        from a validated spec, so validation (which wants >= 1 job) is skipped."""
-        return RunSpec.model_construct(
-            base_model=self.base_model,
-            dtype=self.dtype,
-            default_target_modules=self.default_target_modules,
-            backend=self.backend,
-            ray=self.ray,
-            max_active_tenants=self.max_active_tenants,
-            engine=self.engine,
-            trainer=self.trainer,
-            jobs=(),
-        )
 
 
 @dataclass(frozen=True)
@@ -172,7 +127,7 @@ class PipelineRuntime:
     @classmethod
     async def start(
         cls,
-        spec: RuntimeSpec,
+        spec: PipelineSpec,
         out_dir: Path,
         *,
         backend: BackendOpener,
@@ -190,13 +145,12 @@ class PipelineRuntime:
         # Nothing is emitted before a job runs; the runtime takes the records once built.
         progress = _ProgressRecorder(recorder or NullRecorder(), _drop, asyncio.get_running_loop())
         ctx = await PipelineContext.open(
-            spec.as_run_spec(),
+            spec,
             out_dir,
             backend=backend,
             recorder=progress,
             options=options,
             resume=True,
-            max_staleness=spec.max_staleness,
             judges=judges,
         )
         runtime = cls(ctx, Orchestrator(ctx, serve=True), on_progress)

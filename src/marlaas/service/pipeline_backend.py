@@ -46,7 +46,7 @@ from pydantic import ValidationError
 from sqlalchemy import select
 
 from marlaas.backends import open_backend
-from marlaas.config.job import JobSpec
+from marlaas.config.job import JobSpec, PipelineSpec
 from marlaas.errors import MarlaasError
 from marlaas.model.base import default_base_path
 from marlaas.obs.progress import (
@@ -60,12 +60,7 @@ from marlaas.obs.progress import (
 )
 from marlaas.pipeline.context import PipelineOptions
 from marlaas.pipeline.judges import JudgeFactory
-from marlaas.pipeline.runtime import (
-    PipelineRuntime,
-    RuntimeFailed,
-    RuntimeProgress,
-    RuntimeSpec,
-)
+from marlaas.pipeline.runtime import PipelineRuntime, RuntimeFailed, RuntimeProgress
 from marlaas.pipeline.tenant import PipelineError, describe_failure
 from marlaas.service import datasets
 from marlaas.service.backend import BackendFactory
@@ -126,7 +121,7 @@ class PipelineBackend:
         reporter: JobReporter,
         db: Database,
         *,
-        spec: RuntimeSpec | None = None,
+        spec: PipelineSpec | None = None,
         options: PipelineOptions | None = None,
         recover: bool = True,
         judges: JudgeFactory | None = None,
@@ -138,11 +133,11 @@ class PipelineBackend:
         self._closing = False
         self._reports: asyncio.Queue[_Report | None] = asyncio.Queue()
         self.out_dir = reporter.artifact_dir / PIPELINE_DIR
-        self._base_model = (spec or RuntimeSpec()).base_model
+        self._base_model = (spec or PipelineSpec()).base_model
         options = (options or PipelineOptions()).model_copy(update={"keep_checkpoints": KEEP_ALL})
         self._worker = asyncio.create_task(self._write_reports(), name="job-reports")
         self._ready = asyncio.create_task(
-            self._start(spec or RuntimeSpec(), options, recover), name="pipeline-start"
+            self._start(spec or PipelineSpec(), options, recover), name="pipeline-start"
         )
         self._ready.add_done_callback(_log_start_failure)
 
@@ -151,7 +146,7 @@ class PipelineBackend:
         cls,
         db: Database,
         *,
-        spec: RuntimeSpec | None = None,
+        spec: PipelineSpec | None = None,
         options: PipelineOptions | None = None,
         recover: bool = True,
         judges: JudgeFactory | None = None,
@@ -298,7 +293,7 @@ class PipelineBackend:
     # -- starting and recovery -------------------------------------------------------
 
     async def _start(
-        self, spec: RuntimeSpec, options: PipelineOptions, recover: bool
+        self, spec: PipelineSpec, options: PipelineOptions, recover: bool
     ) -> PipelineRuntime:
         runtime = await PipelineRuntime.start(
             spec,

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field, field_validator
 
-from marlaas.config.job import MAX_EVAL_EPISODES
+from marlaas.config.job import MAX_EVAL_EPISODES, EngineSpec, PipelineSpec, TrainerSpec
+from marlaas.config.ray import RaySpec
 from marlaas.config.specs import (
     ModelDType,
     Spec,
@@ -191,6 +192,28 @@ class ServiceSettings(Spec):
     @classmethod
     def _targets(cls, v: TargetModules) -> TargetModules:
         return check_target_names(v)
+
+    def pipeline_spec(
+        self,
+        *,
+        backend: Literal["inprocess", "ray"] = "inprocess",
+        ray: RaySpec | None = None,
+        max_active_tenants: int = 32,
+    ) -> PipelineSpec:
+        """The job backend's pipeline, sized by these settings (the base, its dtype and
+        LoRA targets, the engine rows and rank, the trainer's budget, the staleness
+        window), so that what a job is admitted against is what it runs on."""
+        return PipelineSpec(
+            base_model=str(self.serve_base_model) if self.serve_base_model else None,
+            dtype=self.serve_dtype,
+            default_target_modules=self.default_target_modules,
+            backend=backend,
+            ray=ray or RaySpec(),
+            max_active_tenants=max_active_tenants,
+            max_staleness=self.max_staleness,
+            engine=EngineSpec(max_rank=self.max_lora_rank, max_batch_size=self.max_batch_rows),
+            trainer=TrainerSpec(max_tokens_per_microbatch=self.max_tokens_per_microbatch),
+        )
 
     @field_validator("admin_key", "metrics_token")
     @classmethod
