@@ -234,7 +234,7 @@ async def test_resume_continues_from_the_checkpoint(base_dir: Path, tmp_path: Pa
     assert all(r.steps_done == 2 for r in r1.tenants.values())
     ckpt2 = json.loads((tmp_path / "tenants/a/checkpoints/ckpt-00000002/state.json").read_text())
     second = MemoryRecorder()
-    r2 = await run_jobs_on(jobs(4), tmp_path, recorder=second, options=CPU, resume=True)
+    r2 = await run_jobs_on(jobs(4), tmp_path, recorder=second, options=CPU, restore=True)
     for name in ("a", "b"):
         assert r2.tenants[name].status == "done", r2.tenants[name].failure_reason
         assert first.train_steps(name) == [1, 2]

@@ -81,14 +81,14 @@ def demo(
         f"{sum(j.steps for j in spec.jobs)} RL steps in all. Run folder: {out}"
     )
     result = record_run(
-        spec, out, mode="async", resume=False, live=live, title="marlaas demo (async)"
+        spec, out, mode="async", restore=False, live=live, title="marlaas demo (async)"
     )
     loads = [_load()]
     full_sync = None
     if sync:
         console.print("running the whole synchronous baseline for comparison ...")
         full_sync = record_run(
-            spec, out / "sync", mode="sync", resume=False, live=live, title="sync baseline"
+            spec, out / "sync", mode="sync", restore=False, live=live, title="sync baseline"
         )
         loads.append(_load())
     console.print(f"measuring the synchronous baseline on {slice_steps} step(s) of each tenant ...")

@@ -48,7 +48,7 @@ def run(
     if backend is not None:
         spec = spec.updated(backend=backend)
     out = out or Path("runs") / time.strftime("%Y%m%d-%H%M%S")
-    result = execute(spec, out, mode=mode, resume=resume, live=live)
+    result = execute(spec, out, mode=mode, restore=resume, live=live)
     failed = failures(result)
     if failed:
         for name, reason in failed.items():
@@ -67,12 +67,12 @@ def failures(result: object) -> dict[str, str]:
     }
 
 
-def execute(spec: object, out: Path, *, mode: str, resume: bool, live: bool) -> object:
+def execute(spec: object, out: Path, *, mode: str, restore: bool, live: bool) -> object:
     """Run `spec` with a recorder, live view, trace and plots; print the final table."""
     from marlaas.config.job import RunSpec
 
     assert isinstance(spec, RunSpec)
-    result = record_run(spec, out, mode=mode, resume=resume, live=live)
+    result = record_run(spec, out, mode=mode, restore=restore, live=live)
     table = Table(title=f"{mode} run: {len(spec.jobs)} jobs, {result.wall_s:.1f} s")
     for col in ("job", "status", "steps", "eval before", "eval after", "max staleness"):
         table.add_column(col)
@@ -97,7 +97,7 @@ def execute(spec: object, out: Path, *, mode: str, resume: bool, live: bool) -> 
 
 
 def record_run(
-    spec: RunSpec, out: Path, *, mode: str, resume: bool, live: bool, title: str = "marlaas"
+    spec: RunSpec, out: Path, *, mode: str, restore: bool, live: bool, title: str = "marlaas"
 ) -> RunResult:
     """Run `spec` into the run folder `out` with a recorder (metrics, events, summary),
     the live view when `live`, then the trace and the plots; return the `RunResult`."""
@@ -116,7 +116,7 @@ def record_run(
     def run() -> RunResult:
         return asyncio.run(
             run_jobs(
-                spec, out, backend=open_backend, mode=run_mode, recorder=recorder, resume=resume
+                spec, out, backend=open_backend, mode=run_mode, recorder=recorder, restore=restore
             )
         )
 

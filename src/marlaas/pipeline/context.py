@@ -105,7 +105,8 @@ class PipelineContext:
     backend: Backend
     recorder: Recorder
     options: PipelineOptions
-    resume: bool = False
+    #: Whether a tenant restores from its latest checkpoint when it has one.
+    restore: bool = False
     #: Task families that replace a job's own task, by job name (custom environments).
     tasks: Mapping[str, TaskFamily] = field(default_factory=dict)
     #: Who judges the jobs' model graders; None: a job whose grader calls a model is refused.
@@ -128,7 +129,7 @@ class PipelineContext:
         backend: BackendOpener,
         recorder: Recorder,
         options: PipelineOptions | None = None,
-        resume: bool = False,
+        restore: bool = False,
         tasks: Mapping[str, TaskFamily] | None = None,
         judges: JudgeFactory | None = None,
     ) -> PipelineContext:
@@ -149,7 +150,7 @@ class PipelineContext:
             backend=opened,
             recorder=recorder,
             options=options,
-            resume=resume,
+            restore=restore,
             tasks=dict(tasks or {}),
             judges=judges,
         )

@@ -121,7 +121,7 @@ class TenantRuntime:
 
     async def setup(self) -> None:
         """Build the task and register the adapter (restored from the latest checkpoint
-        when the run resumes and one exists). Raises on a bad spec, data or checkpoint."""
+        when the context restores and one exists). Raises on a bad spec, data or checkpoint."""
         ctx, job = self.ctx, self.job
         self._training = grpo_training(job)
         family = ctx.tasks.get(self.name)
@@ -136,7 +136,7 @@ class TenantRuntime:
         await asyncio.to_thread(self.stream.__getitem__, 0)
         snapshot: TenantSnapshot | None = None
         extra: dict[str, Any] = {}
-        path = latest_checkpoint(ctx.checkpoint_dir(self.name)) if ctx.resume else None
+        path = latest_checkpoint(ctx.checkpoint_dir(self.name)) if ctx.restore else None
         if path is not None:
             ckpt = await asyncio.to_thread(load_checkpoint, path, ctx.device.model)
             if ckpt.snapshot.tenant != self.name or ckpt.snapshot.lora != job.lora:

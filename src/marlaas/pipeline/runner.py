@@ -115,7 +115,7 @@ async def run_jobs(
     backend: BackendOpener,
     mode: Mode = "async",
     recorder: Recorder | None = None,
-    resume: bool = False,
+    restore: bool = False,
     options: PipelineOptions | None = None,
     tasks: Mapping[str, TaskFamily] | None = None,
     judges: JudgeFactory | None = base_judge,
@@ -124,7 +124,7 @@ async def run_jobs(
 
     `backend` opens where the stages live (`marlaas.backends.open_backend` reads
     `run.backend`). `mode="async"` is the event-driven multi-tenant pipeline, `"sync"`
-    the conventional baseline. `resume=True` restores each job from its latest
+    the conventional baseline. `restore=True` restores each job from its latest
     checkpoint (adapter, optimizer, step, RNG, data cursor) and continues to its
     `steps`. `tasks` replaces the task of the named jobs with a custom `TaskFamily`.
     `judges` answers the jobs' model graders (default: the run's base, `base_judge`). A
@@ -142,11 +142,11 @@ async def run_jobs(
         backend=backend,
         recorder=recorder or NullRecorder(),
         options=options,
-        resume=resume,
+        restore=restore,
         tasks=tasks,
         judges=judges,
     )
-    ctx.recorder.event("run_started", mode=mode, jobs=len(run.jobs), resume=resume)
+    ctx.recorder.event("run_started", mode=mode, jobs=len(run.jobs), restore=restore)
     t0 = time.perf_counter()
     try:
         runner = Orchestrator(ctx, run.jobs) if mode == "async" else SyncBaseline(ctx, run.jobs)

@@ -15,7 +15,7 @@ ended with its status and reason), the very records its recorder gets, and
 `RuntimeFailed` if the pipeline itself fails. The callback runs on the event loop and
 must not block; it is called in the order things happened.
 
-Restoring is per job: the context is built with `resume=True`, so a tenant restores
+Restoring is per job: the context is built with `restore=True`, so a tenant restores
 from its latest checkpoint (adapter, optimizer, RNG, data cursor, eval history) when one
 exists. `submit(job, restore=False)` therefore refuses a job whose checkpoint directory
 already holds checkpoints: it would silently continue them.
@@ -150,7 +150,7 @@ class PipelineRuntime:
             backend=backend,
             recorder=progress,
             options=options,
-            resume=True,
+            restore=True,
             judges=judges,
         )
         runtime = cls(ctx, Orchestrator(ctx, serve=True), on_progress)
