@@ -10,8 +10,8 @@ Lifecycle
 1. Open: an async factory returns a ready, running port (`open_inprocess_device`, or
    the Ray backend's). It serves one base model; `model` and `tokenizer` describe it
    (`model` may hold no weights: read its shapes and specs, never run it).
-2. Tenants: `add_tenant` makes a trainable tenant (a LoRA adapter, its AdamW state and
-   RNG) at version 0 from a seed, or at version k from a `TenantSnapshot`, published to
+2. Tenants: `add_tenant` makes a trainable tenant (a LoRA adapter and its AdamW state)
+   at version 0 from a seed, or at version k from a `TenantSnapshot`, published to
    the sampler once, at that version. `add_adapter` adds a frozen, sampling-only
    adapter (a checkpoint to serve). `snapshot` / `restore` / `export` read and replace a
    tenant's state; `drop_tenant` / `drop_adapter` remove them. Names are shared by both
@@ -115,7 +115,7 @@ class DevicePort(Protocol):
         snapshot: TenantSnapshot | None = None,
     ) -> Awaitable[int]:
         """Add a trainable tenant: a fresh PEFT-style adapter from `seed` at version 0,
-        or `snapshot`'s state (adapter, optimizer, RNG) at its version. Published to the
+        or `snapshot`'s state (adapter, optimizer) at its version. Published to the
         sampler once; resolves with the version. `ModelError` for a name in use or a
         spec the base cannot take."""
         ...

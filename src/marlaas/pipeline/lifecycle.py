@@ -10,7 +10,7 @@ Invariants:
   (`train.grpo.GRPOTraining` makes both calls' arguments).
 - Disk writes (checkpoints, the final PEFT adapter) run in worker threads and are
   atomic (`save_checkpoint`, `save_peft`); a checkpoint's `extra` holds the data
-  cursor and the eval history, so a resume continues the same data stream.
+  cursor and the eval history, so a restore continues the same data stream.
 - Eval is greedy, on the held-out split, pinned to one adapter version.
 """
 

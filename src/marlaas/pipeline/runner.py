@@ -125,7 +125,7 @@ async def run_jobs(
     `backend` opens where the stages live (`marlaas.backends.open_backend` reads
     `run.backend`). `mode="async"` is the event-driven multi-tenant pipeline, `"sync"`
     the conventional baseline. `restore=True` restores each job from its latest
-    checkpoint (adapter, optimizer, step, RNG, data cursor) and continues to its
+    checkpoint (adapter, optimizer, step, data cursor) and continues to its
     `steps`. `tasks` replaces the task of the named jobs with a custom `TaskFamily`.
     `judges` answers the jobs' model graders (default: the run's base, `base_judge`). A
     job's failure is reported in its `TenantResult`; only a failure of the shared device

@@ -16,7 +16,7 @@ ended with its status and reason), the very records its recorder gets, and
 must not block; it is called in the order things happened.
 
 Restoring is per job: the context is built with `restore=True`, so a tenant restores
-from its latest checkpoint (adapter, optimizer, RNG, data cursor, eval history) when one
+from its latest checkpoint (adapter, optimizer, data cursor, eval history) when one
 exists. `submit(job, restore=False)` therefore refuses a job whose checkpoint directory
 already holds checkpoints: it would silently continue them.
 

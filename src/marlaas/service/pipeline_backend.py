@@ -4,7 +4,7 @@ Ids and files:
 - A job runs in the pipeline as the tenant named by its database id (job names are
   unique only within one tenant; ids are unique and are valid tenant names).
 - Its files lie under `<artifact_dir>/pipeline/tenants/<job id>/`: `checkpoints/ckpt-<step>/`
-  (atomic: adapter, optimizer, RNG, data cursor) and, once done, `adapter/`. A
+  (atomic: adapter, optimizer, data cursor) and, once done, `adapter/`. A
   checkpoint's database row points at the PEFT adapter directory inside it
   (`ckpt-<step>/adapter`). The pipeline keeps every checkpoint, since the database
   refers to each: a job's `keep_checkpoints` is applied by the `JobReporter` (rows

@@ -1,11 +1,11 @@
 """Atomic tenant checkpoints of GRPO tenants (`GRPOSnapshot`): adapter, optimizer state,
-version, RNG state, the GRPO settings and an opaque `extra` dict (the pipeline's data
-cursor), in one directory per checkpoint.
+version, the GRPO settings and an opaque `extra` dict (the pipeline's data cursor), in
+one directory per checkpoint.
 
 Layout of `<root>/ckpt-<version, 8 digits>/`:
 - `adapter/`: the adapter in PEFT format (`save_peft`), loadable by PEFT itself;
-- `optimizer.safetensors`: AdamW moments (`exp_avg`, `exp_avg_sq`) and the tenant's RNG
-  state (`rng_state`, uint8);
+- `optimizer.safetensors`: AdamW moments (`exp_avg`, `exp_avg_sq`); older files also
+  hold a tenant RNG state (`rng_state`), which loading ignores (nothing draws from it);
 - `state.json`: format, tenant, version, optimizer step, the LoRA and GRPO specs,
   temperature, schedule, `constant_norm_tokens` and `extra`.
 
@@ -98,12 +98,12 @@ def save_checkpoint(
     if keep_last < 1:
         raise ConfigError(f"keep_last must be >= 1, got {keep_last}")
     snap, training = snapshot.state, snapshot.training
-    if snap.adam is None or snap.rng_state is None:
+    if snap.adam is None:
         raise ConfigError(
-            f"tenant {snap.tenant!r}: a checkpoint needs the optimizer and RNG state; take "
-            "the snapshot from the device"
+            f"tenant {snap.tenant!r}: a checkpoint needs the optimizer state; take the "
+            "snapshot from the device"
         )
-    adam, rng_state = snap.adam, snap.rng_state
+    adam = snap.adam
     extra_dict = dict(extra or {})
     try:
         state = {
@@ -134,7 +134,6 @@ def save_checkpoint(
             {
                 "exp_avg": adam.exp_avg_P.detach().cpu().contiguous(),
                 "exp_avg_sq": adam.exp_avg_sq_P.detach().cpu().contiguous(),
-                "rng_state": rng_state.detach().cpu().contiguous(),
             },
             str(tmp / OPTIMIZER_NAME),
         )
@@ -190,7 +189,6 @@ def load_checkpoint(path: str | Path, model: LoRAModel) -> Checkpoint:
                 exp_avg_P=flat["exp_avg"],
                 exp_avg_sq_P=flat["exp_avg_sq"],
             ),
-            rng_state=flat["rng_state"],
         ),
         GRPOTraining(
             algo=GRPOSpec.model_validate(state["algo"]),

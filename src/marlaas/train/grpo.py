@@ -18,8 +18,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from marlaas.config.specs import GRPOSpec, LoRASpec
 from marlaas.errors import ConfigError
 from marlaas.model.lora import AdapterTensors, LoRAModel
@@ -193,9 +191,6 @@ class GRPOTrainer:
 
     def version(self, tenant: str) -> int:
         return self.trainer.version(tenant)
-
-    def generator(self, tenant: str) -> torch.Generator:
-        return self.trainer.generator(tenant)
 
     def adapter(self, tenant: str) -> AdapterTensors:
         return self.trainer.adapter(tenant)

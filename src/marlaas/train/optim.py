@@ -180,16 +180,19 @@ class AdamState:
 @dataclass(frozen=True)
 class TenantSnapshot:
     """A detached copy of everything the device holds for a trainable tenant: its LoRA
-    spec, adapter version and tensors (PEFT layout), AdamW state and RNG state. Tensors
-    are float32 on the CPU. Restoring one with `adam=None` starts a fresh optimizer
-    (moments zero, step 0); `rng_state=None` a fresh RNG seeded with 0."""
+    spec, adapter version and tensors (PEFT layout) and AdamW state. Tensors are float32
+    on the CPU. Restoring one with `adam=None` starts a fresh optimizer (moments zero,
+    step 0).
+
+    There is no RNG state: a tenant's randomness (adapter init, data order, sampling
+    seeds) is a pure function of its job seed and position (`pipeline.data`), so a
+    restored tenant continues the same streams without one."""
 
     tenant: str
     lora: LoRASpec
     version: int
     tensors: AdapterTensors
     adam: AdamState | None = None
-    rng_state: Tensor | None = None
 
 
 @torch.no_grad()

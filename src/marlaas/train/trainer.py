@@ -94,7 +94,6 @@ class _Tenant:
     flat_P: Tensor  # the leaf parameter: every module's A and B, flattened
     adam: AdamState
     version: int
-    generator: torch.Generator
 
 
 def vocab_size(model: LoRAModel) -> int:
@@ -128,7 +127,7 @@ class MultiLaneTrainer:
         snapshot: TenantSnapshot | None = None,
     ) -> int:
         """Add a tenant: a fresh PEFT-style adapter from `seed` at version 0, or the
-        state of `snapshot` (adapter, optimizer, RNG, version). Returns the version."""
+        state of `snapshot` (adapter, optimizer, version). Returns the version."""
         if tenant in self._tenants:
             raise ConfigError(f"tenant {tenant!r} is already registered; remove it first")
         self._tenants[tenant] = self._build(tenant, lora, seed, snapshot)
@@ -152,11 +151,6 @@ class MultiLaneTrainer:
     def version(self, tenant: str) -> int:
         return self._get(tenant).version
 
-    def generator(self, tenant: str) -> torch.Generator:
-        """The tenant's own RNG (seeded at registration, saved in snapshots), for
-        callers that need tenant-scoped randomness; a pass itself draws nothing."""
-        return self._get(tenant).generator
-
     def adapter(self, tenant: str) -> AdapterTensors:
         """A detached float32 CPU copy of the tenant's adapter (PEFT layout), ready for
         `AdapterBank.publish(tenant, trainer.version(tenant), ...)`."""
@@ -173,7 +167,6 @@ class MultiLaneTrainer:
             version=s.version,
             tensors=self.adapter(tenant),
             adam=s.adam.copy("cpu"),
-            rng_state=s.generator.get_state(),
         )
 
     def _build(
@@ -201,13 +194,10 @@ class MultiLaneTrainer:
                     f"{snapshot.adam.exp_avg_P.numel()} entries, the adapter {layout.numel}"
                 )
             adam = snapshot.adam.copy(self.model.device)
-        generator = torch.Generator().manual_seed(seed)
-        if snapshot is not None and snapshot.rng_state is not None:
-            generator.set_state(snapshot.rng_state.clone())
         version = 0 if snapshot is None else snapshot.version
         if version < 0:
             raise ConfigError(f"tenant {tenant!r}: a snapshot's version must be >= 0")
-        return _Tenant(tenant, lora, layout, flat_P, adam, version, generator)
+        return _Tenant(tenant, lora, layout, flat_P, adam, version)
 
     # -- passes and steps ------------------------------------------------------------
 

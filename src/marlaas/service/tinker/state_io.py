@@ -4,8 +4,9 @@
   (`adapter_config.json`, `adapter_model.safetensors`), loadable by PEFT itself and
   served by the OpenAI-compatible routes.
 - A saved state (`tinker://RUN/weights/NAME`): `adapter/` (that PEFT directory),
-  `optimizer.safetensors` (AdamW moments and the run's RNG state) and `state.json`
-  (format, adapter version, optimizer step, LoRA spec, base model).
+  `optimizer.safetensors` (AdamW moments; older states also hold an `rng_state`, which
+  reading ignores: nothing draws from it) and `state.json` (format, adapter version,
+  optimizer step, LoRA spec, base model).
 
 A directory is complete or absent: everything is written into a hidden sibling, then
 renamed into place in one step (a replaced one is moved aside first and removed
@@ -91,9 +92,9 @@ def _write_peft(tmp: Path, lora: LoRASpec, tensors: AdapterTensors, base_model: 
 
 def write_state(directory: Path, snapshot: TenantSnapshot, base_model: str) -> int:
     """Write a saved state of `snapshot`; returns its size in bytes."""
-    if snapshot.adam is None or snapshot.rng_state is None:
-        raise ModelError("a saved state needs the optimizer and RNG state of the device")
-    adam, rng = snapshot.adam, snapshot.rng_state
+    if snapshot.adam is None:
+        raise ModelError("a saved state needs the optimizer state of the device")
+    adam = snapshot.adam
     state = {
         "format": FORMAT,
         "version": snapshot.version,
@@ -108,7 +109,6 @@ def write_state(directory: Path, snapshot: TenantSnapshot, base_model: str) -> i
             {
                 "exp_avg": adam.exp_avg_P.detach().cpu().contiguous(),
                 "exp_avg_sq": adam.exp_avg_sq_P.detach().cpu().contiguous(),
-                "rng_state": rng.detach().cpu().contiguous(),
             },
             str(tmp / OPTIMIZER_NAME),
         )
@@ -121,7 +121,7 @@ def read_state(
     directory: Path, model: LoRAModel, tenant: str, *, optimizer: bool
 ) -> TenantSnapshot:
     """A saved state as a snapshot for `tenant`: adapter and version always; the AdamW
-    moments, optimizer step and RNG state when `optimizer` (else a fresh optimizer)."""
+    moments and optimizer step when `optimizer` (else a fresh optimizer)."""
     try:
         state: dict[str, Any] = json.loads((directory / STATE_NAME).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
@@ -131,7 +131,6 @@ def read_state(
     lora = LoRASpec.model_validate(state["lora"])
     _, tensors = load_peft(directory / ADAPTER_DIR, model)
     adam: AdamState | None = None
-    rng = None
     if optimizer:
         flat = load_file(str(directory / OPTIMIZER_NAME))
         adam = AdamState(
@@ -139,14 +138,12 @@ def read_state(
             exp_avg_P=flat["exp_avg"],
             exp_avg_sq_P=flat["exp_avg_sq"],
         )
-        rng = flat["rng_state"]
     return TenantSnapshot(
         tenant=tenant,
         lora=lora,
         version=int(state["version"]),
         tensors=tensors,
         adam=adam,
-        rng_state=rng,
     )
 
 
