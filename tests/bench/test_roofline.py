@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from helpers.tiny_archs import WINDOW, tiny_config, tiny_model
 from marlaas.bench.cost import ModelCost
 from marlaas.bench.random_model import build_random_model
 from marlaas.bench.roofline import run_roofline_bench
 from marlaas.model.base import load_base
 from marlaas.model.lora import LoRAModel
-from tiny_archs import WINDOW, tiny_config, tiny_model
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 64, 128, 2, 4, 2, 16, 258
 

@@ -15,10 +15,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
-
-from live_support import Service, running_service
-
+from helpers.live_support import Service, running_service
 from marlaas.cli.main import app
 
 

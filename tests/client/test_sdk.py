@@ -4,17 +4,13 @@ cut, downloads PEFT loads, and errors that carry the server's message."""
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
-
-from live_support import Service, running_service
-
+from helpers.live_support import Service, running_service
 from marlaas.client import (
     AuthError,
     Client,

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from pipeline_support import MemoryRecorder, job
 
+from helpers.pipeline_support import MemoryRecorder, job
 from marlaas.config.job import EngineSpec
 from marlaas.device import executor as executor_module
 from marlaas.device.compute import LocalCompute

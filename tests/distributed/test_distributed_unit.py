@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from pipeline_support import save_tiny_llama
 from pydantic import ValidationError
 
+from helpers.pipeline_support import save_tiny_llama
 from marlaas.errors import ModelError
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "marlaas"

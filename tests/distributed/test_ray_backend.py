@@ -44,11 +44,11 @@ if not (isolated() and os.environ.get(NETNS_ENV) == "1"):
 import ray
 import yaml
 from fastapi.testclient import TestClient
-from pipeline_support import MemoryRecorder, job, save_tiny_llama
 from ray.cluster_utils import Cluster
-from service_support import ADMIN, ADMIN_KEY, Tenants
 from typer.testing import CliRunner
 
+from helpers.pipeline_support import MemoryRecorder, job, save_tiny_llama
+from helpers.service_support import ADMIN, ADMIN_KEY, Tenants
 from marlaas.cli.main import app as cli
 from marlaas.config.job import EngineSpec, JobSpec, PipelineSpec, RunSpec
 from marlaas.config.ray import ActorResources, RaySpec
@@ -540,8 +540,9 @@ def test_the_tinker_sdk_trains_and_samples_on_the_ray_device(
     trainer actor and its samples come from the replicas."""
     import httpx
     import tinker
-    from live_support import LiveServer
     from tinker import types
+
+    from helpers.live_support import LiveServer
 
     settings = ServiceSettings(data_dir=tmp_path / "data", admin_key=ADMIN_KEY)
     spec = PipelineSpec(

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from pipeline_support import embedded_base, save_tiny_llama
+
+from helpers.pipeline_support import embedded_base, save_tiny_llama
 
 torch.set_num_threads(1)
 

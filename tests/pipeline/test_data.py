@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-from pipeline_support import job
 
+from helpers.pipeline_support import job
 from marlaas.envs.datasets import DatasetTask
 from marlaas.errors import DataError
 from marlaas.pipeline.data import (

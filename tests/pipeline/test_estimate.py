@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from pipeline_support import job
 
+from helpers.pipeline_support import job
 from marlaas.backends import open_backend
 from marlaas.config.job import RunSpec
 from marlaas.errors import ConfigError

@@ -7,8 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pipeline_support import MemoryRecorder, job
-
+from helpers.pipeline_support import MemoryRecorder, job
 from marlaas.backends import open_backend
 from marlaas.config.job import EngineSpec, RunSpec
 from marlaas.pipeline import PipelineOptions, run_jobs

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from pipeline_support import MemoryRecorder, job
 
+from helpers.pipeline_support import MemoryRecorder, job
 from marlaas.backends import open_backend
 from marlaas.config.job import EngineSpec, JobSpec, RunSpec
 from marlaas.envs.base import Env, Example, Segment, Split, StepResult, TaskFamily

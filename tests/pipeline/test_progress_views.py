@@ -7,9 +7,9 @@ import io
 import re
 from pathlib import Path
 
-from pipeline_support import job
 from rich.console import Console
 
+from helpers.pipeline_support import job
 from marlaas.backends import open_backend
 from marlaas.config.job import EngineSpec, RunSpec
 from marlaas.obs.live import LiveView

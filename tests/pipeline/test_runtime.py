@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from pipeline_support import MemoryRecorder, job
 
+from helpers.pipeline_support import MemoryRecorder, job
 from marlaas.backends import open_backend
 from marlaas.config.job import EngineSpec, PipelineSpec
 from marlaas.errors import ConfigError

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from pipeline_support import job
 
+from helpers.pipeline_support import job
 from marlaas.pipeline.tenant import PipelineError, TenantState, describe_failure
 from marlaas.status import JobStatus
 from marlaas.train.batch import TenantStepResult, TrainBatch

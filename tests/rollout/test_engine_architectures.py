@@ -12,13 +12,13 @@ import torch
 from rollout_support import SPEC, merged, random_adapter
 from transformers import AutoModelForCausalLM
 
+from helpers.tiny_archs import ARCHS, WINDOW, save_tiny
 from marlaas.model.bank import AdapterBank
 from marlaas.model.base import load_base
 from marlaas.model.lora import LoRAModel
 from marlaas.rollout import RolloutEngine
 from marlaas.rollout.kv import kv_geometry
 from marlaas.types import RolloutRequest, SamplingParams
-from tiny_archs import ARCHS, WINDOW, save_tiny
 
 
 @pytest.mark.parametrize("arch", ARCHS)

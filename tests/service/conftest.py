@@ -17,8 +17,8 @@ import psycopg
 import pytest
 from fastapi.testclient import TestClient
 from pg_server import INSTALL_HINT, PgServer, find_bin_dir, running_server
-from service_support import ADMIN_KEY, ScriptedBackend, Tenants
 
+from helpers.service_support import ADMIN_KEY, ScriptedBackend, Tenants
 from marlaas.service.app import create_app, open_context
 from marlaas.service.context import ServiceContext
 from marlaas.service.settings import QuotaSpec, ServiceSettings

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import openai
-from live_support import AdapterBackend, LiveServer, make_tenant_key
-from service_support import ADMIN_KEY
 
+from helpers.live_support import AdapterBackend, LiveServer, make_tenant_key
+from helpers.service_support import ADMIN_KEY
 from marlaas.model.base import default_base_path
 from marlaas.service.app import create_app, open_context
 from marlaas.service.context import ServiceContext

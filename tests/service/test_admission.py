@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from service_support import ADMIN, ScriptedBackend, Tenants, job_body
 
+from helpers.service_support import ADMIN, ScriptedBackend, Tenants, job_body
 from marlaas.service.admission import JobCost
 from marlaas.service.app import create_app, open_context
 from marlaas.service.settings import ServiceSettings

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from service_support import ADMIN, ScriptedBackend, Tenants, job_body
+
+from helpers.service_support import ADMIN, ScriptedBackend, Tenants, job_body
 
 HUGE = "99999999999999999999"  # beyond a 64-bit integer: SQLite raised OverflowError
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 from fastapi.testclient import TestClient
-from service_support import ADMIN, Tenants
 from sqlalchemy import event, text
 
+from helpers.service_support import ADMIN, Tenants
 from marlaas.service import auth
 from marlaas.service.app import open_context
 from marlaas.service.context import ServiceContext

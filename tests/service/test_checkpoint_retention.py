@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from live_support import AdapterBackend
-from service_support import ScriptedBackend, Tenants, job_body
 
+from helpers.live_support import AdapterBackend
+from helpers.service_support import ScriptedBackend, Tenants, job_body
 from marlaas.service.context import ServiceContext
 from marlaas.service.deletion import checkpoint_folder
 

@@ -29,8 +29,8 @@ import pytest
 import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from service_support import ADMIN, ADMIN_KEY, ScriptedBackend, Tenants, job_body
 
+from helpers.service_support import ADMIN, ADMIN_KEY, ScriptedBackend, Tenants, job_body
 from marlaas.config.specs import LoRASpec
 from marlaas.obs.memory import RunRecorder
 from marlaas.service.app import create_app, open_context

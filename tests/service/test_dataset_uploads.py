@@ -8,7 +8,8 @@ import json
 from pathlib import Path
 
 from fastapi.testclient import TestClient
-from service_support import ScriptedBackend, Tenants
+
+from helpers.service_support import ScriptedBackend, Tenants
 
 ROWS = b"".join(
     json.dumps({"prompt": f"{i}+1=", "reference": str(i + 1)}).encode() + b"\n" for i in range(20)

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from live_support import AdapterBackend
-from service_support import ADMIN, ScriptedBackend, Tenants, job_body
 from sqlalchemy import func, select
 
+from helpers.live_support import AdapterBackend
+from helpers.service_support import ADMIN, ScriptedBackend, Tenants, job_body
 from marlaas.service import jobs as ops
 from marlaas.service.context import ServiceContext
 from marlaas.service.deletion import job_dirs, purge_deleted_jobs

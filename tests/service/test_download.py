@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from live_support import ADAPTER_SPEC, AdapterBackend, adapter_at
 from peft import PeftModel
-from service_support import ScriptedBackend, Tenants, job_body
 from sqlalchemy import update
 
+from helpers.live_support import ADAPTER_SPEC, AdapterBackend, adapter_at
+from helpers.service_support import ScriptedBackend, Tenants, job_body
 from marlaas.client.download import unpack
 from marlaas.model.base import default_base_path, load_base
 from marlaas.service.context import ServiceContext

@@ -9,9 +9,9 @@ import json
 from typing import Any
 
 from fastapi.testclient import TestClient
-from live_support import events_of
-from service_support import ScriptedBackend, Tenants, job_body
 
+from helpers.live_support import events_of
+from helpers.service_support import ScriptedBackend, Tenants, job_body
 from marlaas.client import sse
 from marlaas.service.context import ServiceContext
 from marlaas.service.events import stream_events

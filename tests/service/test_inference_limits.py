@@ -20,9 +20,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from live_support import LiveServer
-from service_support import ADMIN, ADMIN_KEY, ScriptedBackend
 
+from helpers.live_support import LiveServer
+from helpers.service_support import ADMIN, ADMIN_KEY, ScriptedBackend
 from marlaas.model.bank import AdapterBank
 from marlaas.model.base import default_base_path, load_base
 from marlaas.model.lora import LoRAModel

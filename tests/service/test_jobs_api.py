@@ -7,8 +7,8 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi.testclient import TestClient
-from service_support import ScriptedBackend, Tenants, job_body
 
+from helpers.service_support import ScriptedBackend, Tenants, job_body
 from marlaas.config.job import JobSpec
 
 

@@ -33,9 +33,9 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from openai.types.chat import ChatCompletionMessageParam
 from pg_server import PgServer
-from service_support import ADMIN, ADMIN_KEY, ScriptedBackend, Tenants, job_body
 from transformers import PreTrainedTokenizerBase
 
+from helpers.service_support import ADMIN, ADMIN_KEY, ScriptedBackend, Tenants, job_body
 from marlaas.config.specs import LoRASpec
 from marlaas.errors import EngineClosed
 from marlaas.model import peft_io

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from fastapi.testclient import TestClient
-from service_support import ADMIN, ScriptedBackend, Tenants, job_body
 
+from helpers.service_support import ADMIN, ScriptedBackend, Tenants, job_body
 from marlaas.service.app import create_app, open_context
 from marlaas.service.settings import ServiceSettings
 

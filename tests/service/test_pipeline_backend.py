@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from service_support import ADMIN, Tenants
 from sqlalchemy import delete, select
 
+from helpers.service_support import ADMIN, Tenants
 from marlaas.config.job import EngineSpec, PipelineSpec
 from marlaas.pipeline.context import PipelineOptions
 from marlaas.pipeline.runtime import PipelineRuntime

@@ -7,7 +7,8 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 from fastapi.testclient import TestClient
-from service_support import ADMIN, ScriptedBackend, Tenants, job_body
+
+from helpers.service_support import ADMIN, ScriptedBackend, Tenants, job_body
 
 
 def test_concurrent_jobs_quota(

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from service_support import job_body
 from typer.testing import CliRunner
 
+from helpers.service_support import job_body
 from marlaas.cli.main import app
 from marlaas.cli.serve_cmd import Backend, resolve_backend
 from marlaas.config.ray import RaySpec

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from fastapi.testclient import TestClient
-from service_support import ScriptedBackend, Tenants
 
+from helpers.service_support import ScriptedBackend, Tenants
 from marlaas.config.job import PipelineSpec
 from marlaas.model.bank import AdapterBank
 from marlaas.model.base import default_base_path, load_base

@@ -6,7 +6,8 @@ shapes before any device is needed."""
 from __future__ import annotations
 
 from fastapi.testclient import TestClient
-from service_support import ADMIN, ADMIN_KEY, Tenants
+
+from helpers.service_support import ADMIN, ADMIN_KEY, Tenants
 
 
 def _tml_key(client: TestClient, tenant: str) -> tuple[str, str]:

@@ -10,11 +10,11 @@ from test_trainer import TENANTS, _register, _rel_diff
 from train_data import VOCAB, make_batch
 
 import marlaas.train.prefix as prefix
+from helpers.tiny_archs import ARCHS, WINDOW, tiny_model
 from marlaas.model.lora import LoRAModel
 from marlaas.train.batch import TrainBatch, plan_microbatches, tensorise
 from marlaas.train.grpo import GRPOTrainer
 from marlaas.train.prefix import SharedPrefix
-from tiny_archs import ARCHS, WINDOW, tiny_model
 
 
 def _data(model: LoRAModel, steps: int) -> dict[str, list[TrainBatch]]:

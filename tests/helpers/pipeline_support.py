@@ -1,5 +1,5 @@
-"""Helpers shared by the pipeline tests (a plain module: `conftest` names clash across
-test folders): an in-memory recorder, job factories, a tiny random base on disk."""
+"""Helpers of the pipeline, device and Ray tests (a plain module: `conftest` names clash
+across test folders): an in-memory recorder, job factories, a tiny random base on disk."""
 
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ import httpx
 import torch
 import uvicorn
 from fastapi import FastAPI
-from service_support import ADMIN, ADMIN_KEY, ScriptedBackend
 
+from helpers.service_support import ADMIN, ADMIN_KEY, ScriptedBackend
 from marlaas.client import sse
 from marlaas.config.specs import LoRASpec
 from marlaas.model.base import default_base_path, load_base
