@@ -7,3 +7,9 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# The test process runs devices beside a busy event loop, as `marlaas run` does: it
+# makes the same process-wide setting (`marlaas.cli.process`).
+from marlaas.cli.process import favour_the_device_thread
+
+favour_the_device_thread()

@@ -9,10 +9,17 @@ from pathlib import Path
 
 import typer
 
+from marlaas.cli.process import favour_the_device_thread
 from marlaas.config.ray import RaySpec, load_ray_spec
 from marlaas.config.specs import DTYPE_HELP, check_dtype
 
 app = typer.Typer(no_args_is_help=True, help="Benchmarks (a table on screen, JSON on disk).")
+
+
+@app.callback()
+def bench() -> None:
+    """Benchmarks (a table on screen, JSON on disk)."""
+    favour_the_device_thread()
 
 
 def _counts(text: str) -> tuple[int, ...]:

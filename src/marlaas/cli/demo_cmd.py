@@ -21,6 +21,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from marlaas.cli.process import favour_the_device_thread
+
 if TYPE_CHECKING:
     from marlaas.config.job import JobSpec, RunSpec
     from marlaas.pipeline.estimate import SyncEstimate
@@ -56,6 +58,7 @@ def demo(
 ) -> None:
     """Many tenants fine-tune one shared base at once; eval before/after, device
     utilization, and the same work's time under the synchronous baseline."""
+    favour_the_device_thread()
     import torch
 
     from marlaas.cli.run_cmd import record_run

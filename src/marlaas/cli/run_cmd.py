@@ -19,6 +19,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from marlaas.cli.process import favour_the_device_thread
+
 if TYPE_CHECKING:
     from marlaas.config.job import RunSpec
     from marlaas.pipeline.runner import RunResult
@@ -37,6 +39,7 @@ def run(
     ),
 ) -> None:
     """Run tenant jobs on one shared base; write a run folder."""
+    favour_the_device_thread()
     from marlaas.config.job import load_run_spec
     from marlaas.errors import ConfigError
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from marlaas.cli.process import favour_the_device_thread
 from marlaas.config.specs import DTYPE_HELP, check_dtype, parse_target_modules
 
 if TYPE_CHECKING:
@@ -110,6 +111,8 @@ def serve(
     """Serve the job API. The admin key comes from $MARLAAS_ADMIN_KEY, or is generated
     at first start and printed once."""
     import uvicorn
+
+    favour_the_device_thread()
 
     from marlaas.service.app import GRACEFUL_SHUTDOWN_S, create_app, open_context
     from marlaas.service.settings import (

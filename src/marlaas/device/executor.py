@@ -44,13 +44,10 @@ error is its caller's. Any other exception in this thread is fatal: every pendin
 future fails with it and `failure` resolves with it, for the supervisor to surface.
 
 The GIL: torch releases it inside each op and takes it back after, so the device thread
-re-acquires it thousands of times per step. When the event-loop thread runs Python
-without pause, each re-acquisition waits for the interpreter's switch interval (5 ms by
-default): a multi-lane train step measured 0.40 s alone and 10-12 s beside one busy
-Python thread. While it runs, the executor lowers the switch interval to
-`GIL_SWITCH_INTERVAL_S` (the same step: 0.48 s beside the busy thread), and restores
-the previous value when it stops. With the event loop not saturated (the usual case)
-the setting made no difference to a run's wall time.
+re-acquires it thousands of times per step, each time waiting up to the interpreter's
+switch interval when the event loop runs Python without pause. The executor leaves that
+process-wide setting alone; the commands that own their process lower it once at start
+(`marlaas.cli.process.favour_the_device_thread`, which gives the measurement).
 
 Shutdown order (`stop`): set the stop flag and wake the thread -> the thread finishes the
 turn in progress and exits -> join it -> fail every op still queued with
@@ -61,7 +58,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import sys
 import threading
 import time
 from typing import Any
@@ -74,8 +70,6 @@ from marlaas.obs.recorder import NullRecorder, Recorder
 from marlaas.train.batch import TrainBatchError
 from marlaas.train.records import TrainOutput
 
-#: The interpreter's thread switch interval while an executor runs (see the docstring).
-GIL_SWITCH_INTERVAL_S = 1e-5
 #: Longest the turns belong to inference rows at a time (policy step 1).
 MAX_INTERACTIVE_S = 4.0
 
@@ -106,7 +100,6 @@ class DeviceExecutor:
         self._failure: asyncio.Future[BaseException] | None = None
         self._started = 0.0
         self._stopped: float | None = None
-        self._saved_switch_interval: float | None = None
         self.busy_decode_s = 0.0
         self.busy_train_s = 0.0
         self.idle_s = 0.0
@@ -129,8 +122,6 @@ class DeviceExecutor:
         self._loop = asyncio.get_running_loop()
         self._failure = self._loop.create_future()
         self._started = time.perf_counter()
-        self._saved_switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(min(self._saved_switch_interval, GIL_SWITCH_INTERVAL_S))
         self._thread = threading.Thread(target=self._main, name="marlaas-device", daemon=True)
         self._thread.start()
 
@@ -144,9 +135,6 @@ class DeviceExecutor:
             await asyncio.to_thread(thread.join)
         if self._stopped is None:
             self._stopped = time.perf_counter()
-        if self._saved_switch_interval is not None:
-            sys.setswitchinterval(self._saved_switch_interval)
-            self._saved_switch_interval = None
         self._fail_pending(ExecutorClosed("the device executor stopped before this ran"))
 
     @property
