@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
-from pipeline_support import MemoryRecorder, job
 
+from helpers.pipeline_support import MemoryRecorder, job
 from marlaas.backends import open_backend
-from marlaas.config.job import EngineSpec, JobSpec, RunSpec
+from marlaas.config.job import EngineSpec, JobSpec, PipelineSpec, RunSpec
 from marlaas.device.port import DevicePort
 from marlaas.envs.openai_graders import Judge, JudgeReply
 from marlaas.errors import ConfigError
@@ -23,7 +23,7 @@ from marlaas.pipeline import PipelineOptions, run_jobs
 from marlaas.pipeline.context import Backend, PipelineContext
 from marlaas.pipeline.envpool import EnvPool
 from marlaas.pipeline.judges import base_judge, job_judges
-from marlaas.pipeline.runtime import PipelineRuntime, RuntimeSpec
+from marlaas.pipeline.runtime import PipelineRuntime
 
 CPU = PipelineOptions(device="cpu")
 
@@ -127,7 +127,7 @@ async def test_jobs_are_judged_by_the_injected_factory(base_dir: Path, tmp_path:
         return counted.setdefault(spec.name, Counting(base_judge(device, spec)))
 
     recorder = MemoryRecorder()
-    spec = RuntimeSpec(base_model=str(base_dir), engine=EngineSpec(max_rank=4), max_staleness=2)
+    spec = PipelineSpec(base_model=str(base_dir), engine=EngineSpec(max_rank=4), max_staleness=2)
     rt = await PipelineRuntime.start(
         spec, tmp_path / "out", backend=open_backend, options=CPU, recorder=recorder, judges=judges
     )
