@@ -5,6 +5,11 @@ rows to the longest one. `pack_longest_first` cuts lengths sorted longest first 
 consecutive batches in which no row is shorter than `MIN_FILL` of the batch's first
 (longest) row, so at most a quarter of a batch is padding, whatever the mix of
 lengths; `max_tokens` also bounds rows x length.
+
+`pack_prefix_groups` does the same for groups of rows that share a prefix (the samples
+of one prompt), which the trainer runs as one forward of the prefixes and one of the
+suffixes: a group is never split, groups are ordered by their longest suffix, and the
+MIN_FILL bound applies to the suffixes, the padded part of the suffix forward.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 #: Least length of a row, relative to the longest row of its batch.
 MIN_FILL = 0.75
@@ -36,3 +42,45 @@ def pack_longest_first(
         spans.append((start, end))
         start = end
     return spans
+
+
+@dataclass(frozen=True)
+class PrefixGroup:
+    """Rows that share their first `prefix` tokens; `suffixes` are the rows' lengths
+    after it (each at least 1)."""
+
+    prefix: int
+    suffixes: tuple[int, ...]
+
+    @property
+    def longest(self) -> int:
+        """The group's longest row, prefix included."""
+        return self.prefix + max(self.suffixes)
+
+
+def pack_prefix_groups(groups: Sequence[PrefixGroup], max_tokens: int) -> list[list[int]]:
+    """Batches of whole groups (indices into `groups`), each of at most `max_tokens`
+    rows x longest row, and no group's longest suffix shorter than `MIN_FILL` of the
+    batch's longest; `ValueError` for a group that does not fit the budget alone."""
+    order = sorted(range(len(groups)), key=lambda g: (-max(groups[g].suffixes), -groups[g].prefix))
+    batches: list[list[int]] = []
+    least = rows = length = 0
+    for g in order:
+        group = groups[g]
+        n, longest = len(group.suffixes), group.longest
+        if n * longest > max_tokens:
+            raise ValueError(
+                f"a group of {n} rows of up to {longest} tokens exceeds the budget of {max_tokens}"
+            )
+        if (
+            batches
+            and max(group.suffixes) >= least
+            and (rows + n) * max(length, longest) <= max_tokens
+        ):
+            batches[-1].append(g)
+            rows, length = rows + n, max(length, longest)
+            continue
+        batches.append([g])
+        least = math.ceil(MIN_FILL * max(group.suffixes))
+        rows, length = n, longest
+    return batches

@@ -18,6 +18,8 @@ Invariants:
 - Every micro-batch's padded size (rows x longest row) is at most the token budget, and
   its rows are grouped by tenant (lanes in batch order), so each tenant's rows are one
   contiguous slice.
+- The rows of one prompt (a GRPO group) that fit the budget together are in one
+  micro-batch, so that the prompt runs once for all of them (`marlaas.train.prefix`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 from torch import Tensor
 
 from marlaas.errors import DataError
-from marlaas.packing import pack_longest_first
+from marlaas.packing import PrefixGroup, pack_longest_first, pack_prefix_groups
 from marlaas.train.advantages import group_advantages
 from marlaas.train.losses import LossNorm, token_weights
 from marlaas.types import Datum, Trajectory
@@ -347,20 +349,63 @@ class MicroBatch:
 
 
 def plan_microbatches(rows: Rows, max_tokens: int) -> list[MicroBatch]:
-    """Pack the non-empty rows, longest first, into micro-batches of at most
-    `max_tokens` padded tokens each, none of a row shorter than `MIN_FILL` of the
-    micro-batch's length (its first row's): `marlaas.packing`. Rows longer than the
-    budget must be rejected before."""
-    order = torch.argsort(-rows.lengths_N, stable=True)
-    order = order[rows.lengths_N[order] > 0]
-    lengths = rows.lengths_N[order].tolist()
-    plans: list[MicroBatch] = []
-    for start, end in pack_longest_first(lengths, max_tokens):
-        rows_B = order[start:end]
-        tenant_B = rows.tenant_N[rows_B]
-        rows_B = rows_B[torch.argsort(tenant_B, stable=True)]
-        lanes, counts = torch.unique_consecutive(rows.tenant_N[rows_B], return_counts=True)
-        lane_B = torch.repeat_interleave(torch.arange(len(lanes)), counts)
-        offsets = (0, *itertools.accumulate(counts.tolist()))
-        plans.append(MicroBatch(rows_B, lengths[start], lane_B, tuple(lanes.tolist()), offsets))
+    """Micro-batches of at most `max_tokens` padded tokens each over the non-empty rows.
+
+    Rows that share a prompt (`prompt_N`, a GRPO group) stay together, so the trainer
+    can run the prompt once for all of them (`marlaas.train.prefix`): whole groups (a
+    group too long for the budget cut into pieces that fit, longest rows first) and the
+    rows that share their prompt with none are packed by their suffixes
+    (`marlaas.packing.pack_prefix_groups`). Where no two rows share a prompt, and for
+    rows without a prefix (the first position weighted, or every position asked for),
+    rows are packed longest first, none shorter than `MIN_FILL` of its micro-batch's
+    length (`marlaas.packing.pack_longest_first`). Rows longer than the budget must be
+    rejected before."""
+    lengths: list[int] = rows.lengths_N.tolist()
+    starts: list[int] = (rows.prompt_len_N - 1).tolist()
+    members: dict[int, list[int]] = {}
+    for i, (prompt, n) in enumerate(zip(rows.prompt_N.tolist(), lengths, strict=True)):
+        if n > 0:
+            members.setdefault(prompt, []).append(i)
+    pieces: list[list[int]] = []
+    single: list[int] = []
+    for group in members.values():
+        if starts[group[0]] < 1:  # no prefix to run apart
+            single += group
+        else:
+            pieces += _fitting(sorted(group, key=lambda i: -lengths[i]), lengths, max_tokens)
+    if all(len(piece) == 1 for piece in pieces):  # nothing to share
+        single += [i for piece in pieces for i in piece]
+        pieces = []
+    units = [PrefixGroup(starts[p[0]], tuple(lengths[i] - starts[i] for i in p)) for p in pieces]
+    plans = [
+        _micro(rows, [i for u in batch for i in pieces[u]])
+        for batch in pack_prefix_groups(units, max_tokens)
+    ]
+    single_N = torch.tensor(sorted(single), dtype=torch.long)
+    order = single_N[torch.argsort(-rows.lengths_N[single_N], stable=True)]
+    for start, end in pack_longest_first(rows.lengths_N[order].tolist(), max_tokens):
+        plans.append(_micro(rows, order[start:end].tolist()))
     return plans
+
+
+def _fitting(group: list[int], lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """`group` (longest row first) cut into consecutive pieces of at most `max_tokens`
+    rows x longest row."""
+    pieces: list[list[int]] = []
+    for i in group:
+        if pieces and (len(pieces[-1]) + 1) * lengths[pieces[-1][0]] <= max_tokens:
+            pieces[-1].append(i)
+        else:
+            pieces.append([i])
+    return pieces
+
+
+def _micro(rows: Rows, members: Sequence[int]) -> MicroBatch:
+    """The micro-batch of rows `members`, regrouped by tenant (lanes in batch order)."""
+    rows_B = torch.tensor(members, dtype=torch.long)
+    rows_B = rows_B[torch.argsort(rows.tenant_N[rows_B], stable=True)]
+    lanes, counts = torch.unique_consecutive(rows.tenant_N[rows_B], return_counts=True)
+    lane_B = torch.repeat_interleave(torch.arange(len(lanes)), counts)
+    offsets = (0, *itertools.accumulate(counts.tolist()))
+    length = int(rows.lengths_N[rows_B].max())
+    return MicroBatch(rows_B, length, lane_B, tuple(lanes.tolist()), offsets)

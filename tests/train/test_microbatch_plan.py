@@ -1,0 +1,152 @@
+"""The micro-batch planner keeps a GRPO group's rows together so that its prompt runs once
+(`marlaas.train.prefix`), within the token budget, each tenant's rows one slice."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+from test_trainer import TENANTS, _register, _rel_diff
+from train_data import make_batch
+
+from marlaas.config.specs import GRPOSpec
+from marlaas.model.lora import LoRAModel
+from marlaas.packing import MIN_FILL, PrefixGroup, pack_prefix_groups
+from marlaas.train.batch import MicroBatch, Rows, TrainBatch, plan_microbatches, tensorise
+from marlaas.train.grpo import GRPOTrainer
+from marlaas.train.prefix import SharedPrefix
+
+
+def _batches(tenants: int, seed: int, group_size: int = 4, prompts: int = 3) -> list[TrainBatch]:
+    # model_copy: a group of 1 (no validation) stands for rows that share no prompt.
+    algo = GRPOSpec(group_size=2).model_copy(
+        update={"group_size": group_size, "prompts_per_step": prompts}
+    )
+    return [
+        make_batch(
+            f"u{k}",
+            0,
+            algo,
+            seed=seed + k,
+            prompt_len=(2 + 3 * (k % 4), 6 + 6 * (k % 4)),
+            completion_len=(2, 6 + 5 * (k % 3)),
+        )
+        for k in range(tenants)
+    ]
+
+
+def _rows(batches: list[TrainBatch]) -> Rows:
+    return tensorise(batches, [("token", None)] * len(batches))
+
+
+def _check_plan(rows: Rows, plans: list[MicroBatch], budget: int) -> None:
+    """Every non-empty row once; within the budget; lanes are contiguous tenant slices."""
+    seen = Counter(i for p in plans for i in p.rows_B.tolist())
+    nonempty = [i for i, n in enumerate(rows.lengths_N.tolist()) if n > 0]
+    assert seen == Counter(nonempty)
+    for plan in plans:
+        assert plan.tokens <= budget
+        assert plan.length == int(rows.lengths_N[plan.rows_B].max())
+        tenant_B = rows.tenant_N[plan.rows_B].tolist()
+        assert plan.offsets[0] == 0 and plan.offsets[-1] == len(tenant_B)
+        for lane, tenant in enumerate(plan.lanes):
+            a, b = plan.offsets[lane], plan.offsets[lane + 1]
+            assert a < b and tenant_B[a:b] == [tenant] * (b - a)
+            assert plan.lane_B[a:b].tolist() == [lane] * (b - a)
+        assert len(set(plan.lanes)) == len(plan.lanes)  # one slice per tenant
+
+
+@pytest.mark.parametrize("budget", [64, 200, 600, 4096])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_groups_rows_share_one_microbatch_when_they_fit(budget: int, seed: int) -> None:
+    rows = _rows(_batches(6, seed))
+    plans = plan_microbatches(rows, budget)
+    _check_plan(rows, plans, budget)
+    where = {i: k for k, p in enumerate(plans) for i in p.rows_B.tolist()}
+    for prompt in rows.prompt_N.unique().tolist():
+        members = [i for i in (rows.prompt_N == prompt).nonzero().flatten().tolist()]
+        if len(members) * int(rows.lengths_N[members].max()) <= budget:
+            assert len({where[i] for i in members}) == 1, (prompt, budget)
+        else:  # cut into pieces of its rows, longest first, each within the budget
+            assert len({where[i] for i in members}) > 1
+
+
+def test_groups_of_a_microbatch_pad_their_suffixes_at_most_a_quarter() -> None:
+    rows = _rows(_batches(8, 3))
+    for plan in plan_microbatches(rows, 10_000):
+        suffix_B = rows.lengths_N[plan.rows_B] - (rows.prompt_len_N[plan.rows_B] - 1)
+        longest: dict[int, int] = {}
+        for prompt, s in zip(rows.prompt_N[plan.rows_B].tolist(), suffix_B.tolist(), strict=True):
+            longest[prompt] = max(longest.get(prompt, 0), s)
+        assert min(longest.values()) >= math.ceil(MIN_FILL * max(longest.values()))
+
+
+def test_the_trainer_shares_prompts_of_many_tenants_within_the_budget(
+    lora_model: LoRAModel,
+) -> None:
+    """The trainer bench's shape (many tenants, one group of 4 each): the planner keeps
+    each group whole, so every micro-batch runs its prompts once, and the adapters are
+    those of each tenant trained alone."""
+    names = list(TENANTS)
+    algo = GRPOSpec(group_size=4, prompts_per_step=1)
+    data = [
+        make_batch(n, 0, algo, seed=50 + i, prompt_len=(16, 20), completion_len=(6, 12))
+        for i, n in enumerate(names)
+    ]
+    rows = tensorise(data, [("token", None)] * len(data))
+    plans = plan_microbatches(rows, 4096)
+    assert len(plans) == 1 and all(SharedPrefix.plan(rows, m) is not None for m in plans)
+    together = GRPOTrainer(lora_model, max_tokens_per_microbatch=4096)
+    for i, name in enumerate(names):
+        _register(together, name, seed=i)
+    together.step(data)
+    assert together.stats.shared_prefix_microbatches == 1
+    for i, (name, batch) in enumerate(zip(names, data, strict=True)):
+        alone = GRPOTrainer(lora_model, max_tokens_per_microbatch=4096)
+        _register(alone, name, seed=i)
+        alone.step([batch])
+        assert _rel_diff(together.adapter(name), alone.adapter(name)) < 1e-5, name
+
+
+def test_pack_prefix_groups_bounds_the_budget_and_the_suffix_padding() -> None:
+    groups = [
+        PrefixGroup(10, (8, 7)),
+        PrefixGroup(2, (20, 16, 15)),
+        PrefixGroup(4, (16,)),
+        PrefixGroup(30, (6, 6, 6, 6)),
+        PrefixGroup(1, (5, 2)),
+    ]
+    # By longest suffix: 20, 16 (>= 15, 3/4 of 20); 8, 6 (>= 6); 5.
+    assert pack_prefix_groups(groups, 4096) == [[1, 2], [0, 3], [4]]
+    # 4 rows x 22 fit in 150; 6 rows x 36 (groups 0 and 3, or 3 and 4) do not.
+    batches = pack_prefix_groups(groups, 150)
+    assert batches == [[1, 2], [0], [3], [4]]
+    for batch in batches:
+        rows = sum(len(groups[g].suffixes) for g in batch)
+        assert rows * max(groups[g].longest for g in batch) <= 150
+    with pytest.raises(ValueError, match="exceeds the budget of 100"):
+        pack_prefix_groups(groups, 100)
+    assert pack_prefix_groups([], 100) == []
+
+
+def test_rows_that_share_no_prompt_are_packed_longest_first() -> None:
+    """Without groups (group size 1) the rows are packed as they always were: longest
+    first, none shorter than MIN_FILL of its micro-batch; with groups, such rows join
+    the groups' micro-batches (a cross-entropy tenant beside a GRPO one)."""
+    singles = _batches(3, 7, group_size=1, prompts=5)
+    rows = _rows(singles)
+    assert torch.equal(rows.prompt_N, torch.arange(15))
+    plans = plan_microbatches(rows, 4096)
+    _check_plan(rows, plans, 4096)
+    order = sorted(range(15), key=lambda i: -int(rows.lengths_N[i]))
+    assert [i for p in plans for i in sorted(p.rows_B.tolist(), key=order.index)] == order
+    for plan in plans:
+        assert int(rows.lengths_N[plan.rows_B].min()) >= MIN_FILL * plan.length
+        assert SharedPrefix.plan(rows, plan) is None
+    rows = _rows([*_batches(2, 8), *singles])
+    plans = plan_microbatches(rows, 4096)
+    _check_plan(rows, plans, 4096)
+    grouped = set(range(24))  # the rows of the two grouped tenants
+    assert any(grouped & set(p.rows_B.tolist()) and set(p.rows_B.tolist()) - grouped for p in plans)
