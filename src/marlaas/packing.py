@@ -58,29 +58,43 @@ class PrefixGroup:
         return self.prefix + max(self.suffixes)
 
 
-def pack_prefix_groups(groups: Sequence[PrefixGroup], max_tokens: int) -> list[list[int]]:
+def pack_prefix_groups(
+    groups: Sequence[PrefixGroup], max_tokens: int, allowance: int = 0
+) -> list[list[int]]:
     """Batches of whole groups (indices into `groups`), each of at most `max_tokens`
     rows x longest row, and no group's longest suffix shorter than `MIN_FILL` of the
-    batch's longest; `ValueError` for a group that does not fit the budget alone."""
+    batch's longest; then a batch whose rows pad by at most `allowance` suffix tokens in
+    all when merged into the batch before it (what another batch would cost) is merged.
+    `ValueError` for a group that does not fit the budget alone."""
     order = sorted(range(len(groups)), key=lambda g: (-max(groups[g].suffixes), -groups[g].prefix))
     batches: list[list[int]] = []
     least = rows = length = 0
     for g in order:
         group = groups[g]
-        n, longest = len(group.suffixes), group.longest
+        n, longest, suffix = len(group.suffixes), group.longest, max(group.suffixes)
         if n * longest > max_tokens:
             raise ValueError(
                 f"a group of {n} rows of up to {longest} tokens exceeds the budget of {max_tokens}"
             )
-        if (
-            batches
-            and max(group.suffixes) >= least
-            and (rows + n) * max(length, longest) <= max_tokens
-        ):
+        if batches and suffix >= least and (rows + n) * max(length, longest) <= max_tokens:
             batches[-1].append(g)
             rows, length = rows + n, max(length, longest)
             continue
         batches.append([g])
-        least = math.ceil(MIN_FILL * max(group.suffixes))
+        least = math.ceil(MIN_FILL * suffix)
         rows, length = n, longest
-    return batches
+    merged: list[list[int]] = []
+    spent = 0
+    for batch in batches:
+        if merged:
+            widest = max(groups[merged[-1][0]].suffixes)
+            members = [*merged[-1], *batch]
+            pad = sum(len(groups[g].suffixes) * (widest - max(groups[g].suffixes)) for g in batch)
+            rows = sum(len(groups[g].suffixes) for g in members)
+            fits = rows * max(groups[g].longest for g in members) <= max_tokens
+            if fits and spent + pad <= allowance:
+                merged[-1], spent = members, spent + pad
+                continue
+        merged.append(batch)
+        spent = 0
+    return merged
