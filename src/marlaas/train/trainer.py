@@ -16,9 +16,9 @@ Per tenant, per micro-batch, on that tenant's contiguous slice of rows, the tena
 objective (`train.objectives`) maps `LossInputs` to its loss and sums. Log-probs are
 `log_softmax(logits / temperature)` at the input's temperature; an objective with
 `needs_base_logprobs` also gets the plain base's log-probs of its rows (the rows run
-again with no lane batch, under `no_grad`). Where a micro-batch holds several rows that
-start with the same unweighted prefix (a GRPO group's prompt), the prefix runs once and
-its rows share its cache (`marlaas.train.prefix`), when that saves tokens.
+again with no lane batch, under `no_grad`). Rows that start with the same unweighted
+prefix (a GRPO group's prompt) are planned into one micro-batch, where the prefix runs
+once and its rows share its cache (`marlaas.train.prefix`), when that saves tokens.
 
 Invariants:
 - Training tenants together gives the adapters each would get alone (same data, same
