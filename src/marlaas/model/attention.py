@@ -4,7 +4,10 @@
 a forward that passes an `AttentionPlan` (the keyword `PLAN_KWARG`) gets
 `slot_attention`; every other forward (the trainer's, a plain evaluation) gets the
 model's original implementation with exactly the arguments it would have had, so
-installing changes nothing for them. The Hugging Face modules keep computing their
+installing changes nothing for them, but for one kernel choice: under `sdpa`, a masked
+query of several tokens over grouped key/value heads (a trainer micro-batch, an
+evaluation) attends with SDPA's own grouping (`enable_gqa`) instead of transformers'
+`repeat_kv` copies, the same product. The Hugging Face modules keep computing their
 projections, norms and rotary embeddings; only the attention product is ours.
 
 `slot_attention` attends rows of the engine's slot cache (`marlaas.model.cache`) where
@@ -153,6 +156,16 @@ def _routed(original: str) -> AttentionFn:
     ) -> tuple[Tensor, Tensor | None]:
         plan = kwargs.pop(PLAN_KWARG, None)
         if plan is None:
+            if original == "sdpa" and _grouped_sdpa_applies(module, query, attention_mask, kwargs):
+                out = F.scaled_dot_product_attention(
+                    query,
+                    key,
+                    value,
+                    attn_mask=attention_mask,
+                    scale=kwargs.get("scaling"),
+                    enable_gqa=True,
+                )
+                return out.transpose(1, 2).contiguous(), None
             fallback = _original(original, module)
             return fallback(module, query, key, value, attention_mask, **kwargs)
         out = slot_attention(
@@ -167,6 +180,23 @@ def _routed(original: str) -> AttentionFn:
         return out, None
 
     return forward
+
+
+def _grouped_sdpa_applies(
+    module: nn.Module, query: Tensor, attention_mask: Tensor | None, kwargs: dict[str, Any]
+) -> bool:
+    """Whether transformers' `sdpa` forward of these arguments is exactly one masked
+    `scaled_dot_product_attention` over grouped key/value heads, so that SDPA can group
+    the heads itself (`enable_gqa`) instead of `repeat_kv` copying every layer's keys
+    and values (what it does whenever a mask is given): queries of several tokens under
+    a mask, no dropout, no position bias, paged cache or softcap."""
+    return (
+        attention_mask is not None
+        and int(query.shape[2]) > 1
+        and int(getattr(module, "num_key_value_groups", 1)) > 1
+        and not kwargs.get("dropout")
+        and all(kwargs.get(name) is None for name in ("position_bias", "cache", "softcap"))
+    )
 
 
 def _original(name: str, module: nn.Module) -> AttentionFn:

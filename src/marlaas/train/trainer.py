@@ -48,6 +48,7 @@ from torch import Tensor, nn
 
 from marlaas.config.specs import LoRASpec
 from marlaas.errors import ConfigError, ModelError, TenantNotFound
+from marlaas.model.attention import install_attention
 from marlaas.model.lora import AdapterTensors, LoRAModel
 from marlaas.train.batch import (
     MicroBatch,
@@ -111,6 +112,10 @@ class MultiLaneTrainer:
         if max_tokens_per_microbatch < 1:
             raise ConfigError("max_tokens_per_microbatch must be >= 1")
         self.model = model
+        # The engine's attention route (`marlaas.model.attention`): the model's own
+        # products, grouped key/value heads attended without copies.
+        if model.base._can_set_attn_implementation():
+            install_attention(model.base)
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
         self.stats = TrainerStats()
         self._tenants: dict[str, _Tenant] = {}
