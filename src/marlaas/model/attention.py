@@ -4,11 +4,12 @@
 a forward that passes an `AttentionPlan` (the keyword `PLAN_KWARG`) gets
 `slot_attention`; every other forward (the trainer's, a plain evaluation) gets the
 model's original implementation with exactly the arguments it would have had, so
-installing changes nothing for them, but for one kernel choice: under `sdpa`, a masked
-query of several tokens over grouped key/value heads (a trainer micro-batch, an
-evaluation) attends with SDPA's own grouping (`enable_gqa`) instead of transformers'
-`repeat_kv` copies, the same product. The Hugging Face modules keep computing their
-projections, norms and rotary embeddings; only the attention product is ours.
+installing changes nothing for them, but for one kernel choice: under `sdpa` on the
+CPU, a masked query of several tokens over grouped key/value heads (a trainer
+micro-batch, an evaluation) attends with SDPA's own grouping (`enable_gqa`) instead of
+transformers' `repeat_kv` copies, the same product. The Hugging Face modules keep
+computing their projections, norms and rotary embeddings; only the attention product is
+ours.
 
 `slot_attention` attends rows of the engine's slot cache (`marlaas.model.cache`) where
 token `j` of a row sits in column `j`: each query sees the columns at or before its
@@ -189,9 +190,12 @@ def _grouped_sdpa_applies(
     `scaled_dot_product_attention` over grouped key/value heads, so that SDPA can group
     the heads itself (`enable_gqa`) instead of `repeat_kv` copying every layer's keys
     and values (what it does whenever a mask is given): queries of several tokens under
-    a mask, no dropout, no position bias, paged cache or softcap."""
+    a mask, no dropout, no position bias, paged cache or softcap, on the CPU (CUDA's
+    fused kernels take grouped heads only without a mask, transformers' reason for the
+    copies)."""
     return (
-        attention_mask is not None
+        query.device.type == "cpu"
+        and attention_mask is not None
         and int(query.shape[2]) > 1
         and int(getattr(module, "num_key_value_groups", 1)) > 1
         and not kwargs.get("dropout")
