@@ -9,8 +9,8 @@ import pytest
 import torch
 import transformers.integrations.sdpa_attention as hf_sdpa
 
+from helpers.tiny_archs import ARCHS, WINDOW, tiny_model
 from marlaas.model.attention import install_attention
-from tiny_archs import ARCHS, WINDOW, tiny_model
 
 VOCAB = 64
 
