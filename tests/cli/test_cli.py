@@ -169,3 +169,32 @@ def test_bench_sandbox_smoke(tmp_path: Path) -> None:
     run("bench", "sandbox", "--calls", "2", "--json", str(path))
     rows = {r["backend"]: r for r in json.loads(path.read_text())["rows"]}
     assert rows["rlimit"]["available"] and rows["rlimit"]["calls"] == 2
+
+
+def test_run_trains_a_supervised_job(tmp_path: Path) -> None:
+    data = tmp_path / "sft.jsonl"
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"{a}+{a}"},
+                {"role": "assistant", "content": f"{2 * a}"},
+            ]
+        }
+        for a in range(1, 7)
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    jobs = tmp_path / "jobs.yaml"
+    jobs.write_text(
+        "jobs:\n"
+        "  - name: tuned\n"
+        f"    task: {{type: dataset, path: '{data}', eval_fraction: 0.3}}\n"
+        "    algorithm: {type: sft, batch_size: 2, learning_rate: 0.003}\n"
+        "    steps: 3\n"
+    )
+    out = tmp_path / "run"
+    run("run", str(jobs), "--out", str(out), "--no-live")
+    result = json.loads((out / "result.json").read_text())
+    tenant = result["tenants"]["tuned"]
+    assert tenant["status"] == "done" and tenant["steps_done"] == 3
+    assert sorted(tenant["eval_accuracy"]) == ["0", "3"]  # token accuracy before and after
+    assert (out / "tenants" / "tuned" / "adapter" / "adapter_config.json").is_file()

@@ -93,7 +93,7 @@ class TRLTenantResult:
 
 def grpo_config_kwargs(job: JobSpec, output_dir: str) -> dict[str, Any]:
     """`GRPOConfig` keyword arguments equivalent to `job` (see the module docstring)."""
-    algo, s = job.algorithm, job.sampling
+    algo, s = job.grpo, job.sampling
     samples = algo.samples_per_step
     return {
         "output_dir": output_dir,
@@ -263,7 +263,7 @@ def run_trl_tenant(
 
     family = build_task(job)
     stream = ExampleStream(family, job)
-    n = job.steps * job.algorithm.prompts_per_step
+    n = job.steps * job.grpo.prompts_per_step
     examples = [stream[i] for i in range(n)]
     dataset = Dataset.from_dict(
         {"prompt": [e.prompt for e in examples], "example_index": list(range(n))}

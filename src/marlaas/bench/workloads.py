@@ -188,10 +188,10 @@ def _check(spec: WorkloadSpec, source: str) -> None:
     for i, tpl in enumerate(spec.tenants):
         job = _build_job(spec, i, None, source)
         where = f"{source}: tenants[{i}] ({tpl.name})"
-        if job.algorithm.samples_per_step != spec.samples_per_step:
+        if job.grpo.samples_per_step != spec.samples_per_step:
             raise WorkloadError(
                 f"{where}.algorithm: group_size x prompts_per_step = "
-                f"{job.algorithm.samples_per_step}, but samples_per_step is "
+                f"{job.grpo.samples_per_step}, but samples_per_step is "
                 f"{spec.samples_per_step}; every tenant must sample the same amount per step"
             )
         if not isinstance(job.task, TaskSpec) or job.task.family not in FAMILIES:

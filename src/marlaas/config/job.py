@@ -20,6 +20,8 @@ from pydantic import (
     Field,
     Tag,
     ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
     field_validator,
     model_validator,
 )
@@ -35,6 +37,7 @@ from marlaas.config.specs import (
     ModelDType,
     SamplingSpec,
     Seed,
+    SFTSpec,
     ShortStr,
     Spec,
     TargetModules,
@@ -44,6 +47,7 @@ from marlaas.config.specs import (
     integer_only,
     read_yaml,
 )
+from marlaas.errors import ConfigError
 
 #: What a job, tenant or dataset name looks like. `\Z`, not `$`: `$` also matches before
 #: a final newline, which let "name\n" through.
@@ -72,7 +76,9 @@ def check_name(value: str) -> str:
 
 
 class DatasetSpec(Spec):
-    """User data: a JSONL file of prompt + reference rows, scored by a declarative grader."""
+    """User data: a JSONL file of prompt + reference rows, scored by a declarative grader
+    (an RL job), or of training conversations (a supervised job: chat `messages` whose
+    assistant turns are the targets, or `prompt` + `completion` text rows)."""
 
     type: Literal["dataset"] = "dataset"
     path: str = Field(
@@ -92,7 +98,11 @@ class DatasetSpec(Spec):
         description="Row field holding the reference; None: rows have none (the grader "
         "gets '' and reads the row's own fields, as an OpenAI grader does).",
     )
-    grader: GraderSpec = Field(..., description="How a completion is scored against the row.")
+    grader: GraderSpec | None = Field(
+        None,
+        description="How a completion is scored against the row; required by an RL job, "
+        "refused by a supervised one (whose rows carry their own target completions).",
+    )
     eval_fraction: Float = Field(
         0.1, ge=0.0, lt=1.0, description="Fraction of rows held out for eval, in [0, 1)."
     )
@@ -128,6 +138,25 @@ def _data_kind(value: Any) -> str:
     return str(getattr(value, "type", "builtin"))
 
 
+def _algorithm(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+    """The algorithm variant its `type` names (left out: GRPO, the default), validated
+    as that variant only, so that errors name the field as given (`algorithm.group_size`,
+    not the variant's tag as a union's errors would)."""
+    if isinstance(value, GRPOSpec | SFTSpec):
+        return value
+    if not isinstance(value, dict):
+        return handler(value)
+    kind = value.get("type", "grpo")
+    if kind not in _ALGORITHMS:
+        raise ValueError(f"type must be one of {', '.join(_ALGORITHMS)}, got {kind!r:.40}")
+    return _ALGORITHMS[kind].model_validate(value)
+
+
+_ALGORITHMS: dict[str, type[GRPOSpec] | type[SFTSpec]] = {"grpo": GRPOSpec, "sft": SFTSpec}
+#: The job's algorithm, keyed on `type`: `grpo` (RL, the default) or `sft` (supervised).
+AlgorithmChoice = Annotated[GRPOSpec | SFTSpec, WrapValidator(_algorithm)]
+
+
 DataSpec = Annotated[
     Annotated[TaskSpec, Tag("builtin")] | Annotated[DatasetSpec, Tag("dataset")],
     Discriminator(_data_kind),
@@ -135,7 +164,7 @@ DataSpec = Annotated[
 
 
 class JobSpec(Spec):
-    """One tenant's RL fine-tuning job."""
+    """One tenant's fine-tuning job: RL (GRPO, the default) or supervised (`sft`)."""
 
     name: str = Field(
         ...,
@@ -145,9 +174,14 @@ class JobSpec(Spec):
     )
     task: DataSpec = Field(..., description="A built-in task family or a user dataset.")
     lora: LoRASpec = Field(default_factory=LoRASpec, description="The tenant's adapter.")
-    algorithm: GRPOSpec = Field(default_factory=GRPOSpec, description="RL algorithm knobs.")
+    algorithm: AlgorithmChoice = Field(
+        default_factory=GRPOSpec,
+        description="The algorithm and its knobs: GRPO (`type: grpo`, the default) or "
+        "supervised fine-tuning (`type: sft`, on a dataset's target completions).",
+    )
     sampling: SamplingSpec = Field(
-        default_factory=SamplingSpec, description="Rollout sampling per model turn."
+        default_factory=SamplingSpec,
+        description="Rollout sampling per model turn (RL; a supervised job samples nothing).",
     )
     steps: Int = Field(20, ge=1, le=MAX_STEPS, description="Optimizer steps to run (1-1,000,000).")
     eval_every: Int = Field(
@@ -161,7 +195,7 @@ class JobSpec(Spec):
         ge=1,
         le=MAX_EVAL_EPISODES,
         description="Held-out episodes per eval (1-10,000; the tenant's `max_eval_episodes` "
-        "quota may allow fewer).",
+        "quota may allow fewer); a supervised job's eval scores this many held-out rows.",
     )
     checkpoint_every: Int = Field(
         0,
@@ -186,8 +220,36 @@ class JobSpec(Spec):
     def _name(cls, v: str) -> str:
         return check_name(v)
 
+    @property
+    def supervised(self) -> bool:
+        return isinstance(self.algorithm, SFTSpec)
+
+    @property
+    def grpo(self) -> GRPOSpec:
+        """The job's GRPO settings; `ConfigError` for a supervised job (RL code only)."""
+        if not isinstance(self.algorithm, GRPOSpec):
+            raise ConfigError(f"job {self.name!r} is a supervised job: it has no GRPO settings")
+        return self.algorithm
+
     @model_validator(mode="after")
     def _check(self) -> JobSpec:
+        if isinstance(self.algorithm, SFTSpec):
+            if not isinstance(self.task, DatasetSpec):
+                raise ValueError(
+                    "a supervised job (algorithm.type sft) trains on a dataset's target "
+                    "completions: give task as {type: dataset, path: ...}, not a built-in family"
+                )
+            if self.task.grader is not None:
+                raise ValueError(
+                    "task.grader: a supervised job trains on its rows' own completions and "
+                    "grades nothing; remove the grader (or use algorithm.type grpo)"
+                )
+            return self
+        if isinstance(self.task, DatasetSpec) and self.task.grader is None:
+            raise ValueError(
+                "task.grader is required by an RL job: say how a completion is scored "
+                "against the row (or use algorithm.type sft on rows with target completions)"
+            )
         if self.sampling.temperature == 0:
             raise ValueError(
                 "sampling.temperature must be > 0 for RL: greedy rollouts give every sample "
@@ -298,11 +360,12 @@ class RunSpec(PipelineSpec):
 
     @property
     def staleness_limit(self) -> int:
-        """`max_staleness` when given, else the largest of the jobs' (the validator keeps
+        """`max_staleness` when given, else the largest of the RL jobs' (0 with none: a
+        supervised job trains on its data, never on stale samples; the validator keeps
         every job within it)."""
         if self.max_staleness is not None:
             return self.max_staleness
-        return max(job.algorithm.max_staleness for job in self.jobs)
+        return max((job.grpo.max_staleness for job in self.jobs if not job.supervised), default=0)
 
     @model_validator(mode="after")
     def _check(self) -> RunSpec:
@@ -317,7 +380,7 @@ class RunSpec(PipelineSpec):
                 f"({self.engine.max_rank}); raise engine.max_rank or lower their rank"
             )
         limit = self.staleness_limit
-        stale = [j.name for j in self.jobs if j.algorithm.max_staleness > limit]
+        stale = [j.name for j in self.jobs if not j.supervised and j.grpo.max_staleness > limit]
         if stale:
             raise ValueError(
                 f"jobs {', '.join(stale)} ask for an algorithm.max_staleness above "
@@ -328,8 +391,6 @@ class RunSpec(PipelineSpec):
 
 def load_run_spec(path: str | Path) -> RunSpec:
     """Read and validate a JOBS.yaml (or .json) file; errors name the file and field."""
-    from marlaas.errors import ConfigError
-
     source = Path(path)
     raw = read_yaml(source)
     if isinstance(raw, list):  # a bare list of jobs

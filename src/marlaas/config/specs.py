@@ -285,6 +285,27 @@ class GRPOSpec(Spec):
         return self.group_size * self.prompts_per_step
 
 
+class SFTSpec(Spec):
+    """Supervised fine-tuning: the weighted next-token cross-entropy of the rows'
+    completion (assistant) tokens, normalised per token over each step's batch."""
+
+    type: Literal["sft"] = "sft"
+    batch_size: Int = Field(
+        8,
+        ge=1,
+        le=1024,
+        description="Examples per optimizer step (1-1024); the data are read in order, "
+        "epoch after epoch, each epoch shuffled by the job's seed. The step's tokens are "
+        "bounded by the tenant's `max_tokens_per_step` quota.",
+    )
+    learning_rate: Float = Field(1e-4, gt=0, le=1.0, description="AdamW learning rate, in (0, 1].")
+    betas: tuple[Beta, Beta] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1).")
+    weight_decay: Float = Field(0.0, ge=0, le=10.0, description="AdamW weight decay (0-10).")
+    max_grad_norm: Float = Field(
+        1.0, gt=0, le=1e6, description="Clip each step's gradient to this norm (0-1e6]."
+    )
+
+
 #: One end of a tool latency range, in seconds.
 Latency = Annotated[float, Field(ge=0.0, le=MAX_TOOL_LATENCY_S), BeforeValidator(number_only)]
 

@@ -26,7 +26,7 @@ import json
 import os
 import random
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from marlaas.envs.base import Env, Example, Segment, Split, StepResult, TaskFamily
 from marlaas.errors import DataError
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 _ID_FIELD = "id"
 #: The field of a chat row (OpenAI's fine-tuning format).
 MESSAGES_FIELD = "messages"
-_ROLES = ("system", "developer", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def _text_field(row: Mapping[str, Any], name: str, where: str) -> str:
@@ -57,7 +57,7 @@ def _text_field(row: Mapping[str, Any], name: str, where: str) -> str:
     return value
 
 
-def _row_id(row: Mapping[str, Any], where: str, default: str) -> str:
+def row_id(row: Mapping[str, Any], where: str, default: str) -> str:
     if _ID_FIELD not in row:
         return default
     value = row[_ID_FIELD]
@@ -71,7 +71,7 @@ def _row_id(row: Mapping[str, Any], where: str, default: str) -> str:
     return text
 
 
-def _content(message: Mapping[str, Any], where: str) -> str | None:
+def message_text(message: Mapping[str, Any], where: str) -> str | None:
     """A message's text: a string, or OpenAI's list of `{"type": "text", "text"}` parts."""
     content = message.get("content")
     if content is None or isinstance(content, str):
@@ -100,9 +100,9 @@ def chat_prompt(value: object, where: str, name: str) -> tuple[dict[str, Any], .
         if not isinstance(message, Mapping):
             raise DataError(f"{at} must be an object with a role and a content")
         role = message.get("role")
-        if role not in _ROLES:
-            raise DataError(f"{at}: role must be one of {', '.join(_ROLES)}, got {role!r}")
-        content = _content(message, at)
+        if role not in ROLES:
+            raise DataError(f"{at}: role must be one of {', '.join(ROLES)}, got {role!r}")
+        content = message_text(message, at)
         if content is None and not (role == "assistant" and message.get("tool_calls")):
             raise DataError(f"{at}: a {role} message needs a content")
         messages.append({**message, "content": content})
@@ -134,7 +134,7 @@ def _to_example(
         used = prompt_field
     prompt = "" if messages is not None else _text_field(row, prompt_field, where)
     reference = "" if reference_field is None else _text_field(row, reference_field, where)
-    example_id = _row_id(row, where, default_id)
+    example_id = row_id(row, where, default_id)
     skip = {used, reference_field, _ID_FIELD}
     meta = {str(k): v for k, v in row.items() if k not in skip}
     return Example(id=example_id, prompt=prompt, reference=reference, meta=meta, messages=messages)
@@ -243,9 +243,17 @@ def from_hf_dataset(
     return examples
 
 
+class _HasId(Protocol):
+    @property
+    def id(self) -> str: ...
+
+
+R = TypeVar("R", bound=_HasId)
+
+
 def split_examples(
-    examples: Sequence[Example], eval_fraction: float, seed: int
-) -> tuple[list[Example], list[Example]]:
+    examples: Sequence[R], eval_fraction: float, seed: int
+) -> tuple[list[R], list[R]]:
     """A deterministic, disjoint (train, eval) split; each keeps the input order.
 
     The eval part has `round(len * eval_fraction)` examples, but at least one (and at

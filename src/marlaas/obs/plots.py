@@ -49,7 +49,7 @@ def _no_data(ax: Axes, what: str) -> None:
 
 
 def _rewards(recorder: RunRecorder, tenant: str) -> list[tuple[int, float]]:
-    return [(step, m.reward_mean) for step, m in recorder.steps(tenant)]
+    return [(s, m.reward_mean) for s, m in recorder.steps(tenant) if m.reward_mean is not None]
 
 
 #: The panels of `curves.png`: title, the x axis, the series of one tenant.

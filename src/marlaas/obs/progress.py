@@ -25,25 +25,18 @@ from marlaas.status import JobStatus
 
 #: The name under which an eval's accuracy is written (files, the job API's metrics).
 EVAL_ACCURACY = "eval_accuracy"
+#: The name of a supervised eval's held-out loss.
+EVAL_LOSS = "eval_loss"
 
 
 @dataclass(frozen=True, slots=True)
 class StepMetrics:
-    """The figures of one optimizer step of one tenant (GRPO)."""
+    """The figures of one optimizer step of one tenant. Every step has the common
+    figures; a GRPO step has the RL ones, a supervised step `token_accuracy` (RL
+    figures it does not have are None, never made up)."""
 
-    #: Mean and standard deviation of the step's rewards (over all G x P samples).
-    reward_mean: float
-    reward_std: float
+    #: The step's loss: GRPO's surrogate, or a supervised step's mean token NLL.
     loss: float
-    #: Fraction of tokens whose importance ratio was clipped.
-    clip_frac: float
-    ratio_mean: float
-    #: KL between the behaviour policy and the current one, per token.
-    kl_behaviour: float
-    entropy: float
-    #: Versions between the trained adapter and the oldest / the mean sample.
-    staleness_max: float
-    staleness_mean: float
     tokens: float
     rows: float
     grad_norm: float
@@ -52,8 +45,22 @@ class StepMetrics:
     step_time_s: float
     #: Seconds from handing the batch to the device to its result.
     train_wait_s: float
+    #: Mean and standard deviation of the step's rewards (over all G x P samples).
+    reward_mean: float | None = None
+    reward_std: float | None = None
+    #: Fraction of tokens whose importance ratio was clipped.
+    clip_frac: float | None = None
+    ratio_mean: float | None = None
+    #: KL between the behaviour policy and the current one, per token.
+    kl_behaviour: float | None = None
+    entropy: float | None = None
+    #: Versions between the trained adapter and the oldest / the mean sample.
+    staleness_max: float | None = None
+    staleness_mean: float | None = None
     #: KL to the base model, when the algorithm computes it.
     kl_base: float | None = None
+    #: Supervised: fraction of trained tokens whose target was the most likely token.
+    token_accuracy: float | None = None
 
     def as_dict(self) -> dict[str, float]:
         """The figures by name, as files and the service's database store them."""
@@ -135,16 +142,21 @@ class StepDone(_Record):
 
 @dataclass(frozen=True, slots=True)
 class EvalDone(_Record):
-    """Greedy held-out accuracy of adapter `version`."""
+    """Held-out figures of adapter `version`: an RL tenant's greedy accuracy (mean
+    reward); a supervised tenant's token accuracy and `loss` (mean token NLL)."""
 
     _EVENT: ClassVar[str] = "eval"
     tenant: str
     version: int
     accuracy: float
+    loss: float | None = None
 
     def as_dict(self) -> dict[str, float]:
-        """The figure by name, as files and the service's database store it."""
-        return {EVAL_ACCURACY: self.accuracy}
+        """The figures by name, as files and the service's database store them."""
+        out = {EVAL_ACCURACY: self.accuracy}
+        if self.loss is not None:
+            out[EVAL_LOSS] = self.loss
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,20 +172,26 @@ class CheckpointWritten(_Record):
     adapter_path: Path
     step: StepMetrics | None = None
     eval_accuracy: float | None = None
+    eval_loss: float | None = None
 
     @property
     def metrics(self) -> dict[str, float]:
-        """The figures a checkpoint's record keeps: reward, loss, entropy, eval."""
+        """The figures a checkpoint's record keeps: reward, loss, entropy (RL), token
+        accuracy (supervised), eval."""
         out: dict[str, float] = {}
         if self.step is not None:
-            out.update(
-                reward_mean=self.step.reward_mean,
-                reward_std=self.step.reward_std,
-                loss=self.step.loss,
-                entropy=self.step.entropy,
-            )
+            kept = {
+                "reward_mean": self.step.reward_mean,
+                "reward_std": self.step.reward_std,
+                "loss": self.step.loss,
+                "entropy": self.step.entropy,
+                "token_accuracy": self.step.token_accuracy,
+            }
+            out.update({k: v for k, v in kept.items() if v is not None})
         if self.eval_accuracy is not None:
             out[EVAL_ACCURACY] = self.eval_accuracy
+        if self.eval_loss is not None:
+            out[EVAL_LOSS] = self.eval_loss
         return out
 
     def log_fields(self) -> dict[str, object]:

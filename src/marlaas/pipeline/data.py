@@ -47,6 +47,8 @@ def build_task(
     if isinstance(task, DatasetSpec):
         examples = load_jsonl(task.path, task.prompt_field, task.reference_field)
         examples, chat = render_examples(examples, tokenizer, task.format, task.path)
+        if task.grader is None:
+            raise ConfigError(f"job {job.name!r}: task.grader is required by an RL job")
         grader = build_grader(task.grader, judge=judge)
         held_out = None
         if task.eval_path is not None:

@@ -41,7 +41,7 @@ JudgeFactory = Callable[[DevicePort, JobSpec], Judge]
 def job_judges(job: JobSpec) -> list[tuple[str, str]]:
     """(field path, model) of every judge model the job's grader calls ([] for a job
     without model graders, and for a built-in task family)."""
-    if not isinstance(job.task, DatasetSpec):
+    if not isinstance(job.task, DatasetSpec) or job.task.grader is None:
         return []
     return list(grader_judges(job.task.grader, "task.grader"))
 

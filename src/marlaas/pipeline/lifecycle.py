@@ -21,6 +21,7 @@ import contextlib
 import time
 from collections.abc import Coroutine, Sequence
 from dataclasses import replace
+from pathlib import Path
 from statistics import fmean
 from typing import Any, TypeVar
 
@@ -57,6 +58,7 @@ from marlaas.train.checkpoint import (
 )
 from marlaas.train.grpo import GRPOSnapshot, GRPOTraining
 from marlaas.train.optim import TenantSnapshot
+from marlaas.train.sft import SFTSnapshot
 from marlaas.types import SamplingParams, Trajectory
 
 T = TypeVar("T")
@@ -78,7 +80,7 @@ async def gather_all(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
 def grpo_training(job: JobSpec) -> GRPOTraining:
     """A job's GRPO settings: its algorithm at its sampling temperature; Dr. GRPO's
     constant normalisation is rows per step x max new tokens."""
-    algo = job.algorithm
+    algo = job.grpo
     norm = None
     if algo.loss_norm == "constant":
         norm = float(algo.samples_per_step * job.sampling.max_new_tokens)
@@ -100,6 +102,8 @@ class TenantRuntime:
         self.stream: ExampleStream | None = None
         self.evals: list[Example] = []
         self.last_checkpoint: int | None = None
+        #: Held-out loss by adapter version (supervised tenants; RL evals measure reward).
+        self.eval_loss: dict[int, float] = {}
         self.registered = False
         self._last_step_at = time.perf_counter()
         #: The newest step's figures, by the version it made (for its checkpoint).
@@ -123,6 +127,52 @@ class TenantRuntime:
         """Build the task and register the adapter (restored from the latest checkpoint
         when the context restores and one exists). Raises on a bad spec, data or checkpoint."""
         ctx, job = self.ctx, self.job
+        await self._prepare()
+        snapshot: TenantSnapshot | None = None
+        extra: dict[str, Any] = {}
+        path = latest_checkpoint(ctx.checkpoint_dir(self.name)) if ctx.restore else None
+        if path is not None:
+            ckpt = await asyncio.to_thread(load_checkpoint, path, ctx.device.model)
+            if ckpt.snapshot.tenant != self.name or ckpt.snapshot.lora != job.lora:
+                raise ModelError(
+                    f"checkpoint {str(path)!r} is not for job {self.name!r} with this LoRA "
+                    "spec; resume with the job spec it was written for, or start afresh"
+                )
+            self._resume_settings(ckpt.snapshot, path)
+            snapshot = ckpt.snapshot.state
+            extra = ckpt.extra
+        self.registered = True  # from here on, teardown removes whatever got added
+        await ctx.device.add_tenant(self.name, job.lora, seed=job.seed, snapshot=snapshot)
+        if snapshot is not None:
+            self.state.restore(snapshot.version, int(extra.get("cursor", 0)))
+            self._restore_extra(extra)
+            self.last_checkpoint = snapshot.version
+            assert path is not None
+            ctx.recorder.progress(TenantRestored(self.name, snapshot.version, path))
+        ctx.device.set_priority(self.name, job.priority)
+        self._last_step_at = time.perf_counter()
+
+    def _restore_extra(self, extra: dict[str, Any]) -> None:
+        """What a checkpoint's `extra` holds beyond the cursor: the eval history."""
+        history = extra.get("eval", {})
+        self.state.stats.eval_accuracy.update({int(k): float(v) for k, v in history.items()})
+
+    def _resume_settings(self, snapshot: GRPOSnapshot | SFTSnapshot, path: Path) -> None:
+        """The training settings from here on (`ModelError` for another algorithm's
+        checkpoint): the job's current algorithm and temperature apply (a resume may
+        change the schedule); the optimizer state is layout-compatible."""
+        if not isinstance(snapshot, GRPOSnapshot):
+            raise ModelError(
+                f"checkpoint {str(path)!r} is a supervised tenant's, and job {self.name!r} "
+                "is an RL job; resume with the job spec it was written for, or start afresh"
+            )
+        self._training = replace(
+            snapshot.training, algo=self.job.grpo, temperature=self.job.sampling.temperature
+        )
+
+    async def _prepare(self) -> None:
+        """The tenant's data and training settings, before its adapter is registered."""
+        ctx, job = self.ctx, self.job
         self._training = grpo_training(job)
         family = ctx.tasks.get(self.name)
         if family is None:
@@ -134,36 +184,6 @@ class TenantRuntime:
         self.evals = await asyncio.to_thread(eval_examples, family, job)
         # Draw the first block of train examples off the loop: bad data fails here.
         await asyncio.to_thread(self.stream.__getitem__, 0)
-        snapshot: TenantSnapshot | None = None
-        extra: dict[str, Any] = {}
-        path = latest_checkpoint(ctx.checkpoint_dir(self.name)) if ctx.restore else None
-        if path is not None:
-            ckpt = await asyncio.to_thread(load_checkpoint, path, ctx.device.model)
-            if ckpt.snapshot.tenant != self.name or ckpt.snapshot.lora != job.lora:
-                raise ModelError(
-                    f"checkpoint {str(path)!r} is not for job {self.name!r} with this LoRA "
-                    "spec; resume with the job spec it was written for, or start afresh"
-                )
-            # The job's current algorithm and temperature apply from here on (a resume
-            # may change the schedule); the optimizer state is layout-compatible.
-            self._training = replace(
-                ckpt.snapshot.training,
-                algo=job.algorithm,
-                temperature=job.sampling.temperature,
-            )
-            snapshot = ckpt.snapshot.state
-            extra = ckpt.extra
-        self.registered = True  # from here on, teardown removes whatever got added
-        await ctx.device.add_tenant(self.name, job.lora, seed=job.seed, snapshot=snapshot)
-        if snapshot is not None:
-            self.state.restore(snapshot.version, int(extra.get("cursor", 0)))
-            history = extra.get("eval", {})
-            self.state.stats.eval_accuracy.update({int(k): float(v) for k, v in history.items()})
-            self.last_checkpoint = snapshot.version
-            assert path is not None
-            ctx.recorder.progress(TenantRestored(self.name, snapshot.version, path))
-        ctx.device.set_priority(self.name, job.priority)
-        self._last_step_at = time.perf_counter()
 
     async def teardown(self) -> None:
         """Stop the tenant's waiting requests and free its training state (its newest
@@ -272,11 +292,8 @@ class TenantRuntime:
     async def checkpoint(self) -> None:
         """Write the tenant's state at its current version, atomically."""
         t0 = time.perf_counter()
-        snapshot = GRPOSnapshot(await self.ctx.device.snapshot(self.name), self.training)
-        extra = {
-            "cursor": self.state.cursor,
-            "eval": {str(k): v for k, v in sorted(self.state.stats.eval_accuracy.items())},
-        }
+        snapshot = self._snapshot(await self.ctx.device.snapshot(self.name))
+        extra = self._extra()
         path = await asyncio.to_thread(
             save_checkpoint,
             self.ctx.checkpoint_dir(self.name),
@@ -296,8 +313,19 @@ class TenantRuntime:
                 path / ADAPTER_DIR,
                 step=step,
                 eval_accuracy=self.state.stats.eval_accuracy.get(version),
+                eval_loss=self.eval_loss.get(version),
             )
         )
+
+    def _snapshot(self, state: TenantSnapshot) -> GRPOSnapshot | SFTSnapshot:
+        return GRPOSnapshot(state, self.training)
+
+    def _extra(self) -> dict[str, Any]:
+        """A checkpoint's `extra`: the data cursor and the eval history."""
+        return {
+            "cursor": self.state.cursor,
+            "eval": {str(k): v for k, v in sorted(self.state.stats.eval_accuracy.items())},
+        }
 
     async def save_adapter(self) -> None:
         """The final adapter, in PEFT format, under the tenant's `adapter/`."""

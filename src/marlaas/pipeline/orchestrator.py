@@ -1,5 +1,8 @@
 """The event-driven asynchronous multi-tenant pipeline.
 
+A supervised tenant's driver is `SupervisedRuntime.run` (steps one after another, no
+rollouts); the rest of this docstring is about RL tenants, and so is `_drive`.
+
 Every admitted tenant has one driver task and short-lived child tasks: one per GRPO group
 being sampled, one for its train step in flight, one per eval. The driver wakes on an
 `asyncio.Event` that every child sets when it ends; it then builds the next train batch
@@ -54,6 +57,7 @@ from marlaas.obs.progress import (
 from marlaas.pipeline.context import PipelineContext
 from marlaas.pipeline.lifecycle import TenantRuntime
 from marlaas.pipeline.scheduler import AdmissionQueue
+from marlaas.pipeline.supervised import SupervisedRuntime
 from marlaas.pipeline.tenant import (
     JobStatus,
     PipelineError,
@@ -142,9 +146,9 @@ class Orchestrator:
             )
         job = self.ctx.resolve_job(job)
         limit = self.ctx.run.staleness_limit  # the device keeps `run.versions_kept`
-        if job.algorithm.max_staleness > limit:
+        if not job.supervised and job.grpo.max_staleness > limit:
             raise ConfigError(
-                f"job {job.name!r}: algorithm.max_staleness {job.algorithm.max_staleness} is "
+                f"job {job.name!r}: algorithm.max_staleness {job.grpo.max_staleness} is "
                 f"above this pipeline's limit of {limit}; lower it"
             )
         state = self.states[job.name] = TenantState(job, order=len(self.states))
@@ -226,6 +230,10 @@ class Orchestrator:
                 driver.cancel()
         self._wake.set()
 
+    def _stopping(self) -> bool:
+        """Whether admitted tenants should checkpoint and stop (a graceful close)."""
+        return self._closing and self._checkpoint_on_close
+
     def _poke(self, name: str) -> None:
         tasks = self._tasks.get(name)
         if tasks is not None:
@@ -274,10 +282,15 @@ class Orchestrator:
     async def _tenant_main(self, state: TenantState) -> None:
         recorder = self.ctx.recorder
         tasks = self._tasks[state.name] = _Tasks(state.name)
-        runtime = TenantRuntime(self.ctx, state)
+        supervised = state.job.supervised
+        runtime = (SupervisedRuntime if supervised else TenantRuntime)(self.ctx, state)
         try:
             await runtime.setup()
-            await self._drive(state, runtime, tasks)
+            if isinstance(runtime, SupervisedRuntime):
+                if not await runtime.run(self._stopping, tasks.wake):
+                    raise _Stopped()
+            else:
+                await self._drive(state, runtime, tasks)
             state.transition(JobStatus.DONE)
             recorder.progress(TenantEnded(state.name, JobStatus.DONE, None))
         except _Stopped:

@@ -25,6 +25,7 @@ from typing import Any, Literal
 from marlaas.config.job import RunSpec
 from marlaas.device.records import DeviceFigures
 from marlaas.envs.base import TaskFamily
+from marlaas.errors import ConfigError
 from marlaas.fileio import atomic_write_json
 from marlaas.obs.recorder import NullRecorder, Recorder
 from marlaas.pipeline.baseline import SyncBaseline
@@ -133,6 +134,12 @@ async def run_jobs(
     """
     if mode not in ("async", "sync"):
         raise ValueError(f"mode must be 'async' or 'sync', got {mode!r}")
+    supervised = [j.name for j in run.jobs if j.supervised]
+    if mode == "sync" and supervised:
+        raise ConfigError(
+            f"jobs {', '.join(supervised)} are supervised (algorithm.type sft), and the sync "
+            "baseline runs RL jobs only; run them in async mode"
+        )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out_dir / "run.json", run.model_dump(mode="json"), sort_keys=True)

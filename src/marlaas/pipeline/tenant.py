@@ -93,15 +93,15 @@ class TenantState:
 
     @property
     def prompts_per_step(self) -> int:
-        return self.job.algorithm.prompts_per_step
+        return self.job.grpo.prompts_per_step
 
     @property
     def group_size(self) -> int:
-        return self.job.algorithm.group_size
+        return self.job.grpo.group_size
 
     @property
     def max_staleness(self) -> int:
-        return self.job.algorithm.max_staleness
+        return self.job.grpo.max_staleness
 
     @property
     def steps(self) -> int:
@@ -127,7 +127,8 @@ class TenantState:
         if version < 0 or cursor < 0:
             raise PipelineError(f"tenant {self.name!r}: bad checkpoint ({version=}, {cursor=})")
         self.version = version
-        self.trained = version * self.prompts_per_step
+        # Groups trained (RL accounting); a supervised tenant counts examples in `cursor`.
+        self.trained = 0 if self.job.supervised else version * self.prompts_per_step
         self.cursor = cursor
 
     # -- groups ----------------------------------------------------------------------
@@ -201,7 +202,7 @@ class TenantState:
             self.name,
             self.version,
             chosen,
-            scale_rewards=self.job.algorithm.scale_rewards,
+            scale_rewards=self.job.grpo.scale_rewards,
         )
         staleness = batch.staleness()
         if min(staleness) < 0 or max(staleness) > self.max_staleness:
@@ -231,6 +232,18 @@ class TenantState:
         self.stats.staleness_max = max(self.stats.staleness_max, max(staleness))
         self.stats.staleness_sum += sum(staleness)
         self.stats.staleness_count += len(staleness)
+
+    def advance(self, version: int, examples: int, tokens: int) -> None:
+        """Account a supervised step: `examples` more consumed, trained to `version`."""
+        if version != self.version + 1:
+            raise PipelineError(
+                f"tenant {self.name!r}: trainer returned version {version} after step "
+                f"{self.version}; versions go up by exactly one per step"
+            )
+        self.version = version
+        self.cursor += examples
+        self.stats.steps_this_run += 1
+        self.stats.tokens_trained += tokens
 
     def train_failed(self) -> None:
         """The batch in training was rejected; its groups are gone."""

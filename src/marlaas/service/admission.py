@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from marlaas.config.job import DatasetSpec, JobSpec
-from marlaas.config.specs import TargetModules, TaskSpec
+from marlaas.config.specs import SFTSpec, TargetModules, TaskSpec
 from marlaas.errors import MarlaasError
 from marlaas.service.errors import InvalidField, redact_paths
 from marlaas.service.settings import ServiceSettings
@@ -209,7 +209,9 @@ def assess_job(
             "task.format chat needs the served model's chat template, and its tokenizer "
             "has none; use format text (or auto), or a server on a chat model",
         )
-    group = spec.algorithm.group_size
+    if spec.supervised:
+        return _assess_supervised(spec, runnable, tokenizer, limits, deadline)
+    group = spec.grpo.group_size
     if group > limits.max_batch_rows:
         raise InvalidField(
             ("body", "algorithm", "group_size"),
@@ -231,7 +233,7 @@ def assess_job(
     deadline.check("rendering the prompts")
     longest, where = _longest_prompt(tokenizer, prompts, deadline)
     cost = JobCost(
-        samples_per_step=spec.algorithm.samples_per_step,
+        samples_per_step=spec.grpo.samples_per_step,
         eval_episodes=spec.eval_episodes,
         longest_prompt=longest,
         max_turns=family.max_turns,
@@ -240,6 +242,46 @@ def assess_job(
     )
     _check_lengths(spec, cost, where, limits)
     return cost
+
+
+def _assess_supervised(
+    spec: JobSpec,
+    runnable: JobSpec,
+    tokenizer: PreTrainedTokenizerBase,
+    limits: MachineLimits,
+    deadline: Deadline,
+) -> JobCost:
+    """A supervised job's checks: every row read and rendered as the pipeline does, each
+    within the trainer's budget and the model's context. Its cost is `batch_size`
+    sequences of the longest row per step, and `eval_episodes` held-out rows per eval."""
+    from marlaas.pipeline.supervised import supervised_data
+
+    budget, limit = limits.max_tokens_per_microbatch, "this server's trainer budget per forward"
+    if limits.context_length is not None and limits.context_length < budget:
+        budget, limit = limits.context_length, "the served model's context"
+    try:
+        train, evals = supervised_data(runnable, tokenizer, budget, limit)
+    except (MarlaasError, ValueError, OSError) as e:
+        text, task = str(e), spec.task
+        if isinstance(task, DatasetSpec) and isinstance(runnable.task, DatasetSpec):
+            paths = [(runnable.task.path, task.path), (runnable.task.eval_path, task.eval_path)]
+            for path, name in paths:
+                if path and name:
+                    text = text.replace(f"{path}:", f"dataset {name!r},").replace(path, name)
+        raise InvalidField(
+            ("body", "task", "path"), f"the data cannot be used: {redact_paths(text)}"
+        ) from None
+    deadline.check("rendering the rows")
+    longest = max(len(d.input_ids) for d in [*train, *evals])
+    assert isinstance(spec.algorithm, SFTSpec)
+    return JobCost(
+        samples_per_step=spec.algorithm.batch_size,
+        eval_episodes=min(spec.eval_episodes, len(evals)),
+        longest_prompt=longest,
+        max_turns=0,
+        max_new_tokens=0,
+        context_length=limits.context_length,
+    )
 
 
 def _build(spec: JobSpec, runnable: JobSpec, tokenizer: PreTrainedTokenizerBase) -> TaskFamily:

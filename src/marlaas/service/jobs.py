@@ -77,10 +77,10 @@ def _check_limits(spec: JobSpec, max_rank: int, max_staleness: int) -> None:
             ("body", "lora", "rank"),
             f"LoRA rank {spec.lora.rank} is above this service's limit of {max_rank}",
         )
-    if spec.algorithm.max_staleness > max_staleness:
+    if not spec.supervised and spec.grpo.max_staleness > max_staleness:
         raise InvalidField(
             ("body", "algorithm", "max_staleness"),
-            f"max_staleness {spec.algorithm.max_staleness} is above this service's limit "
+            f"max_staleness {spec.grpo.max_staleness} is above this service's limit "
             f"of {max_staleness}",
         )
 

@@ -1,13 +1,14 @@
-"""Atomic tenant checkpoints of GRPO tenants (`GRPOSnapshot`): adapter, optimizer state,
-version, the GRPO settings and an opaque `extra` dict (the pipeline's data cursor), in
-one directory per checkpoint.
+"""Atomic tenant checkpoints of GRPO tenants (`GRPOSnapshot`) and supervised ones
+(`SFTSnapshot`): adapter, optimizer state, version, the algorithm's settings and an
+opaque `extra` dict (the pipeline's data cursor), in one directory per checkpoint.
 
 Layout of `<root>/ckpt-<version, 8 digits>/`:
 - `adapter/`: the adapter in PEFT format (`save_peft`), loadable by PEFT itself;
 - `optimizer.safetensors`: AdamW moments (`exp_avg`, `exp_avg_sq`); older files also
   hold a tenant RNG state (`rng_state`), which loading ignores (nothing draws from it);
-- `state.json`: format, tenant, version, optimizer step, the LoRA and GRPO specs,
-  temperature, schedule, `constant_norm_tokens` and `extra`.
+- `state.json`: format, tenant, version, optimizer step, the LoRA and algorithm specs
+  (`algo.type` says which), temperature, schedule, `constant_norm_tokens` (GRPO's; a
+  supervised checkpoint writes 1.0, 0 and null) and `extra`.
 
 Invariants:
 - A checkpoint directory is complete or absent. Everything is written into a hidden
@@ -35,12 +36,13 @@ from typing import Any
 
 from safetensors.torch import load_file, save_file
 
-from marlaas.config.specs import GRPOSpec, LoRASpec
+from marlaas.config.specs import GRPOSpec, LoRASpec, SFTSpec
 from marlaas.errors import ConfigError, ModelError
 from marlaas.model.lora import LoRAModel
 from marlaas.model.peft_io import load_peft, save_peft
 from marlaas.train.grpo import GRPOSnapshot, GRPOTraining
 from marlaas.train.optim import AdamState, TenantSnapshot
+from marlaas.train.sft import SFTSnapshot
 
 FORMAT = "marlaas-tenant-checkpoint/1"
 ADAPTER_DIR = "adapter"
@@ -56,7 +58,7 @@ class Checkpoint:
     """A loaded checkpoint: the tenant's state and settings, and the caller's `extra`."""
 
     path: Path
-    snapshot: GRPOSnapshot
+    snapshot: GRPOSnapshot | SFTSnapshot
     extra: dict[str, Any]
 
 
@@ -85,7 +87,7 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 def save_checkpoint(
     root: str | Path,
-    snapshot: GRPOSnapshot,
+    snapshot: GRPOSnapshot | SFTSnapshot,
     extra: Mapping[str, Any] | None = None,
     keep_last: int = 3,
     *,
@@ -97,7 +99,9 @@ def save_checkpoint(
     (`save_peft`)."""
     if keep_last < 1:
         raise ConfigError(f"keep_last must be >= 1, got {keep_last}")
-    snap, training = snapshot.state, snapshot.training
+    snap = snapshot.state
+    training = snapshot.training if isinstance(snapshot, GRPOSnapshot) else None
+    algo = snapshot.algo
     if snap.adam is None:
         raise ConfigError(
             f"tenant {snap.tenant!r}: a checkpoint needs the optimizer state; take the "
@@ -112,10 +116,10 @@ def save_checkpoint(
             "version": snap.version,
             "optimizer_step": adam.step,
             "lora": snap.lora.model_dump(mode="json"),
-            "algo": training.algo.model_dump(mode="json"),
-            "temperature": training.temperature,
-            "warmup_steps": training.warmup_steps,
-            "constant_norm_tokens": training.constant_norm_tokens,
+            "algo": algo.model_dump(mode="json"),
+            "temperature": training.temperature if training else 1.0,
+            "warmup_steps": training.warmup_steps if training else 0,
+            "constant_norm_tokens": training.constant_norm_tokens if training else None,
             "extra": extra_dict,
         }
         state_text = json.dumps(state, indent=2, sort_keys=True, allow_nan=False) + "\n"
@@ -178,25 +182,30 @@ def load_checkpoint(path: str | Path, model: LoRAModel) -> Checkpoint:
         flat = load_file(str(root / OPTIMIZER_NAME))
     except (OSError, ValueError, RuntimeError) as e:
         raise ModelError(f"cannot read {str(root / OPTIMIZER_NAME)!r}: {e}") from e
-    snapshot = GRPOSnapshot(
-        TenantSnapshot(
-            tenant=str(state["tenant"]),
-            lora=lora,
-            version=int(state["version"]),
-            tensors=tensors,
-            adam=AdamState(
-                step=int(state["optimizer_step"]),
-                exp_avg_P=flat["exp_avg"],
-                exp_avg_sq_P=flat["exp_avg_sq"],
-            ),
-        ),
-        GRPOTraining(
-            algo=GRPOSpec.model_validate(state["algo"]),
-            temperature=float(state["temperature"]),
-            warmup_steps=int(state["warmup_steps"]),
-            constant_norm_tokens=state["constant_norm_tokens"],
+    tenant = TenantSnapshot(
+        tenant=str(state["tenant"]),
+        lora=lora,
+        version=int(state["version"]),
+        tensors=tensors,
+        adam=AdamState(
+            step=int(state["optimizer_step"]),
+            exp_avg_P=flat["exp_avg"],
+            exp_avg_sq_P=flat["exp_avg_sq"],
         ),
     )
+    snapshot: GRPOSnapshot | SFTSnapshot
+    if state["algo"].get("type") == "sft":
+        snapshot = SFTSnapshot(tenant, SFTSpec.model_validate(state["algo"]))
+    else:
+        snapshot = GRPOSnapshot(
+            tenant,
+            GRPOTraining(
+                algo=GRPOSpec.model_validate(state["algo"]),
+                temperature=float(state["temperature"]),
+                warmup_steps=int(state["warmup_steps"]),
+                constant_norm_tokens=state["constant_norm_tokens"],
+            ),
+        )
     return Checkpoint(path=root, snapshot=snapshot, extra=dict(state["extra"]))
 
 

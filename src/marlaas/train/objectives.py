@@ -91,7 +91,8 @@ class CrossEntropy:
         loss = -sum_{b,t} w[b, t] * log pi_theta(y[b, t] | x[b, :t + 1])
 
     (the negative log-likelihood, e.g. Radford et al. 2018, eq. 1, with weights; Tinker's
-    `cross_entropy`). Sums: `loss`, `tokens`, `nll` (unweighted, over weighted tokens).
+    `cross_entropy`). Sums: `loss`, `tokens`, `nll` (unweighted, over weighted tokens),
+    `correct` (weighted tokens whose target is the most likely token).
     """
 
     name: ClassVar[str] = "cross_entropy"
@@ -107,7 +108,16 @@ class CrossEntropy:
         lp_BT = torch.where(mask_BT, x.logprobs_BT, torch.zeros_like(x.logprobs_BT))
         loss = -(x.weights_BT.to(lp_BT.dtype) * lp_BT).sum()
         with torch.no_grad():
-            sums = {"loss": loss.detach(), "tokens": mask_BT.sum(), "nll": -lp_BT.detach().sum()}
+            # The target is the argmax when its log-prob is the largest one (ties count).
+            z_BTV = x.logits_BTV.detach()
+            top_BT = z_BTV.max(dim=-1).values - torch.logsumexp(z_BTV, dim=-1)
+            correct_BT = mask_BT & (x.logprobs_BT.detach() >= top_BT - 1e-6)
+            sums = {
+                "loss": loss.detach(),
+                "tokens": mask_BT.sum(),
+                "nll": -lp_BT.detach().sum(),
+                "correct": correct_BT.sum(),
+            }
         return loss, sums
 
 

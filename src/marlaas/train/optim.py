@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from marlaas.config.specs import GRPOSpec, LoRASpec
+from marlaas.config.specs import GRPOSpec, LoRASpec, SFTSpec
 from marlaas.errors import ConfigError, ModelError
 from marlaas.model.lora import AdapterTensors, LoRAModel
 
@@ -137,7 +137,7 @@ class AdamParams:
             )
 
     @classmethod
-    def from_spec(cls, algo: GRPOSpec, warmup_steps: int = 0) -> AdamParams:
+    def from_spec(cls, algo: GRPOSpec | SFTSpec, warmup_steps: int = 0) -> AdamParams:
         return cls(
             lr=algo.learning_rate,
             betas=(float(algo.betas[0]), float(algo.betas[1])),
