@@ -14,6 +14,11 @@ It uploads a small training file in OpenAI's RFT format (chat `messages` plus an
 `answer` field the grader reads as `item.answer`), tries the grader on one answer,
 trains, follows the job's events until it ends, lists the checkpoints and asks the
 fine-tuned model a question.
+
+With `--supervised` it runs OpenAI's supervised fine-tuning instead (`method: {type:
+supervised}`): the training file's rows end with the assistant's answer, which is what
+the model learns (cross-entropy on the assistant turns; no grader). On OpenAI, set
+`RFT_MODEL` to a model that takes supervised jobs (e.g. gpt-4.1-mini-2025-04-14).
 """
 
 from __future__ import annotations
@@ -56,20 +61,39 @@ GRADER = {
 }
 
 
-def training_rows(n: int, seed: int) -> list[dict[str, object]]:
+def training_rows(n: int, seed: int, supervised: bool = False) -> list[dict[str, object]]:
     rng = random.Random(seed)
-    rows = []
+    rows: list[dict[str, object]] = []
     for _ in range(n):
         a, b = rng.randint(1, 99), rng.randint(1, 99)
-        rows.append({"messages": [{"role": "user", "content": f"{a}+{b}"}], "answer": str(a + b)})
+        question = {"role": "user", "content": f"{a}+{b}"}
+        if supervised:  # the target answer is the conversation's assistant turn
+            rows.append({"messages": [question, {"role": "assistant", "content": str(a + b)}]})
+        else:
+            rows.append({"messages": [question], "answer": str(a + b)})
     return rows
 
 
 def main() -> int:
     client = OpenAI()
-    data = "".join(json.dumps(row) + "\n" for row in training_rows(40, seed=0)).encode()
+    supervised = "--supervised" in sys.argv[1:]
+    rows = training_rows(40, seed=0, supervised=supervised)
+    data = "".join(json.dumps(row) + "\n" for row in rows).encode()
     training = client.files.create(file=("train.jsonl", io.BytesIO(data)), purpose="fine-tune")
     print(f"uploaded {training.id}: {training.status}")
+    if supervised:
+        job = client.fine_tuning.jobs.create(
+            model=MODEL,
+            training_file=training.id,
+            method={
+                "type": "supervised",
+                "supervised": {"hyperparameters": {"n_epochs": 2, "batch_size": 4}},
+            },
+            suffix="arithmetic-sft",
+            seed=1,
+        )
+        print(f"created {job.id}: {job.status}")
+        return follow(client, job.id)
 
     client.fine_tuning.alpha.graders.validate(grader=GRADER)  # type: ignore[arg-type]
     trial = client.fine_tuning.alpha.graders.run(
@@ -93,10 +117,14 @@ def main() -> int:
         seed=1,
     )
     print(f"created {job.id}: {job.status}")
+    return follow(client, job.id)
 
+
+def follow(client: OpenAI, job_id: str) -> int:
+    """Print the job's events until it ends; then its checkpoints and one answer."""
     seen: set[str] = set()
     while True:
-        job = client.fine_tuning.jobs.retrieve(job.id)
+        job = client.fine_tuning.jobs.retrieve(job_id)
         events = list(client.fine_tuning.jobs.list_events(job.id, limit=100))
         for event in reversed(events):  # the API lists the newest first
             if event.id not in seen:

@@ -6,14 +6,21 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
+import pytest
 
 from helpers.live_support import AdapterBackend, LiveServer, make_tenant_key
 from helpers.service_support import ADMIN_KEY
@@ -123,3 +130,46 @@ def rft(grader: dict[str, Any] = MULTI, **hyperparameters: Any) -> dict[str, Any
         "type": "reinforcement",
         "reinforcement": {"grader": grader, "hyperparameters": hyperparameters},
     }
+
+
+SERVE_ADMIN_KEY = "rft-serve-admin-key-0123456789"
+
+
+@contextmanager
+def serve_marlaas(root: Path) -> Iterator[openai.OpenAI]:
+    """A real `marlaas serve` process on a loopback port (the in-process pipeline
+    backend, SQLite under `root`, the embedded base with `CHAT_TEMPLATE`), and the
+    `openai` client of its tenant `acme`."""
+    base_model = chat_base(root / "base")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    base = f"http://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if k != "MARLAAS_DB_URL"}
+    env.update(MARLAAS_ADMIN_KEY=SERVE_ADMIN_KEY, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    argv = [sys.executable, "-m", "marlaas.cli", "serve", "--port", str(port)]
+    argv += ["--data-dir", str(root / "data"), "--device", "cpu"]
+    argv += ["--base-model", str(base_model)]
+    log = root / "serve.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        for _ in range(600):  # bounded: ~60 s
+            if proc.poll() is not None:
+                pytest.fail(f"marlaas serve exited early:\n{log.read_text()}")
+            try:
+                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        else:
+            pytest.fail(f"marlaas serve did not become ready:\n{log.read_text()}")
+        admin = {"Authorization": f"Bearer {SERVE_ADMIN_KEY}"}
+        r = httpx.post(f"{base}/v1/admin/tenants", json={"name": "acme"}, headers=admin)
+        assert r.status_code == 201, r.text
+        key = httpx.post(f"{base}/v1/admin/tenants/acme/keys", json={}, headers=admin).json()
+        yield openai.OpenAI(base_url=f"{base}/v1", api_key=key["key"], max_retries=0, timeout=120)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

@@ -215,9 +215,9 @@ def test_errors_answer_in_openais_shape(served: Served) -> None:
             "must be 'auto' or an integer from 1 to 1000, got 0",
         ),
         (
-            {"method": {"type": "supervised", "supervised": {}}},
+            {"method": {"type": "dpo", "dpo": {}}},
             "method.type",
-            "supervised method is not supported",
+            "dpo method is not supported",
         ),
         ({"training_file": "file-nope"}, "training_file", "no file 'file-nope'"),
         ({"training_file": answered.id}, "training_file", "must end with the user"),

@@ -12,11 +12,7 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
 import re
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,49 +21,16 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from openai_ft_support import chat_base
+from openai_ft_support import SERVE_ADMIN_KEY as ADMIN_KEY
+from openai_ft_support import serve_marlaas
 
 pytestmark = pytest.mark.slow
-
-ADMIN_KEY = "rft-serve-admin-key-0123456789"
 
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
-    root = tmp_path_factory.mktemp("serve")
-    base_model = chat_base(root / "base")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    base = f"http://127.0.0.1:{port}"
-    env = {k: v for k, v in os.environ.items() if k != "MARLAAS_DB_URL"}
-    env.update(MARLAAS_ADMIN_KEY=ADMIN_KEY, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    argv = [sys.executable, "-m", "marlaas.cli", "serve", "--port", str(port)]
-    argv += ["--data-dir", str(root / "data"), "--device", "cpu"]
-    argv += ["--base-model", str(base_model)]
-    log = root / "serve.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
-    try:
-        for _ in range(600):  # bounded: ~60 s
-            if proc.poll() is not None:
-                pytest.fail(f"marlaas serve exited early:\n{log.read_text()}")
-            try:
-                if httpx.get(f"{base}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        else:
-            pytest.fail(f"marlaas serve did not become ready:\n{log.read_text()}")
-        admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
-        r = httpx.post(f"{base}/v1/admin/tenants", json={"name": "acme"}, headers=admin)
-        assert r.status_code == 201, r.text
-        key = httpx.post(f"{base}/v1/admin/tenants/acme/keys", json={}, headers=admin).json()
-        yield openai.OpenAI(base_url=f"{base}/v1", api_key=key["key"], max_retries=0, timeout=120)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+    with serve_marlaas(tmp_path_factory.mktemp("serve")) as served:
+        yield served
 
 
 def sample_grader(kind: str) -> dict[str, Any]:

@@ -298,7 +298,9 @@ class SFTSpec(Spec):
         "epoch after epoch, each epoch shuffled by the job's seed. The step's tokens are "
         "bounded by the tenant's `max_tokens_per_step` quota.",
     )
-    learning_rate: Float = Field(1e-4, gt=0, le=1.0, description="AdamW learning rate, in (0, 1].")
+    learning_rate: Float = Field(
+        2e-4, gt=0, le=1.0, description="AdamW learning rate, in (0, 1] (LoRA SFT's usual 2e-4)."
+    )
     betas: tuple[Beta, Beta] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1).")
     weight_decay: Float = Field(0.0, ge=0, le=10.0, description="AdamW weight decay (0-10).")
     max_grad_norm: Float = Field(

@@ -267,7 +267,8 @@ def _assess_supervised(
             paths = [(runnable.task.path, task.path), (runnable.task.eval_path, task.eval_path)]
             for path, name in paths:
                 if path and name:
-                    text = text.replace(f"{path}:", f"dataset {name!r},").replace(path, name)
+                    text = text.replace(f"{path}:", f"dataset {name!r}, line ")
+                    text = text.replace(path, f"dataset {name!r}")
         raise InvalidField(
             ("body", "task", "path"), f"the data cannot be used: {redact_paths(text)}"
         ) from None

@@ -13,12 +13,25 @@ Hyperparameters (`method.reinforcement.hyperparameters`) map onto the job spec; 
 | `eval_interval` | only before and after training | `eval_every`; a checkpoint is written at each eval too |
 | `eval_samples` | 64 | `eval_episodes`: held-out prompts per eval (greedy, each once) |
 
+Supervised (`method: {type: supervised, supervised: {hyperparameters}}`, also what a
+request without `method` asks) trains with the cross-entropy loss on the assistant
+turns (`algorithm.type sft`; OpenAI's per-message `weight` honoured):
+
+| OpenAI | auto | marlaas |
+| --- | --- | --- |
+| `n_epochs` | 3 | `steps = ceil(n_epochs * training rows / batch_size)` |
+| `batch_size` | min(8, training rows) | `algorithm.batch_size` (examples per step) |
+| `learning_rate_multiplier` | 1.0 | `algorithm.learning_rate` = multiplier x 2e-4 (SFT's default) |
+
+A supervised job evaluates the whole held-out set (validation loss and token accuracy)
+before training, after each epoch and at the end, and checkpoints after each epoch.
+
 The held-out prompts are the validation file's rows, or 10% of the training file's
 without one. A `score_model` or `label_model` judge is any model the tenant may call
 (`base`, its own jobs and checkpoints); the job's creation checks it
 (`graders.check_judges`). `reasoning_effort`, `integrations`, the deprecated top-level
-`hyperparameters`, unknown fields, and the `supervised` and `dpo` methods are refused
-with a 400 naming the field: marlaas never ignores a setting it cannot honour.
+`hyperparameters`, unknown fields, and the `dpo` method are refused with a 400 naming
+the field: marlaas never ignores a setting it cannot honour.
 """
 
 from __future__ import annotations
@@ -36,7 +49,7 @@ from marlaas.config.openai_graders import (
     OpenAIGraderError,
     parse_openai_grader,
 )
-from marlaas.config.specs import GRPOSpec, describe_problems
+from marlaas.config.specs import GRPOSpec, SFTSpec, describe_problems
 from marlaas.envs.openai_graders import check_runnable
 from marlaas.errors import GraderError
 from marlaas.service.openai_ft.errors import bad_request
@@ -45,6 +58,10 @@ BASE_MODEL = "base"
 DEFAULT_BATCH = 4
 DEFAULT_GROUP = 8
 DEFAULT_EVAL_SAMPLES = 64
+DEFAULT_SFT_BATCH = 8
+DEFAULT_SFT_EPOCHS = 3
+#: Held-out rows a supervised eval scores at most (all of them, up to the job's limit).
+MAX_SFT_EVAL_ROWS = 10_000
 EVAL_FRACTION = 0.1
 _GRADER = TypeAdapter(OpenAIGrader)
 
@@ -87,10 +104,20 @@ class Reinforcement(_Wire):
     hyperparameters: Hyperparameters | None = None
 
 
+class SupervisedHyperparameters(_Wire):
+    batch_size: _auto_or(int, 1, 1024) = None  # type: ignore[valid-type]
+    learning_rate_multiplier: _auto_or(float, 0, 100) = None  # type: ignore[valid-type]
+    n_epochs: _auto_or(int, 1, 1000) = None  # type: ignore[valid-type]
+
+
+class Supervised(_Wire):
+    hyperparameters: SupervisedHyperparameters | None = None
+
+
 class Method(_Wire):
     type: Literal["supervised", "dpo", "reinforcement"]
     reinforcement: Reinforcement | None = None
-    supervised: dict[str, Any] | None = None
+    supervised: Supervised | None = None
     dpo: dict[str, Any] | None = None
 
 
@@ -110,16 +137,26 @@ class CreateJob(_Wire):
 
 @dataclass(frozen=True)
 class Resolved:
-    """A checked request: its grader and every hyperparameter's value."""
+    """A checked request: its grader (None: a supervised job) and every
+    hyperparameter's value."""
 
-    grader: OpenAIGrader
+    grader: OpenAIGrader | None
     hyperparameters: dict[str, Any]
     seed: int
 
+    @property
+    def supervised(self) -> bool:
+        return self.grader is None
 
-def check_request(body: CreateJob) -> OpenAIGrader:
+
+def is_supervised(body: CreateJob) -> bool:
+    """Whether the request asks for supervised fine-tuning (OpenAI's default method)."""
+    return body.method is None or body.method.type == "supervised"
+
+
+def check_request(body: CreateJob) -> OpenAIGrader | None:
     """What a request asks that marlaas cannot honour, refused naming the field; returns
-    the parsed grader."""
+    the parsed grader (None for a supervised job)."""
     if body.model != BASE_MODEL:
         raise bad_request(
             f"model {body.model!r} is not available for fine-tuning: marlaas fine-tunes its "
@@ -146,12 +183,22 @@ def check_request(body: CreateJob) -> OpenAIGrader:
                 f"metadata.{key[:64]}",
             )
     method = body.method
-    if method is None or method.type != "reinforcement":
-        kind = method.type if method is not None else "supervised (the default)"
+    if method is not None:
+        given = [k for k in ("reinforcement", "supervised", "dpo") if getattr(method, k)]
+        wrong = [k for k in given if k != method.type]
+        if wrong:
+            raise bad_request(
+                f"method.{wrong[0]} is given, but method.type is {method.type}; give the "
+                "settings of the method the type names",
+                f"method.{wrong[0]}",
+            )
+    if method is None or method.type == "supervised":
+        return None
+    if method.type == "dpo":
         raise bad_request(
-            f"the {kind} method is not supported: marlaas trains with reinforcement "
-            "fine-tuning only (its trainer has no cross-entropy loss yet); give "
-            "method: {type: reinforcement, reinforcement: {grader, hyperparameters}}",
+            "the dpo method is not supported: marlaas trains with supervised (cross-entropy "
+            "on the assistant turns) or reinforcement fine-tuning; give method: {type: "
+            "supervised, supervised: {hyperparameters}} or {type: reinforcement, ...}",
             "method.type",
         )
     if method.reinforcement is None:
@@ -199,9 +246,11 @@ def split_sizes(rows: int) -> tuple[int, int]:
 
 
 def resolve(
-    body: CreateJob, grader: OpenAIGrader, train_rows: int, validation_rows: int | None
+    body: CreateJob, grader: OpenAIGrader | None, train_rows: int, validation_rows: int | None
 ) -> Resolved:
     """Every hyperparameter's value for files of these sizes."""
+    if grader is None:
+        return _resolve_supervised(body, train_rows, validation_rows)
     hp = (body.method.reinforcement.hyperparameters if body.method and body.method.reinforcement else None) or Hyperparameters()  # fmt: skip
     trained, held = eval_rows(train_rows, validation_rows)
     batch = int(_pick(hp.batch_size, min(DEFAULT_BATCH, trained)))
@@ -218,12 +267,69 @@ def resolve(
         "reasoning_effort": None,
         "steps": steps,
     }
-    seed = body.seed if body.seed is not None else secrets.randbelow(2**31)
-    return Resolved(grader, values, seed)
+    return Resolved(grader, values, _seed(body))
+
+
+def _seed(body: CreateJob) -> int:
+    return body.seed if body.seed is not None else secrets.randbelow(2**31)
+
+
+def _resolve_supervised(body: CreateJob, train_rows: int, validation_rows: int | None) -> Resolved:
+    method = body.method
+    hp = (method.supervised.hyperparameters if method and method.supervised else None) or SupervisedHyperparameters()  # fmt: skip
+    trained, held = eval_rows(train_rows, validation_rows)
+    batch = int(_pick(hp.batch_size, min(DEFAULT_SFT_BATCH, trained)))
+    epochs = int(_pick(hp.n_epochs, DEFAULT_SFT_EPOCHS))
+    per_epoch = max(1, math.ceil(trained / batch))
+    values = {
+        "n_epochs": epochs,
+        "batch_size": batch,
+        "learning_rate_multiplier": float(_pick(hp.learning_rate_multiplier, 1.0)),
+        "steps": per_epoch * epochs,
+        "steps_per_epoch": per_epoch,
+        "eval_rows": min(max(held, 1), MAX_SFT_EVAL_ROWS),
+    }
+    return Resolved(None, values, _seed(body))
+
+
+def _supervised_spec(body: CreateJob, resolved: Resolved) -> JobSpec:
+    hp = resolved.hyperparameters
+    default_lr = SFTSpec.model_fields["learning_rate"].default
+    steps, per_epoch = hp["steps"], hp["steps_per_epoch"]
+    every = per_epoch if per_epoch < steps else 0
+    raw = {
+        "name": f"ft-{(body.suffix or 'sft')[:48]}-{secrets.token_hex(4)}",
+        "task": {
+            "type": "dataset",
+            "path": body.training_file,
+            "eval_fraction": 0.0 if body.validation_file else EVAL_FRACTION,
+            "eval_path": body.validation_file,
+            "seed": resolved.seed,
+        },
+        "algorithm": {
+            "type": "sft",
+            "batch_size": hp["batch_size"],
+            "learning_rate": default_lr * hp["learning_rate_multiplier"],
+        },
+        "steps": steps,
+        "eval_every": every,
+        "eval_episodes": hp["eval_rows"],
+        "checkpoint_every": every,
+        "seed": resolved.seed,
+    }
+    try:
+        return _validated_spec(raw)
+    except ValidationError as e:
+        raise bad_request(
+            f"these hyperparameters make no valid marlaas job: {describe_problems(e)}",
+            "method.supervised.hyperparameters",
+        ) from None
 
 
 def job_spec(body: CreateJob, resolved: Resolved) -> JobSpec:
     """The marlaas job of a checked request (`check_request`, then `resolve`)."""
+    if resolved.grader is None:
+        return _supervised_spec(body, resolved)
     hp = resolved.hyperparameters
     default_lr = GRPOSpec.model_fields["learning_rate"].default
     group = min(64, max(2, round(DEFAULT_GROUP * hp["compute_multiplier"])))
@@ -272,6 +378,10 @@ def _validated_spec(raw: dict[str, Any]) -> JobSpec:
 
 def method_record(resolved: Resolved) -> dict[str, Any]:
     """The job's `method` as answered: the grader and the resolved hyperparameters."""
+    if resolved.grader is None:
+        keys = ("batch_size", "learning_rate_multiplier", "n_epochs")
+        chosen = {k: resolved.hyperparameters[k] for k in keys}
+        return {"type": "supervised", "supervised": {"hyperparameters": chosen}}
     hp = {k: v for k, v in resolved.hyperparameters.items() if k != "steps"}
     return {
         "type": "reinforcement",

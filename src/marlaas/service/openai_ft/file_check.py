@@ -6,7 +6,10 @@ list of chat messages (`role` one of system, developer, user, assistant, tool;
 as `item`). `check_chat_file` reads the whole file and returns the number of rows, or
 the first problem as `line N: what is wrong`. `check_prompts` adds what reinforcement
 fine-tuning needs: each conversation ends with the user turn the model answers (the
-prompt is the whole conversation, nothing of it is dropped). Both are blocking: callers run them in a worker thread.
+prompt is the whole conversation, nothing of it is dropped); `check_conversations` what
+supervised fine-tuning needs (`marlaas.envs.conversations`: an assistant turn to train
+on, weights 0 or 1 on assistant messages only, no legacy function fields). All are
+blocking: callers run them in a worker thread.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from marlaas.envs.conversations import parse_conversation
+from marlaas.errors import DataError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _TEXT_PARTS = ("text", "input_text", "output_text")
@@ -110,4 +116,15 @@ def check_prompts(path: Path) -> str | None:
                 "fine-tuning the messages are the prompt and must end with the user turn "
                 "the model answers"
             )
+    return None
+
+
+def check_conversations(path: Path) -> str | None:
+    """The first row (of a file that passed `check_chat_file`) that supervised
+    fine-tuning cannot train on, as `line N: ...`; None when every row is usable."""
+    for lineno, row in _rows(path):
+        try:
+            parse_conversation(row, f"line {lineno}", f"row-{lineno}")
+        except DataError as e:
+            return str(e)
     return None

@@ -38,7 +38,7 @@ from marlaas.service.openai_ft.errors import (
     bad_request,
     not_found,
 )
-from marlaas.service.openai_ft.file_check import check_prompts
+from marlaas.service.openai_ft.file_check import check_conversations, check_prompts
 from marlaas.service.openai_ft.files import file_path, find_file
 from marlaas.service.openai_ft.graders import check_judges
 from marlaas.service.openai_ft.names import fine_tuned_model
@@ -100,12 +100,14 @@ def _usable_file(session: Session, tenant: str, file_id: str, param: str) -> int
     return row.rows
 
 
-def _prompt_problem(ctx: ServiceContext, tenant: str, file_id: str) -> str | None:
+def _row_problem(ctx: ServiceContext, tenant: str, file_id: str, supervised: bool) -> str | None:
+    """The method's own check of a processed file: RFT rows end with the user turn,
+    SFT rows have an assistant turn to train on (`line N: ...`)."""
     with ctx.db.transaction() as session:
         row = find_file(session, tenant, file_id)
         assert row is not None
         path = file_path(session, tenant, row, ctx.settings.artifact_dir)
-    return check_prompts(path)
+    return check_conversations(path) if supervised else check_prompts(path)
 
 
 def _check_chat_model(ctx: ServiceContext) -> None:
@@ -124,12 +126,14 @@ def _check_chat_model(ctx: ServiceContext) -> None:
 
 @router.post("")
 async def create_job(body: convert.CreateJob, ctx: Context, caller: TenantCaller) -> dict[str, Any]:
-    """Create a reinforcement fine-tuning job; it is queued at once (files are
-    validated when they are uploaded)."""
+    """Create a supervised or reinforcement fine-tuning job; it is queued at once (files
+    are validated when they are uploaded, and for the method when the job is created)."""
     tenant = tenant_id(caller)
     grader = convert.check_request(body)
-    _check_chat_model(ctx)
-    await check_judges(grader, ctx.inference_hub(), tenant, "method.reinforcement.grader")
+    supervised = grader is None
+    if grader is not None:  # a supervised job renders chats without a template too
+        _check_chat_model(ctx)
+        await check_judges(grader, ctx.inference_hub(), tenant, "method.reinforcement.grader")
     files = [("training_file", body.training_file)]
     if body.validation_file is not None:
         files.append(("validation_file", body.validation_file))
@@ -140,7 +144,7 @@ async def create_job(body: convert.CreateJob, ctx: Context, caller: TenantCaller
 
     rows = await asyncio.to_thread(sizes)
     for param, fid in files:
-        problem = await asyncio.to_thread(_prompt_problem, ctx, tenant, fid)
+        problem = await asyncio.to_thread(_row_problem, ctx, tenant, fid, supervised)
         if problem is not None:
             raise bad_request(f"{param} {fid}: {problem}", param, "invalid_file")
     resolved = convert.resolve(body, grader, rows[0], rows[1] if len(rows) > 1 else None)

@@ -7,7 +7,8 @@ Its id is `file-<job id>`: one results file per job, found without a column of i
 and written once (a second success report finds it). The CSV has a `step` column, then
 one column per metric the job recorded (marlaas's names, as the job's metrics events
 carry them: `reward_mean`, `loss`, `eval_accuracy`, ...), one row per step in order,
-empty where a step lacks a metric (an eval's metrics are only at its steps). Its bytes
+empty where a step lacks a metric (an eval's metrics are only at its steps). A supervised
+job's columns carry OpenAI's names (`train_loss`, `valid_loss`, ...: `wire.SFT_NAMES`). Its bytes
 count toward the tenant's `max_dataset_bytes`, like an upload's; a tenant over it gets
 no results file (logged), and the job succeeds regardless (`JobReporter`'s hooks).
 """
@@ -25,6 +26,7 @@ from sqlalchemy.orm import Session
 from marlaas.service import datasets as store
 from marlaas.service.models import File, FineTuningJob, Job, Metric, new_id, utcnow
 from marlaas.service.openai_ft.files import RESULTS_PURPOSE
+from marlaas.service.openai_ft.wire import openai_metrics
 
 FILENAME = "step_metrics.csv"
 
@@ -39,15 +41,16 @@ def result_files(session: Session, job: Job) -> list[str]:
     return [row.id] if row is not None and row.tenant_id == job.tenant_id else []
 
 
-def results_csv(session: Session, job_id: str) -> tuple[bytes, int]:
+def results_csv(session: Session, job_id: str, ft: FineTuningJob) -> tuple[bytes, int]:
     """The job's step metrics as CSV bytes, and its number of data rows."""
     by_step: dict[int, dict[str, float | None]] = {}
     names: set[str] = set()
     for step, name, value in session.execute(
         select(Metric.step, Metric.name, Metric.value).where(Metric.job_id == job_id)
     ):
-        by_step.setdefault(step, {})[name] = value
-        names.add(name)
+        renamed = openai_metrics({name: value}, ft)
+        by_step.setdefault(step, {}).update(renamed)
+        names.update(renamed)
     columns = sorted(names)
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
@@ -63,9 +66,10 @@ def results_csv(session: Session, job_id: str) -> tuple[bytes, int]:
 def write_results(session: Session, job: Job, artifact_dir: Path) -> None:
     """Store the results file of `job` if it is an OpenAI fine-tuning job without one
     (a `JobReporter` hook, run in the transaction that marks the job done)."""
-    if session.get(FineTuningJob, job.id) is None or result_files(session, job):
+    ft = session.get(FineTuningJob, job.id)
+    if ft is None or result_files(session, job):
         return
-    data, rows = results_csv(session, job.id)
+    data, rows = results_csv(session, job.id, ft)
     file_id = results_file_id(job.id)
     tmp = store.tenant_dir(artifact_dir, job.tenant_id) / f".results-{new_id('tmp')}"
     tmp.parent.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,12 @@ own; `done` is `succeeded`. Files are checked when they are uploaded, so a job i
 `validating_files`: it is `queued` as soon as it is created. `fine_tuned_model` is set
 once the job succeeded (the adapter of a running job answers to the same name already).
 `result_files` names the results CSV of a succeeded job (`results`), else is empty.
+
+A supervised job's figures carry OpenAI's names in its metrics events and checkpoints
+(`SFT_NAMES`): `train_loss` (the step's mean token NLL), `train_mean_token_accuracy`,
+and from the evals, which score the whole held-out set, `valid_loss`,
+`valid_mean_token_accuracy` and the same as `full_valid_loss` and
+`full_valid_mean_token_accuracy`; its other figures keep marlaas's names.
 """
 
 from __future__ import annotations
@@ -26,6 +32,14 @@ STATUS = {
     JobStatus.FAILED: "failed",
     JobStatus.CANCELLED: "cancelled",
 }
+#: marlaas's names of a supervised job's figures -> OpenAI's (see the module docstring).
+SFT_NAMES = {
+    "loss": ("train_loss",),
+    "token_accuracy": ("train_mean_token_accuracy",),
+    "eval_loss": ("valid_loss", "full_valid_loss"),
+    "eval_accuracy": ("valid_mean_token_accuracy", "full_valid_mean_token_accuracy"),
+}
+_EVAL_NAMES = {"eval_accuracy", "eval_loss"}
 EVENT_PREFIX = "ftevent-"
 CHECKPOINT_PREFIX = "ftckpt-"
 
@@ -44,7 +58,7 @@ def job_object(
 ) -> dict[str, Any]:
     status = JobStatus(job.status)
     done = status in TERMINAL
-    hp = ft.method["reinforcement"]["hyperparameters"]
+    hp = ft.method[ft.method["type"]]["hyperparameters"]
     estimated = None
     if status is JobStatus.RUNNING and 0 < job.steps_done < job.steps:
         per_step = (now - job.created_at).total_seconds() / job.steps_done
@@ -96,6 +110,21 @@ def _status_message(data: dict[str, Any], first: bool) -> tuple[str, str]:
     return "info", words.get(JobStatus(str(status)), f"Fine-tuning job is {status}")
 
 
+def _supervised(ft: FineTuningJob) -> bool:
+    return bool(ft.method.get("type") == "supervised")
+
+
+def openai_metrics(metrics: dict[str, Any], ft: FineTuningJob) -> dict[str, Any]:
+    """A job's figures under the names its method's events use (`SFT_NAMES`)."""
+    if not _supervised(ft):
+        return dict(metrics)
+    out: dict[str, Any] = {}
+    for name, value in metrics.items():
+        for renamed in SFT_NAMES.get(name, (name,)):
+            out[renamed] = value
+    return out
+
+
 def _number(value: object) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
@@ -107,10 +136,11 @@ def event_object(row: JobEvent, first_id: int, steps: int, ft: FineTuningJob) ->
         level, message = _status_message(data, row.id == first_id)
     elif row.kind == "step":
         kind, level = "metrics", "info"
-        metrics = {k: v for k, v in (data.get("metrics") or {}).items()}
+        raw = dict(data.get("metrics") or {})
+        metrics = openai_metrics(raw, ft)
         shown = ", ".join(f"{k}={_number(v)}" for k, v in sorted(metrics.items()))
         # An eval is reported at the adapter version (= step) it evaluated.
-        what = "Eval at step" if set(metrics) == {"eval_accuracy"} else "Step"
+        what = "Eval at step" if raw and set(raw) <= _EVAL_NAMES else "Step"
         message = f"{what} {data.get('step')}/{steps}: {shown}"
         data = {"step": data.get("step"), "total_steps": steps, **metrics}
     elif row.kind == "checkpoint":
@@ -132,7 +162,9 @@ def event_object(row: JobEvent, first_id: int, steps: int, ft: FineTuningJob) ->
 
 
 def checkpoint_object(row: Checkpoint, ft: FineTuningJob) -> dict[str, Any]:
-    metrics = dict(row.metrics or {})
+    metrics = openai_metrics(dict(row.metrics or {}), ft)
+    if not _supervised(ft):  # RFT: the step's loss is the train loss
+        metrics["train_loss"] = metrics.pop("loss", None)
     return {
         "id": f"{CHECKPOINT_PREFIX}{row.id}",
         "object": "fine_tuning.job.checkpoint",
@@ -142,13 +174,13 @@ def checkpoint_object(row: Checkpoint, ft: FineTuningJob) -> dict[str, Any]:
         "step_number": row.step,
         "metrics": {
             "step": float(row.step),
-            "train_loss": metrics.get("loss"),
+            "train_loss": None,
             "train_mean_token_accuracy": None,
             "valid_loss": None,
             "valid_mean_token_accuracy": None,
             "full_valid_loss": None,
             "full_valid_mean_token_accuracy": None,
-            **{k: v for k, v in metrics.items() if k != "loss"},
+            **metrics,
         },
     }
 
