@@ -4,6 +4,7 @@ a GRPO one, and a resume continues at the right example."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Coroutine
 from pathlib import Path
@@ -18,7 +19,7 @@ from marlaas.backends import open_backend
 from marlaas.config.job import EngineSpec, JobSpec, RunSpec
 from marlaas.errors import ConfigError
 from marlaas.obs.progress import EvalDone, StepDone
-from marlaas.pipeline import PipelineOptions, RunResult, run_jobs
+from marlaas.pipeline import Orchestrator, PipelineContext, PipelineOptions, RunResult, run_jobs
 
 CPU = PipelineOptions(device="cpu")
 ROWS = [
@@ -161,3 +162,37 @@ async def test_sync_mode_refuses_supervised_jobs(base_dir: Path, tmp_path: Path)
     sft = sft_job("sft", write(tmp_path / "d.jsonl", ROWS))
     with pytest.raises(ConfigError, match="sync baseline runs RL jobs only"):
         await run_on(base_dir, tmp_path / "out", sft, mode="sync")
+
+
+async def test_pause_and_a_graceful_close_checkpoint_the_cursor(
+    base_dir: Path, tmp_path: Path
+) -> None:
+    recorder = MemoryRecorder()
+    data = write(tmp_path / "d.jsonl", ROWS)
+    jobs = tuple(sft_job(n, data, steps=500, eval_every=0) for n in ("p", "q"))
+    engine = EngineSpec.model_validate({"max_batch_size": 32, "max_rank": 4})
+    run = RunSpec(base_model=str(base_dir), engine=engine, jobs=jobs)
+    ctx = await PipelineContext.open(
+        run, tmp_path / "out", backend=open_backend, recorder=recorder, options=CPU
+    )
+    orch = Orchestrator(ctx, run.jobs)
+    try:
+        task = asyncio.create_task(orch.run())
+        second = asyncio.Event()
+        recorder.on_metrics = lambda tenant, step: second.set() if step == 2 else None
+        await asyncio.wait_for(second.wait(), 60)
+        orch.pause("p")
+        paused_at = len(recorder.train_steps("p"))
+        await asyncio.sleep(0.2)
+        assert len(recorder.train_steps("p")) <= paused_at + 1  # at most the step in flight
+        orch.close(checkpoint=True)  # p paused, q running
+        states = await asyncio.wait_for(task, 60)
+    finally:
+        await ctx.backend.close()
+    for name in ("p", "q"):
+        state = states[name]
+        assert state.status == "cancelled" and "stopped with the pipeline" in str(state.reason)
+        assert 0 < state.version < 500
+        ckpt = tmp_path / "out" / "tenants" / name / "checkpoints" / f"ckpt-{state.version:08d}"
+        saved = json.loads((ckpt / "state.json").read_text())
+        assert saved["extra"]["cursor"] == 4 * state.version  # batch_size examples a step

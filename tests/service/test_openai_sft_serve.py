@@ -54,10 +54,11 @@ def upload(client: openai.OpenAI, rows: list[Any]) -> Any:
 def test_a_supervised_job_trains_to_the_end_and_answers(client: openai.OpenAI) -> None:
     training = upload(client, [*ROWS, WEIGHTED])
     hp = {"n_epochs": 2, "batch_size": 3, "learning_rate_multiplier": 10}
+    method: Any = {"type": "supervised", "supervised": {"hyperparameters": hp}}
     job = client.fine_tuning.jobs.create(
         model="base",
         training_file=training.id,
-        method={"type": "supervised", "supervised": {"hyperparameters": hp}},
+        method=method,
         suffix="adder",
         seed=4,
     )
@@ -116,13 +117,11 @@ def test_malformed_supervised_files_name_the_line(client: openai.OpenAI) -> None
         )
     assert refused.value.param == "training_file"
     assert "line 2: messages has no assistant message to train on" in refused.value.message
+    unknown_hp: Any = {"type": "supervised", "supervised": {"hyperparameters": {"beta": 0.1}}}
     with pytest.raises(openai.BadRequestError) as unknown:
-        client.fine_tuning.jobs.create(
-            model="base",
-            training_file=no_answer.id,
-            method={"type": "supervised", "supervised": {"hyperparameters": {"beta": 0.1}}},  # type: ignore[typeddict-unknown-key]
-        )
-    assert "beta" in str(unknown.value.param) or "beta" in unknown.value.message
+        client.fine_tuning.jobs.create(model="base", training_file=no_answer.id, method=unknown_hp)
+    assert unknown.value.param == "method.supervised.hyperparameters.beta"
+    assert "unknown field" in unknown.value.message
     with pytest.raises(openai.BadRequestError) as dpo:
         client.fine_tuning.jobs.create(
             model="base", training_file=no_answer.id, method={"type": "dpo"}

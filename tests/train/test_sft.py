@@ -13,7 +13,12 @@ import pytest
 import torch
 
 from marlaas.config.specs import SFTSpec
-from marlaas.envs.conversations import Conversation, load_conversations, parse_conversation
+from marlaas.envs.conversations import (
+    Conversation,
+    in_format,
+    load_conversations,
+    parse_conversation,
+)
 from marlaas.errors import DataError
 from marlaas.model.chat import chat_prompt
 from marlaas.model.tokenizer import build_tokenizer
@@ -168,3 +173,52 @@ def test_cross_entropy_counts_the_targets_that_are_the_argmax() -> None:
     weights_BT = torch.tensor([[1.0, 1.0, 0.0]])  # the third, correct, is not trained
     _, sums = CrossEntropy()(LossInputs(lp_BT, logits_BTV, weights_BT, zeros, zeros))
     assert float(sums["correct"]) == 1.0 and float(sums["tokens"]) == 2.0
+
+
+def test_the_datasets_format_applies() -> None:
+    text = parse_conversation({"prompt": "1+1", "completion": "2"}, "f:1", "r")
+    as_chat = in_format(text, "chat")
+    assert targets(chat_tokenizer(), conversation_datum(chat_tokenizer(), as_chat, "f:1")) == (
+        "2<|im_end|>\n"
+    )
+    assert in_format(text, "text") is text and in_format(text, "auto") is text
+    with pytest.raises(
+        DataError, match=r"f.jsonl:1: the row carries chat 'messages'.*format is text"
+    ):
+        in_format(chat(("user", "a"), ("assistant", "b")), "text")
+    custom = parse_conversation({"q": "1+1", "completion": "2"}, "f:1", "r", prompt_field="q")
+    assert custom.prompt == "1+1"
+
+
+#: Assistant tool calls as `<call>name</call>`, tool results as `<result>` turns.
+TOOL_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}<call>{{ c.function.name }}</call>"
+    "{% endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_tool_call_turns_are_trained_where_the_template_renders_them() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "calc", "arguments": "{}"}}
+    conv = parse_conversation(
+        {
+            "messages": [
+                {"role": "user", "content": "1+2"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "content": "3", "tool_call_id": "c1"},
+                {"role": "assistant", "content": "3"},
+            ]
+        },
+        "f.jsonl:4",
+        "row-4",
+    )
+    tok = chat_tokenizer(TOOL_TEMPLATE)
+    datum = conversation_datum(tok, conv, "f.jsonl:4")
+    assert targets(tok, datum) == "<call>calc</call><|im_end|>\n3<|im_end|>\n"  # not the result
+    with pytest.raises(DataError, match=r"f.jsonl:4: messages\[1\]\.tool_calls: .*does not render"):
+        conversation_datum(chat_tokenizer(), conv, "f.jsonl:4")
+    with pytest.raises(
+        DataError, match=r"f.jsonl:4: messages\[1\]\.tool_calls: .*no chat template"
+    ):
+        conversation_datum(build_tokenizer(), conv, "f.jsonl:4")

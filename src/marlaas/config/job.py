@@ -91,12 +91,14 @@ class DatasetSpec(Spec):
     prompt_field: ShortStr = Field(
         "prompt",
         description="Row field holding the prompt text. Rows may instead carry `messages` "
-        "(OpenAI chat format), rendered with the base's chat template.",
+        "(OpenAI chat format), rendered with the base's chat template. A supervised job's "
+        "text rows hold the target in `completion`.",
     )
     reference_field: ShortStr | None = Field(
         "reference",
         description="Row field holding the reference; None: rows have none (the grader "
-        "gets '' and reads the row's own fields, as an OpenAI grader does).",
+        "gets '' and reads the row's own fields, as an OpenAI grader does). A supervised "
+        "job reads no reference.",
     )
     grader: GraderSpec | None = Field(
         None,
@@ -117,7 +119,8 @@ class DatasetSpec(Spec):
         "auto",
         description="auto: chat rows (`messages`) go through the base's chat template and "
         "text rows are sent as they are; chat: text rows too, as one user message; text: "
-        "no template (chat rows are refused).",
+        "no template (chat rows are refused). A supervised job under auto renders chat "
+        "rows in the plain `Q:`/`A:` lines on a base without a chat template.",
     )
     seed: Seed = Field(0, description="Seed of the train/eval split (0 to 2**63-1).")
 

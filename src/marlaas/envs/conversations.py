@@ -12,8 +12,11 @@ A row of a supervised dataset (JSON Lines, one object per line) is one of:
   schemas); whether the base can render them is the renderer's check
   (`marlaas.train.sft`). Messages after the last trained assistant turn are not part
   of the example. The legacy `function_call` / `functions` fields are refused.
-- a text row: a `prompt` and a `completion` string (OpenAI's legacy format); the
-  completion is the target, the prompt context.
+- a text row: a `prompt` (or the dataset's `prompt_field`) and a `completion` string
+  (OpenAI's legacy format); the completion is the target, the prompt context.
+
+`in_format` applies the dataset's `format`: `auto` keeps both kinds, `chat` makes a text
+row a user turn and the assistant's reply, `text` refuses chat rows.
 
 An optional `id` (a string or an integer) must be unique; other fields are ignored.
 Loading is strict: the first bad row fails the whole load with a `DataError` naming the
@@ -26,7 +29,7 @@ import json
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from marlaas.envs.datasets import MESSAGES_FIELD, ROLES, message_text, row_id
 from marlaas.errors import DataError
@@ -121,6 +124,22 @@ def _tools(value: object, where: str) -> tuple[dict[str, Any], ...]:
     return tuple(dict(t) for t in value)
 
 
+def in_format(conv: Conversation, mode: Literal["auto", "text", "chat"]) -> Conversation:
+    """`conv` as the dataset's `format` wants it (see the module docstring)."""
+    if mode == "text" and conv.messages is not None:
+        raise DataError(
+            f"{conv.where}: the row carries chat {MESSAGES_FIELD!r} but task.format is text; "
+            "use format auto (or chat)"
+        )
+    if mode == "chat" and conv.messages is None:
+        turns = (
+            {"role": "user", "content": conv.prompt},
+            {"role": "assistant", "content": conv.completion, WEIGHT: 1.0},
+        )
+        return Conversation(conv.id, messages=turns, where=conv.where)
+    return conv
+
+
 def _text(row: Mapping[str, Any], name: str, where: str) -> str:
     value = row.get(name)
     if not isinstance(value, str) or not value.strip():
@@ -128,7 +147,9 @@ def _text(row: Mapping[str, Any], name: str, where: str) -> str:
     return value
 
 
-def parse_conversation(row: object, where: str, default_id: str) -> Conversation:
+def parse_conversation(
+    row: object, where: str, default_id: str, prompt_field: str = PROMPT_FIELD
+) -> Conversation:
     """One row (see the module docstring); `DataError` naming `where` and the field."""
     if not isinstance(row, Mapping):
         raise DataError(f"{where}: a row must be a JSON object, got {type(row).__name__}")
@@ -140,12 +161,12 @@ def parse_conversation(row: object, where: str, default_id: str) -> Conversation
         tools = _tools(row[TOOLS_FIELD], where) if row.get(TOOLS_FIELD) is not None else ()
         messages = _messages(row[MESSAGES_FIELD], where)
         return Conversation(ident, messages=messages, tools=tools, where=where)
-    if PROMPT_FIELD in row or COMPLETION_FIELD in row:
-        prompt, completion = _text(row, PROMPT_FIELD, where), _text(row, COMPLETION_FIELD, where)
+    if prompt_field in row or COMPLETION_FIELD in row:
+        prompt, completion = _text(row, prompt_field, where), _text(row, COMPLETION_FIELD, where)
         return Conversation(ident, prompt=prompt, completion=completion, where=where)
     present = ", ".join(sorted(map(str, row))) or "none"
     raise DataError(
-        f"{where}: a supervised row needs {MESSAGES_FIELD!r} (chat) or {PROMPT_FIELD!r} and "
+        f"{where}: a supervised row needs {MESSAGES_FIELD!r} (chat) or {prompt_field!r} and "
         f"{COMPLETION_FIELD!r} (text); fields present: {present}"
     )
 
@@ -167,14 +188,16 @@ def _lines(name: str) -> Iterator[tuple[str, str, object]]:
             yield where, f"row-{lineno}", row
 
 
-def load_conversations(path: str | os.PathLike[str]) -> list[Conversation]:
+def load_conversations(
+    path: str | os.PathLike[str], prompt_field: str = PROMPT_FIELD
+) -> list[Conversation]:
     """The supervised examples of a JSONL file; `DataError` at the first bad row."""
     name = os.fspath(path)
     out: list[Conversation] = []
     seen: dict[str, str] = {}
     try:
         for where, default_id, row in _lines(name):
-            conv = parse_conversation(row, where, default_id)
+            conv = parse_conversation(row, where, default_id, prompt_field)
             if conv.id in seen:
                 raise DataError(
                     f"{where}: duplicate id {conv.id!r} (first seen at {seen[conv.id]}); "

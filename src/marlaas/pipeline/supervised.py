@@ -29,7 +29,7 @@ from typing import Any
 
 from marlaas.config.job import DatasetSpec, JobSpec
 from marlaas.config.specs import SFTSpec
-from marlaas.envs.conversations import Conversation, load_conversations
+from marlaas.envs.conversations import Conversation, in_format, load_conversations
 from marlaas.envs.datasets import split_examples
 from marlaas.errors import ConfigError, DataError, ModelError
 from marlaas.obs.progress import EvalDone, StepDone, StepMetrics
@@ -47,7 +47,8 @@ def supervised_data(
     max_tokens: int,
     limit: str = "the trainer's budget per forward",
 ) -> tuple[list[Datum], list[Datum]]:
-    """The job's (train, eval) datums: its dataset's rows rendered for the base, the
+    """The job's (train, eval) datums: its dataset's rows (`prompt_field` and
+    `format` applied: `envs.conversations.in_format`) rendered for the base, the
     eval rows held out by `eval_fraction` or read from `eval_path` (at most
     `eval_episodes` of them). `DataError` naming the file, line and field for a bad
     row, or for one longer than `max_tokens` (`limit` says what bounds it)."""
@@ -68,9 +69,13 @@ def supervised_data(
             out.append(datum)
         return out
 
-    rows = load_conversations(task.path)
+    def load(path: str) -> list[Conversation]:
+        rows = load_conversations(path, task.prompt_field)
+        return [in_format(conv, task.format) for conv in rows]
+
+    rows = load(task.path)
     if task.eval_path is not None:
-        train, held_out = rows, load_conversations(task.eval_path)
+        train, held_out = rows, load(task.eval_path)
         evals = render(held_out[: job.eval_episodes])
     else:
         train, held_out = split_examples(rows, task.eval_fraction, task.seed)
