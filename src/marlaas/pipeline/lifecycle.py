@@ -1,7 +1,10 @@
 """Per-tenant operations that the async orchestrator and the sync baseline share:
 setting a tenant up (fresh or from its checkpoint), playing a GRPO group, training a
 step, evaluating, checkpointing, recording a step's metrics, saving the final adapter,
-tearing down.
+tearing down. A supervised tenant (`pipeline.supervised.SupervisedRuntime`) keeps the
+setup, checkpoint, export and teardown and replaces the hooks that are GRPO's: its data
+(`_prepare`), the settings a checkpoint restores (`_resume_settings`, `_restore_extra`)
+and writes (`_snapshot`, `_extra`), its step and its eval.
 
 Invariants:
 - The device is reached only through its port (`ctx.device`): a tenant is added once,
