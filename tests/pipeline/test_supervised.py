@@ -83,6 +83,9 @@ def test_a_supervised_job_is_a_dataset_job_without_grader(tmp_path: Path) -> Non
     with pytest.raises(ValueError, match=r"task\.grader is required by an RL job"):
         JobSpec.model_validate({"name": "rl", "task": {"type": "dataset", "path": data}})
     assert job("rl").algorithm.type == "grpo"  # the default, `type` left out
+    for kind in ("dpo", {}, None):
+        with pytest.raises(ValueError, match="type must be one of grpo, sft"):
+            job("x", algorithm={"type": kind})
     with pytest.raises(ConfigError, match="supervised job: it has no GRPO settings"):
         _ = sft_job("x", data).grpo
 
@@ -196,3 +199,14 @@ async def test_pause_and_a_graceful_close_checkpoint_the_cursor(
         ckpt = tmp_path / "out" / "tenants" / name / "checkpoints" / f"ckpt-{state.version:08d}"
         saved = json.loads((ckpt / "state.json").read_text())
         assert saved["extra"]["cursor"] == 4 * state.version  # batch_size examples a step
+
+
+async def test_a_checkpoint_resumes_only_its_own_algorithm(base_dir: Path, tmp_path: Path) -> None:
+    rl = await run_on(base_dir, tmp_path, job("s", steps=1))
+    assert rl.tenants["s"].status == "done"
+    sft = sft_job("s", write(tmp_path / "d.jsonl", ROWS), steps=2)
+    resumed = await run_on(base_dir, tmp_path, sft, resume=True)
+    assert resumed.tenants["s"].status == "failed"
+    assert "is an RL tenant's, and job 's' is a supervised job" in str(
+        resumed.tenants["s"].failure_reason
+    )

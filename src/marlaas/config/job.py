@@ -150,7 +150,7 @@ def _algorithm(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
     if not isinstance(value, dict):
         return handler(value)
     kind = value.get("type", "grpo")
-    if kind not in _ALGORITHMS:
+    if not isinstance(kind, str) or kind not in _ALGORITHMS:
         raise ValueError(f"type must be one of {', '.join(_ALGORITHMS)}, got {kind!r:.40}")
     return _ALGORITHMS[kind].model_validate(value)
 
