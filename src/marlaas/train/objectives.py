@@ -108,15 +108,16 @@ class CrossEntropy:
         lp_BT = torch.where(mask_BT, x.logprobs_BT, torch.zeros_like(x.logprobs_BT))
         loss = -(x.weights_BT.to(lp_BT.dtype) * lp_BT).sum()
         with torch.no_grad():
-            # The target is the argmax when its log-prob is the largest one (ties count).
-            z_BTV = x.logits_BTV.detach()
-            top_BT = z_BTV.max(dim=-1).values - torch.logsumexp(z_BTV, dim=-1)
-            correct_BT = mask_BT & (x.logprobs_BT.detach() >= top_BT - 1e-6)
+            # The target is the argmax when its log-prob is the largest one (ties count);
+            # only weighted positions are looked at.
+            z_NV = x.logits_BTV.detach()[mask_BT]
+            top_N = z_NV.max(dim=-1).values - torch.logsumexp(z_NV, dim=-1)
+            correct = (x.logprobs_BT.detach()[mask_BT] >= top_N - 1e-6).sum()
             sums = {
                 "loss": loss.detach(),
                 "tokens": mask_BT.sum(),
                 "nll": -lp_BT.detach().sum(),
-                "correct": correct_BT.sum(),
+                "correct": correct,
             }
         return loss, sums
 
