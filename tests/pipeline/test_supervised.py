@@ -210,3 +210,14 @@ async def test_a_checkpoint_resumes_only_its_own_algorithm(base_dir: Path, tmp_p
     assert "is an RL tenant's, and job 's' is a supervised job" in str(
         resumed.tenants["s"].failure_reason
     )
+
+
+async def test_a_row_beyond_the_context_fails_its_tenant_naming_it(
+    base_dir: Path, tmp_path: Path
+) -> None:
+    long = {"prompt": "Q: " + "1+" * 400 + "1\nA: ", "completion": "401\n"}
+    data = write(tmp_path / "d.jsonl", [*ROWS, long])
+    result = await run_on(base_dir, tmp_path / "out", sft_job("s", data, steps=1))
+    reason = str(result.tenants["s"].failure_reason)
+    assert result.tenants["s"].status == "failed"
+    assert "d.jsonl:11 is" in reason and "the base model's context" in reason

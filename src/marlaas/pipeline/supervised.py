@@ -13,7 +13,8 @@ Invariants:
   consumed, and a checkpoint stores it, so a resume trains the same next example.
 - One step is exactly `forward_backward` of the step's batch, then `optim_step`; the
   version goes up by one per step (`TenantState.advance`).
-- Every example fits the trainer's micro-batch budget (checked when the data load).
+- Every example fits the trainer's micro-batch budget and the base's context (checked
+  when the data load).
 - Eval is `forward` (no gradient) at one adapter version on the held-out rows: mean
   token NLL (`EvalDone.loss`) and token accuracy (`EvalDone.accuracy`).
 """
@@ -27,14 +28,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from transformers import PreTrainedTokenizerBase
+
 from marlaas.config.job import DatasetSpec, JobSpec
 from marlaas.config.specs import SFTSpec
 from marlaas.envs.conversations import Conversation, in_format, load_conversations
 from marlaas.envs.datasets import split_examples
 from marlaas.errors import ConfigError, DataError, ModelError
 from marlaas.obs.progress import EvalDone, StepDone, StepMetrics
+from marlaas.pipeline.context import PipelineContext
 from marlaas.pipeline.lifecycle import TenantRuntime
-from marlaas.pipeline.tenant import JobStatus
+from marlaas.pipeline.tenant import JobStatus, TenantState
 from marlaas.train.grpo import GRPOSnapshot
 from marlaas.train.optim import TenantSnapshot
 from marlaas.train.sft import SFTSnapshot, SFTTraining, conversation_datum
@@ -43,7 +47,7 @@ from marlaas.types import Datum
 
 def supervised_data(
     job: JobSpec,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     max_tokens: int,
     limit: str = "the trainer's budget per forward",
 ) -> tuple[list[Datum], list[Datum]]:
@@ -88,8 +92,8 @@ def supervised_data(
 class SupervisedRuntime(TenantRuntime):
     """A supervised tenant (see the module docstring)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, ctx: PipelineContext, state: TenantState) -> None:
+        super().__init__(ctx, state)
         if not isinstance(self.job.algorithm, SFTSpec):
             raise ConfigError(f"job {self.name!r} is not a supervised job")
         self.sft = SFTTraining(self.job.algorithm)
@@ -97,10 +101,13 @@ class SupervisedRuntime(TenantRuntime):
         self.eval_data: list[Datum] = []
 
     async def _prepare(self) -> None:
-        budget = self.ctx.run.trainer.max_tokens_per_microbatch
+        budget, limit = self.ctx.run.trainer.max_tokens_per_microbatch, "the trainer's budget"
+        context = getattr(self.ctx.device.model.base.config, "max_position_embeddings", None)
+        if context and int(context) < budget:
+            budget, limit = int(context), "the base model's context"
         tokenizer = self.ctx.device.tokenizer
         self.train_data, self.eval_data = await asyncio.to_thread(
-            supervised_data, self.job, tokenizer, budget
+            supervised_data, self.job, tokenizer, budget, limit
         )
 
     def _resume_settings(self, snapshot: GRPOSnapshot | SFTSnapshot, path: Path) -> None:
