@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 import torch
-from pipeline_support import MemoryRecorder, job
 from safetensors.torch import load_file
 
+from helpers.pipeline_support import MemoryRecorder, job
 from marlaas.backends import open_backend
 from marlaas.config.job import EngineSpec, JobSpec, RunSpec
 from marlaas.errors import ConfigError
@@ -152,7 +152,7 @@ async def test_resume_continues_at_the_next_example(base_dir: Path, tmp_path: Pa
     first = await run_on(base_dir, tmp_path / "resumed", spec(3))
     assert first.tenants["s"].steps_done == 3
     second = MemoryRecorder()
-    resumed = await run_on(base_dir, tmp_path / "resumed", spec(5), recorder=second, resume=True)
+    resumed = await run_on(base_dir, tmp_path / "resumed", spec(5), recorder=second, restore=True)
     assert resumed.tenants["s"].status == "done", resumed.tenants["s"].failure_reason
     assert second.train_steps("s") == [4, 5]
     assert second.event_names("tenant_restored") == ["s"]
@@ -205,7 +205,7 @@ async def test_a_checkpoint_resumes_only_its_own_algorithm(base_dir: Path, tmp_p
     rl = await run_on(base_dir, tmp_path, job("s", steps=1))
     assert rl.tenants["s"].status == "done"
     sft = sft_job("s", write(tmp_path / "d.jsonl", ROWS), steps=2)
-    resumed = await run_on(base_dir, tmp_path, sft, resume=True)
+    resumed = await run_on(base_dir, tmp_path, sft, restore=True)
     assert resumed.tenants["s"].status == "failed"
     assert "is an RL tenant's, and job 's' is a supervised job" in str(
         resumed.tenants["s"].failure_reason

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from service_support import ADMIN, Tenants
+
+from helpers.service_support import ADMIN, Tenants
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
