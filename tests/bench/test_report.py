@@ -162,6 +162,26 @@ def test_eval_tolerance_uses_the_seed_spread() -> None:
     assert e["max_abs_delta"] == pytest.approx(0.08)
 
 
+def test_eval_tolerance_is_at_least_one_held_out_episode() -> None:
+    """32 held-out episodes resolve accuracy in steps of 1/32: one episode answered
+    differently is within tolerance, two are not (no seed spread here)."""
+    names = ["calc-000", "rev-001"]
+    alone = {"calc-000": 0.25, "rev-001": 0.25}
+    ours = {"calc-000": 0.25 + 1 / 32, "rev-001": 0.25 - 2 / 32}
+
+    def tenants(acc: dict[str, float]) -> dict[str, dict[str, Any]]:
+        return {n: {**tenant(acc[n]), "eval_episodes": 32} for n in names}
+
+    row = build_row(
+        "paper", 2, 1, run(1.0, tenants(ours)), run(2.0, tenants(alone)), None, single_turn=[]
+    )
+    e = row["eval"]
+    assert e["tenants"]["calc-000"]["tolerance"] == pytest.approx(1 / 32)
+    assert e["tenants"]["calc-000"]["within"] is True
+    assert e["tenants"]["rev-001"]["within"] is False
+    assert e["within_tolerance"] is False
+
+
 def test_failed_tenants_are_reported() -> None:
     async_run = run(1.0, {"calc-000": tenant(None, status="failed")})
     row = build_row(

@@ -11,9 +11,12 @@ those tenants alone (`covers`), which makes the marlaas/TRL ratio conservative.
 
 Eval tolerance: a tenant's final accuracy under marlaas async matches "trained alone"
 (the synchronous baseline: that tenant alone on the same engine, data and seeds) when
-`|async - alone| <= max(0.02, spread)`, where spread is the sample standard deviation of
-the alone accuracies of the tenants built from the same template (the seed-to-seed
-spread; 0 when fewer than two were measured).
+`|async - alone| <= max(0.02, spread, 1 / eval_episodes)`, where spread is the sample
+standard deviation of the alone accuracies of the tenants built from the same template
+(the seed-to-seed spread; 0 when fewer than two were measured) and `1 / eval_episodes`
+the accuracy's resolution: one held-out episode answered differently. Training together
+equals training alone up to floating-point noise (other micro-batches sum in another
+order), and greedy evals of two adapters that differ by noise can part on one episode.
 """
 
 from __future__ import annotations
@@ -208,7 +211,9 @@ def _eval_block(
         ours = async_run["tenants"][name]
         a, s = ours["eval_after"], alone["eval_after"]
         delta = a - s if a is not None and s is not None else None
-        tolerance = max(EVAL_TOLERANCE, spread.get(template_of(name), 0.0))
+        episodes = alone.get("eval_episodes")
+        resolution = 1.0 / episodes if episodes else 0.0
+        tolerance = max(EVAL_TOLERANCE, spread.get(template_of(name), 0.0), resolution)
         tenants[name] = {
             "eval_before": ours["eval_before"],
             "async_after": a,

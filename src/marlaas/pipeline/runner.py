@@ -49,6 +49,9 @@ class TenantResult:
     eval_before: float | None
     eval_after: float | None
     eval_accuracy: dict[int, float]
+    #: Held-out episodes an eval asks (`JobSpec.eval_episodes`): an accuracy resolves
+    #: no finer than one of them.
+    eval_episodes: int
     failure_reason: str | None
     staleness_max: int
     staleness_mean: float
@@ -70,6 +73,7 @@ class TenantResult:
             eval_before=evals[min(evals)] if evals else None,
             eval_after=evals.get(state.version),
             eval_accuracy=evals,
+            eval_episodes=state.job.eval_episodes,
             failure_reason=state.reason if state.status == "failed" else None,
             staleness_max=state.stats.staleness_max,
             staleness_mean=state.stats.staleness_mean,
