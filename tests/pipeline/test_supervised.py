@@ -125,8 +125,12 @@ async def test_tenants_together_train_as_each_alone(base_dir: Path, tmp_path: Pa
         assert alone.tenants[spec.name].status == "done"
         got, want = adapter(tmp_path / "both", spec.name), adapter(tmp_path / spec.name, spec.name)
         assert got.keys() == want.keys()
+        # Up to float32 noise: when the two tenants happen to share a pass, its rows sum
+        # in another order, and Adam's normalisation lifts that noise in an element whose
+        # gradient is near zero; so the whole tensor is compared, as the trainer's own
+        # together-equals-alone test does.
         for key in want:
-            torch.testing.assert_close(got[key], want[key], rtol=1e-4, atol=1e-5)
+            assert float((got[key] - want[key]).norm() / want[key].norm()) < 1e-4, key
 
 
 async def test_a_supervised_and_an_rl_tenant_run_together(base_dir: Path, tmp_path: Path) -> None:
