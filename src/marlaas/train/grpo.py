@@ -23,7 +23,7 @@ from marlaas.errors import ConfigError
 from marlaas.model.lora import AdapterTensors, LoRAModel
 from marlaas.train.batch import TenantStepResult, TrainBatch, TrainBatchError, batch_data
 from marlaas.train.objectives import PolicyGradient
-from marlaas.train.optim import AdamParams, AdamState, TenantSnapshot
+from marlaas.train.optim import AdamParams, AlgorithmSnapshot, TenantSnapshot
 from marlaas.train.records import OptimResult, TrainInput, TrainOutput
 from marlaas.train.trainer import MultiLaneTrainer, TrainerStats
 
@@ -91,31 +91,14 @@ class GRPOTraining:
 
 
 @dataclass(frozen=True)
-class GRPOSnapshot:
+class GRPOSnapshot(AlgorithmSnapshot):
     """A GRPO tenant's whole state: what its checkpoint holds."""
 
-    state: TenantSnapshot
     training: GRPOTraining
-
-    @property
-    def tenant(self) -> str:
-        return self.state.tenant
-
-    @property
-    def lora(self) -> LoRASpec:
-        return self.state.lora
 
     @property
     def algo(self) -> GRPOSpec:
         return self.training.algo
-
-    @property
-    def version(self) -> int:
-        return self.state.version
-
-    @property
-    def adam(self) -> AdamState | None:
-        return self.state.adam
 
 
 class GRPOTrainer:

@@ -195,6 +195,31 @@ class TenantSnapshot:
     adam: AdamState | None = None
 
 
+@dataclass(frozen=True)
+class AlgorithmSnapshot:
+    """A tenant's whole state, what its checkpoint holds: the device's `TenantSnapshot`
+    and, in each algorithm's subclass, that algorithm's settings (`GRPOSnapshot`,
+    `SFTSnapshot`)."""
+
+    state: TenantSnapshot
+
+    @property
+    def tenant(self) -> str:
+        return self.state.tenant
+
+    @property
+    def lora(self) -> LoRASpec:
+        return self.state.lora
+
+    @property
+    def version(self) -> int:
+        return self.state.version
+
+    @property
+    def adam(self) -> AdamState | None:
+        return self.state.adam
+
+
 @torch.no_grad()
 def clip_grad_norms_(grads: Sequence[Tensor], max_norms: Sequence[float | None]) -> Tensor:
     """Clip each tenant's gradient by its own global norm, in place (a norm of None: no

@@ -33,7 +33,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from marlaas.config.specs import LoRASpec, SFTSpec
+from marlaas.config.specs import SFTSpec
 from marlaas.envs.conversations import WEIGHT, Conversation
 from marlaas.errors import DataError
 from marlaas.model.chat import (
@@ -44,7 +44,7 @@ from marlaas.model.chat import (
     render_chat,
 )
 from marlaas.train.objectives import CrossEntropy
-from marlaas.train.optim import AdamParams, AdamState, TenantSnapshot
+from marlaas.train.optim import AdamParams, AlgorithmSnapshot
 from marlaas.train.records import TrainInput
 from marlaas.types import Datum
 
@@ -175,24 +175,7 @@ class SFTTraining:
 
 
 @dataclass(frozen=True)
-class SFTSnapshot:
+class SFTSnapshot(AlgorithmSnapshot):
     """A supervised tenant's whole state: what its checkpoint holds."""
 
-    state: TenantSnapshot
     algo: SFTSpec
-
-    @property
-    def tenant(self) -> str:
-        return self.state.tenant
-
-    @property
-    def lora(self) -> LoRASpec:
-        return self.state.lora
-
-    @property
-    def version(self) -> int:
-        return self.state.version
-
-    @property
-    def adam(self) -> AdamState | None:
-        return self.state.adam
