@@ -11,6 +11,7 @@ skipping it.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -385,9 +386,33 @@ def test_dashboard_in_chromium(tmp_path: Path) -> None:
                     "Download of the step-2 adapter of alpha failed: the adapter files"
                 )
 
+                # a supervised job: its first chart is the training loss, not a reward
+                chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+                rows = "".join(json.dumps({"messages": chat}) + "\n" for _ in range(8))
+                r = http.put("/v1/datasets/chats", content=rows.encode(), headers=auth)
+                assert r.status_code == 201, r.text
+                sft = {
+                    "name": "gamma",
+                    "task": {"type": "dataset", "path": "chats"},
+                    "algorithm": {"type": "sft", "batch_size": 2},
+                    "steps": 4,
+                }
+                backend.hold_at = None  # it runs to the end
+                r = http.post("/v1/jobs", json=sft, headers=auth)
+                assert r.status_code == 201, r.text
+                row_c = page.locator(f'#jobs tr[data-job-id="{r.json()["id"]}"]')
+                expect(row_c.locator(".status")).to_have_text("done")
+                row_c.click()
+                expect(page.locator("#detail-name")).to_have_text("gamma")
+                expect(page.locator("#caption-reward")).to_have_text("Training loss per step")
+                expect(page.locator("#caption-eval")).to_have_text("Eval token accuracy")
+                expect(page.locator("#chart-reward svg")).to_have_attribute("data-points", "4")
+                row_a.click()
+                expect(page.locator("#caption-reward")).to_have_text("Reward per step")
+
                 # the key survives a reload; signing out forgets it
                 page.reload()
-                expect(page.locator("#jobs tbody tr")).to_have_count(2)
+                expect(page.locator("#jobs tbody tr")).to_have_count(3)
                 page.click("#sign-out")
                 expect(page.locator("#sign-in")).to_be_visible()
                 expect(page.locator("#dashboard")).to_be_hidden()

@@ -10,6 +10,7 @@
   // Metric names the backends report: the pipeline writes reward_mean, simpler
   // backends write reward; the first one a job has is the one shown.
   const REWARD_NAMES = ["reward_mean", "reward"];
+  const LOSS_NAMES = ["loss"]; // a supervised job's per-step figure (it has no reward)
   const EVAL_NAMES = ["eval_accuracy"];
   const METRICS_PAGE = 10000;
   const DEVICE_WINDOW_S = 600;
@@ -283,7 +284,7 @@
   async function refreshMetrics(cache, job) {
     const entry = metricEntry(cache, job.id);
     if (entry.updatedAt === job.updated_at) return;
-    const names = [...REWARD_NAMES, ...EVAL_NAMES].map((n) => `name=${encodeURIComponent(n)}`).join("&");
+    const names = [...REWARD_NAMES, ...LOSS_NAMES, ...EVAL_NAMES].map((n) => `name=${encodeURIComponent(n)}`).join("&");
     for (let page = 0; page < 100; page += 1) {
       const url = `v1/jobs/${encodeURIComponent(job.id)}/metrics?${names}&since_step=${entry.lastStep}&limit=${METRICS_PAGE}`;
       const body = await api(url);
@@ -403,17 +404,22 @@
     $("detail-reason").textContent = job.failure_reason || "";
     show($("detail-reason"), Boolean(job.failure_reason));
 
-    // Both charts over the same steps, so that they line up.
-    const reward = curve(job.id, REWARD_NAMES);
+    // Both charts over the same steps, so that they line up. A supervised job has a
+    // training loss per step where an RL job has a reward, and token accuracy as its eval.
+    const supervised = Boolean(job.spec && job.spec.algorithm && job.spec.algorithm.type === "sft");
+    const what = supervised ? "training loss" : "reward";
+    const reward = curve(job.id, supervised ? LOSS_NAMES : REWARD_NAMES);
     const evals = curve(job.id, EVAL_NAMES);
     const steps = [...reward.points, ...evals.points].map((p) => p[0]);
     const xRange = steps.length ? { xMin: Math.min(...steps), xMax: Math.max(...steps) } : {};
-    drawChart($("chart-reward"), [{ name: reward.name || "reward", color: "#2563eb", points: reward.points }], {
+    $("caption-reward").textContent = supervised ? "Training loss per step" : "Reward per step";
+    $("caption-eval").textContent = supervised ? "Eval token accuracy" : "Eval accuracy";
+    drawChart($("chart-reward"), [{ name: reward.name || what, color: "#2563eb", points: reward.points }], {
       xLabel: "step",
       integerX: true,
       ...xRange,
-      label: `${job.name}: reward per step`,
-      empty: "No reward reported yet.",
+      label: `${job.name}: ${what} per step`,
+      empty: `No ${what} reported yet.`,
     });
     drawChart($("chart-eval"), [{ name: "eval accuracy", color: "#059669", points: evals.points }], {
       xLabel: "step",
