@@ -25,13 +25,12 @@ file, the 1-based line and the field; blank lines are not rows.
 
 from __future__ import annotations
 
-import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from marlaas.envs.datasets import MESSAGES_FIELD, ROLES, message_text, row_id
+from marlaas.envs.datasets import MESSAGES_FIELD, ROLES, load_jsonl_rows, message_text, row_id
 from marlaas.errors import DataError
 
 #: Fields of a text row.
@@ -171,42 +170,10 @@ def parse_conversation(
     )
 
 
-def _lines(name: str) -> Iterator[tuple[str, str, object]]:
-    with open(name, "rb") as fh:
-        for lineno, raw in enumerate(fh, start=1):
-            where = f"{name}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise DataError(f"{where}: not valid UTF-8 ({exc.reason})") from exc
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
-            yield where, f"row-{lineno}", row
-
-
 def load_conversations(
     path: str | os.PathLike[str], prompt_field: str = PROMPT_FIELD
 ) -> list[Conversation]:
     """The supervised examples of a JSONL file; `DataError` at the first bad row."""
-    name = os.fspath(path)
-    out: list[Conversation] = []
-    seen: dict[str, str] = {}
-    try:
-        for where, default_id, row in _lines(name):
-            conv = parse_conversation(row, where, default_id, prompt_field)
-            if conv.id in seen:
-                raise DataError(
-                    f"{where}: duplicate id {conv.id!r} (first seen at {seen[conv.id]}); "
-                    "ids must be unique"
-                )
-            seen[conv.id] = where
-            out.append(conv)
-    except OSError as exc:
-        raise DataError(f"{name}: cannot read the dataset ({exc.strerror or exc})") from exc
-    if not out:
-        raise DataError(f"{name}: the file has no rows")
-    return out
+    return load_jsonl_rows(
+        path, lambda row, where, did: parse_conversation(row, where, did, prompt_field)
+    )

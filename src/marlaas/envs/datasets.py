@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import os
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from marlaas.envs.base import Env, Example, Segment, Split, StepResult, TaskFamily
@@ -140,22 +140,82 @@ def _to_example(
     return Example(id=example_id, prompt=prompt, reference=reference, meta=meta, messages=messages)
 
 
+class _HasId(Protocol):
+    @property
+    def id(self) -> str: ...
+
+
+R = TypeVar("R", bound=_HasId)
+
+
+def unique_rows(
+    rows: Iterable[tuple[str, str, object]], parse: Callable[[object, str, str], R]
+) -> list[R]:
+    """(where, default id, raw row) triples parsed by `parse(row, where, default_id)`;
+    ids must be unique (`DataError` naming both places)."""
+    out: list[R] = []
+    seen: dict[str, str] = {}
+    for where, default_id, row in rows:
+        item = parse(row, where, default_id)
+        if item.id in seen:
+            raise DataError(
+                f"{where}: duplicate id {item.id!r} (first seen at {seen[item.id]}); "
+                "ids must be unique"
+            )
+        seen[item.id] = where
+        out.append(item)
+    return out
+
+
+def jsonl_rows(name: str, max_rows: int | None = None) -> Iterator[tuple[str, str, object]]:
+    """(where, default id, raw row) of each non-blank line of a JSON Lines file, at most
+    `max_rows`; `DataError` naming the file and line of one that is not UTF-8 JSON
+    (`OSError` of the file passes through)."""
+    count = 0
+    with open(name, "rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            if max_rows is not None and count >= max_rows:
+                return
+            where = f"{name}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(f"{where}: not valid UTF-8 ({exc.reason})") from exc
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
+            count += 1
+            yield where, f"row-{lineno}", row
+
+
+def load_jsonl_rows(
+    path: str | os.PathLike[str],
+    parse: Callable[[object, str, str], R],
+    max_rows: int | None = None,
+) -> list[R]:
+    """The rows of a JSON Lines file, each parsed by `parse(row, where, default_id)`,
+    ids unique; `DataError` naming the file (and line) when it cannot be read, a row is
+    bad, or there is none."""
+    name = os.fspath(path)
+    try:
+        out = unique_rows(jsonl_rows(name, max_rows), parse)
+    except OSError as exc:
+        raise DataError(f"{name}: cannot read the dataset ({exc.strerror or exc})") from exc
+    if not out:
+        raise DataError(f"{name}: the file has no rows")
+    return out
+
+
 def _collect(
     rows: Iterable[tuple[str, str, object]], prompt_field: str, reference_field: str | None
 ) -> list[Example]:
     """(where, default id, raw row) triples to examples; ids must be unique."""
-    examples: list[Example] = []
-    seen: dict[str, str] = {}
-    for where, default_id, row in rows:
-        example = _to_example(row, where, default_id, prompt_field, reference_field)
-        if example.id in seen:
-            raise DataError(
-                f"{where}: duplicate id {example.id!r} (first seen at {seen[example.id]}); "
-                "ids must be unique"
-            )
-        seen[example.id] = where
-        examples.append(example)
-    return examples
+    return unique_rows(
+        rows, lambda row, where, did: _to_example(row, where, did, prompt_field, reference_field)
+    )
 
 
 def _check_max_rows(max_rows: int | None) -> None:
@@ -174,37 +234,11 @@ def load_jsonl(
     Raises `DataError` naming the file and line of the first bad row.
     """
     _check_max_rows(max_rows)
-    name = os.fspath(path)
-
-    def rows() -> Iterable[tuple[str, str, object]]:
-        count = 0
-        with open(name, "rb") as fh:
-            for lineno, raw in enumerate(fh, start=1):
-                if max_rows is not None and count >= max_rows:
-                    return
-                where = f"{name}:{lineno}"
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as exc:
-                    raise DataError(f"{where}: not valid UTF-8 ({exc.reason})") from exc
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise DataError(
-                        f"{where}: invalid JSON ({exc.msg} at column {exc.colno})"
-                    ) from exc
-                count += 1
-                yield where, f"row-{lineno}", row
-
-    try:
-        examples = _collect(rows(), prompt_field, reference_field)
-    except OSError as exc:
-        raise DataError(f"{name}: cannot read the dataset ({exc.strerror or exc})") from exc
-    if not examples:
-        raise DataError(f"{name}: the file has no rows")
-    return examples
+    return load_jsonl_rows(
+        path,
+        lambda row, where, did: _to_example(row, where, did, prompt_field, reference_field),
+        max_rows,
+    )
 
 
 def from_hf_dataset(
@@ -241,14 +275,6 @@ def from_hf_dataset(
     if not examples:
         raise DataError("the dataset has no rows")
     return examples
-
-
-class _HasId(Protocol):
-    @property
-    def id(self) -> str: ...
-
-
-R = TypeVar("R", bound=_HasId)
 
 
 def split_examples(
