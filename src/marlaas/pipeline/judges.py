@@ -20,7 +20,10 @@ the device.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Sequence
+
+from transformers import PreTrainedTokenizerBase
 
 from marlaas.config.graders import grader_judges
 from marlaas.config.job import DatasetSpec, JobSpec
@@ -28,7 +31,7 @@ from marlaas.device.port import BASE, DevicePort
 from marlaas.envs.openai_graders import Judge, JudgeError, JudgeReply
 from marlaas.errors import ConfigError, MarlaasError
 from marlaas.model.chat import chat_prompt
-from marlaas.types import RolloutRequest, SamplingParams
+from marlaas.types import Completion, RolloutRequest, SamplingParams
 
 #: The judge model a `BaseJudge` serves: the run's base, by its OpenAI name.
 BASE_MODEL = "base"
@@ -46,13 +49,20 @@ def job_judges(job: JobSpec) -> list[tuple[str, str]]:
     return list(grader_judges(job.task.grader, "task.grader"))
 
 
-class BaseJudge:
-    """A `Judge` that samples the plain base on `device`, as training rows of `tenant`
-    (see the module docstring). It answers only the model named `base`."""
+#: Samples one reply to a prompt (token ids) with the given parameters.
+Generate = Callable[[list[int], SamplingParams], Awaitable[Completion]]
 
-    def __init__(self, device: DevicePort, tenant: str) -> None:
-        self.device = device
-        self.tenant = tenant
+
+class ChatJudge(ABC):
+    """A `Judge` that renders the grader's messages with a tokenizer's chat template (off
+    the event loop) and samples one reply: the rendering, the sampling parameters and
+    the reply are the same wherever the judge runs; `target` says where (which
+    tokenizer, which model). Any marlaas error becomes a `JudgeError` naming the model."""
+
+    @abstractmethod
+    async def target(self, model: str) -> tuple[PreTrainedTokenizerBase, Generate]:
+        """The tokenizer and the sampler of judge `model`; `JudgeError` when it cannot
+        judge with that model."""
 
     async def __call__(
         self,
@@ -64,26 +74,43 @@ class BaseJudge:
         top_p: float,
         seed: int | None,
     ) -> JudgeReply:
-        if model != BASE_MODEL:
-            raise JudgeError(f"judge model {model!r}: this run judges with {BASE_MODEL!r} only")
-        prompt, stops = await asyncio.to_thread(chat_prompt, self.device.tokenizer, messages)
-        request = RolloutRequest(
-            tenant=BASE,
-            prompt_ids=tuple(prompt),
-            sampling=SamplingParams(
+        try:
+            tokenizer, generate = await self.target(model)
+            prompt, stops = await asyncio.to_thread(chat_prompt, tokenizer, messages)
+            sampling = SamplingParams(
                 temperature=temperature,
                 top_p=top_p,
                 max_new_tokens=max_tokens,
                 stop=stops,
                 seed=seed,
-            ),
-            account=self.tenant,
-        )
-        try:
-            out = await self.device.sample(request)
-        except MarlaasError as e:  # the device closed, or the prompt is too long
+            )
+            out = await generate(prompt, sampling)
+        except JudgeError:
+            raise
+        except MarlaasError as e:  # the device closed, the prompt is too long, ...
             raise JudgeError(f"judge model {model!r}: {e}") from e
         return JudgeReply(out.text, len(prompt), len(out.token_ids))
+
+
+class BaseJudge(ChatJudge):
+    """A `Judge` that samples the plain base on `device`, as training rows of `tenant`
+    (see the module docstring). It answers only the model named `base`."""
+
+    def __init__(self, device: DevicePort, tenant: str) -> None:
+        self.device = device
+        self.tenant = tenant
+
+    async def target(self, model: str) -> tuple[PreTrainedTokenizerBase, Generate]:
+        if model != BASE_MODEL:
+            raise JudgeError(f"judge model {model!r}: this run judges with {BASE_MODEL!r} only")
+
+        async def generate(prompt: list[int], sampling: SamplingParams) -> Completion:
+            request = RolloutRequest(
+                tenant=BASE, prompt_ids=tuple(prompt), sampling=sampling, account=self.tenant
+            )
+            return await self.device.sample(request)
+
+        return self.device.tokenizer, generate
 
 
 def base_judge(device: DevicePort, job: JobSpec) -> BaseJudge:

@@ -24,25 +24,25 @@ call never blocks the event loop.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from marlaas.envs.openai_graders import Judge, JudgeError, JudgeReply
-from marlaas.pipeline.judges import job_judges
-from marlaas.service.errors import InvalidField, ServiceError
+from marlaas.envs.openai_graders import Judge, JudgeError
+from marlaas.pipeline.judges import ChatJudge, Generate, job_judges
+from marlaas.service.errors import InvalidField
 from marlaas.service.inference import InferenceHub
 from marlaas.service.models import Job
 from marlaas.service.models_catalog import ModelNotFound
-from marlaas.service.openai_api import chat_prompt
-from marlaas.types import SamplingParams
+from marlaas.types import Completion, SamplingParams
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from marlaas.config.job import JobSpec
     from marlaas.device.port import DevicePort
     from marlaas.service.context import ServiceContext
 
 
-class ServiceJudge:
+class ServiceJudge(ChatJudge):
     """A `Judge` over the service's inference engine, for one tenant's models; with
     `account` (a job id), its calls are that job's training work."""
 
@@ -51,67 +51,41 @@ class ServiceJudge:
         self.tenant = tenant
         self.account = account
 
-    async def __call__(
-        self,
-        model: str,
-        messages: Sequence[tuple[str, str]],
-        *,
-        max_tokens: int,
-        temperature: float,
-        top_p: float,
-        seed: int | None,
-    ) -> JudgeReply:
-        try:
-            server = await self.hub.server()
-            served = await server.resolve(self.tenant, model)
-            tokenizer = server.provider.tokenizer
-            prompt, stops = await asyncio.to_thread(chat_prompt, tokenizer, messages)
-            sampling = SamplingParams(
-                temperature=temperature,
-                top_p=top_p,
-                max_new_tokens=max_tokens,
-                stop=stops,
-                seed=seed,
-            )
+    async def owner(self) -> str:
+        """The tenant whose models the judge may call."""
+        return self.tenant
+
+    async def target(self, model: str) -> tuple[PreTrainedTokenizerBase, Generate]:
+        server = await self.hub.server()
+        served = await server.resolve(await self.owner(), model)
+
+        async def generate(prompt: list[int], sampling: SamplingParams) -> Completion:
             (out,) = await server.generate(served, [prompt], sampling, 1, account=self.account)
-        except ServiceError as e:
-            raise JudgeError(f"judge model {model!r}: {e}") from e
-        return JudgeReply(out.text, len(prompt), len(out.token_ids))
+            return out
+
+        return server.provider.tokenizer, generate
 
 
-class _JobJudge:
+class _JobJudge(ServiceJudge):
     """The judge of one training job: its owner's models, on the job's account. The
     owner is read from the database at the first call (off the event loop)."""
 
     def __init__(self, ctx: ServiceContext, job_id: str) -> None:
+        super().__init__(ctx.inference_hub(), "", account=job_id)
         self.ctx = ctx
         self.job_id = job_id
-        self._judge: ServiceJudge | None = None
 
-    def _owner(self) -> str:
+    def _read_owner(self) -> str:
         with self.ctx.db.transaction() as session:
             job = session.get(Job, self.job_id)
             if job is None:
                 raise JudgeError(f"job {self.job_id!r} is gone; its judge cannot run")
             return job.tenant_id
 
-    async def __call__(
-        self,
-        model: str,
-        messages: Sequence[tuple[str, str]],
-        *,
-        max_tokens: int,
-        temperature: float,
-        top_p: float,
-        seed: int | None,
-    ) -> JudgeReply:
-        if self._judge is None:
-            owner = await asyncio.to_thread(self._owner)
-            hub = self.ctx.inference_hub()
-            self._judge = ServiceJudge(hub, owner, account=self.job_id)
-        return await self._judge(
-            model, messages, max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed
-        )
+    async def owner(self) -> str:
+        if not self.tenant:
+            self.tenant = await asyncio.to_thread(self._read_owner)
+        return self.tenant
 
 
 class ServiceJudges:
