@@ -148,6 +148,14 @@ def fused_weights(base: nn.Module) -> dict[str, str]:
     return out
 
 
+def context_length(config: Any) -> int | None:
+    """The positions the base's text decoder takes (`max_position_embeddings` of its
+    text config), or None when the config does not say."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    positions = getattr(text, "max_position_embeddings", None)
+    return int(positions) if positions else None
+
+
 #: Attention layer types the rollout engine's cache and the trainer's shared-prefix
 #: cache handle (a sliding window is a mask over a full cache there).
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")

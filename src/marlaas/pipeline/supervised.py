@@ -35,6 +35,7 @@ from marlaas.config.specs import SFTSpec
 from marlaas.envs.conversations import Conversation, in_format, load_conversations
 from marlaas.envs.datasets import split_examples
 from marlaas.errors import ConfigError, DataError, ModelError
+from marlaas.model.arch import context_length
 from marlaas.obs.progress import EvalDone, StepDone, StepMetrics
 from marlaas.pipeline.context import PipelineContext
 from marlaas.pipeline.lifecycle import TenantRuntime
@@ -80,13 +81,11 @@ def supervised_data(
     rows = load(task.path)
     if task.eval_path is not None:
         train, held_out = rows, load(task.eval_path)
-        evals = render(held_out[: job.eval_episodes])
     else:
         train, held_out = split_examples(rows, task.eval_fraction, task.seed)
-        evals = render(held_out[: job.eval_episodes])
     if not train:
         raise DataError(f"{task.path}: the train split is empty")
-    return render(train), evals
+    return render(train), render(held_out[: job.eval_episodes])
 
 
 class SupervisedRuntime(TenantRuntime):
@@ -102,9 +101,9 @@ class SupervisedRuntime(TenantRuntime):
 
     async def _prepare(self) -> None:
         budget, limit = self.ctx.run.trainer.max_tokens_per_microbatch, "the trainer's budget"
-        context = getattr(self.ctx.device.model.base.config, "max_position_embeddings", None)
-        if context and int(context) < budget:
-            budget, limit = int(context), "the base model's context"
+        context = context_length(self.ctx.device.model.base.config)
+        if context is not None and context < budget:
+            budget, limit = context, "the base model's context"
         tokenizer = self.ctx.device.tokenizer
         self.train_data, self.eval_data = await asyncio.to_thread(
             supervised_data, self.job, tokenizer, budget, limit

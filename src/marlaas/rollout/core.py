@@ -39,6 +39,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from marlaas.errors import CapacityError, InvalidRequest, MarlaasError
+from marlaas.model.arch import context_length
 from marlaas.model.attention import install_attention
 from marlaas.model.bank import AdapterBank
 from marlaas.model.lora import LoRAModel
@@ -114,8 +115,7 @@ class DecodeScheduler:
         geometry = kv_geometry(config)
         install_attention(model.base)
         self._vocab = int(config.get_text_config(decoder=True).vocab_size)
-        max_pos = getattr(config.get_text_config(decoder=True), "max_position_embeddings", None)
-        self._max_positions: int | None = int(max_pos) if max_pos else None
+        self._max_positions = context_length(config)
         self.kv = SlotKV(geometry, model.dtype, model.device, max_batch_size, self._max_positions)
         self.batch = self._empty_batch()
         pad = tokenizer.pad_token_id

@@ -148,9 +148,10 @@ class JobAdmission:
 
     def limits(self, model: LoRAModel) -> MachineLimits:
         settings = self.settings
-        positions = getattr(model.base.config, "max_position_embeddings", None)
+        from marlaas.model.arch import context_length  # torch: loaded with the model
+
         return MachineLimits(
-            context_length=int(positions) if positions else None,
+            context_length=context_length(model.base.config),
             max_batch_rows=settings.max_batch_rows,
             max_tokens_per_microbatch=settings.max_tokens_per_microbatch,
             env_timeout_s=settings.env_timeout_s,
