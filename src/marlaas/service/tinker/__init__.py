@@ -54,21 +54,23 @@ def install(app: FastAPI, ctx: ServiceContext) -> TinkerHub:
 
 
 async def _own_device(ctx: ServiceContext) -> SharedDevice:
-    """The hub's own device, sized and placed as the service's settings say (the same
-    engine rows, LoRA rank, trainer budget, torch device and dtype a job backend gets)."""
-    from marlaas.config.job import EngineSpec, TrainerSpec
+    """The hub's own device, sized and placed as the service's settings size a job
+    backend's (`ServiceSettings.pipeline_spec`: engine rows, LoRA rank, trainer budget,
+    dtype; `serve_device`), keeping the device's default window of versions (Tinker
+    samplers are saved weights, not versions of a run)."""
     from marlaas.device.config import DeviceConfig
     from marlaas.device.inprocess import open_inprocess_device
     from marlaas.model.base import default_base_path
     from marlaas.service.tinker.hub import SharedDevice
 
     settings = ctx.settings
+    spec = settings.pipeline_spec()
     base = str((settings.serve_base_model or default_base_path()).resolve())
     config = DeviceConfig(
         base_model=base,
-        dtype=settings.serve_dtype,
-        engine=EngineSpec(max_rank=settings.max_lora_rank, max_batch_size=settings.max_batch_rows),
-        trainer=TrainerSpec(max_tokens_per_microbatch=settings.max_tokens_per_microbatch),
+        dtype=spec.dtype,
+        engine=spec.engine,
+        trainer=spec.trainer,
         torch_device=settings.serve_device,
     )
     return SharedDevice(await open_inprocess_device(config), base)
