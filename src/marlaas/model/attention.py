@@ -16,8 +16,9 @@ token `j` of a row sits in column `j`: each query sees the columns at or before 
 position, within the layer's sliding window (`kv_idx > q_idx - window`, as Hugging
 Face's masks), never another row's padding. Grouped-query heads attend their key/value
 head without repeating it; `softcap` and `scaling` are the module's own. A decode query
-(one token per row) is two batched matmuls over the cache columns; a prefill uses
-`scaled_dot_product_attention` with the plan's mask.
+(one token per row) on the CPU is the native kernel (`marlaas.model.kernels`: one pass
+over each row's own columns), elsewhere or without it two batched matmuls over the
+cache columns; a prefill uses `scaled_dot_product_attention` with the plan's mask.
 
 Invariants:
 - Only forwards that pass a plan are changed; the plan's masks are built once per
@@ -41,6 +42,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from marlaas.errors import ModelError
+from marlaas.model.kernels import decode_attention
 
 #: The forward keyword that carries an `AttentionPlan` down to every attention layer.
 PLAN_KWARG = "marlaas_attention"
@@ -60,6 +62,9 @@ class AttentionPlan:
     masks: dict[int | None, Tensor] = field(default_factory=dict)
     #: (window, dtype) -> the mask as an additive bias `[R, 1, N, S]` (0 or -inf).
     biases: dict[tuple[int | None, torch.dtype], Tensor] = field(default_factory=dict)
+    #: window -> each decode row's attended columns `[start_R, end_R)` (CPU int64) and
+    #: the most columns a row attends (0 when a row attends none: a padding query).
+    spans: dict[int | None, tuple[Tensor, Tensor, int]] = field(default_factory=dict)
 
     @staticmethod
     def build(positions_RN: Tensor, columns: int, windows: Iterable[int | None]) -> AttentionPlan:
@@ -86,6 +91,19 @@ class AttentionPlan:
             zero = torch.zeros((), dtype=dtype, device=mask.device)
             self.biases[key] = torch.where(mask, zero, float("-inf"))
         return self.biases[key]
+
+    def span(self, window: int | None) -> tuple[Tensor, Tensor, int]:
+        """A decode plan's columns per row for `window`: `[start_R, end_R)`, the same
+        columns as its mask, and the widest span (0 if some row attends none); made once
+        per forward, on the host, for the native kernel."""
+        if window not in self.spans:
+            self.mask(window)  # the same error for a window the plan was not built for
+            end_R = (self.positions_RN[:, -1] + 1).to("cpu", torch.int64).contiguous()
+            start_R = end_R.sub(window).clamp_(min=0) if window is not None else end_R * 0
+            n_R = end_R - start_R
+            widest = int(n_R.max()) if int(n_R.min()) > 0 else 0
+            self.spans[window] = (start_R.contiguous(), end_R, widest)
+        return self.spans[window]
 
     def mask(self, window: int | None) -> Tensor:
         try:
@@ -120,6 +138,11 @@ def slot_attention(
             query, key, value, attn_mask=mask_R1NS, scale=scale, enable_gqa=G > 1
         )
         return out.transpose(1, 2)
+    if N == 1 and query.device.type == "cpu":
+        start_R, end_R, widest = plan.span(window)
+        native = decode_attention(query, key, value, start_R, end_R, widest, scale, softcap)
+        if native is not None:
+            return native
     S = int(key.shape[2])
     # Query heads h = kv_head * G + g (as `repeat_kv`): group them on their key/value
     # head, so each head's keys are read once and never repeated.

@@ -1,0 +1,163 @@
+"""Native CPU kernels for the few steps torch has no fused kernel for, built on first use.
+
+`decode_attention` is the engine's decode attention (one query token per row) over the
+slot cache: one pass over each row's own keys and values, shared by the query heads of
+a group (`decode_attention.c`). torch on the CPU runs the same product as two batched
+matmuls of `rows x kv heads` tiny matrices, whose per-matrix overhead, not the bytes,
+sets their time: at 256 rows and ~90 columns they take ~1 ms each per layer.
+
+Build: the C source is compiled with the system's C compiler (`cc`, or `$CC`) into a
+shared library in the user's cache (`$XDG_CACHE_HOME/marlaas/kernels`, named by a hash
+of the source and flags, so a changed source builds again), written to a temporary
+name and renamed, so concurrent processes never load a half-written file. It takes
+well under a second. Where there is no compiler, or the build or load fails, or
+`MARLAAS_NATIVE_KERNELS=0`, `decode_attention` returns None (logged once) and callers
+keep torch's path: the kernels change speed, never results beyond float rounding.
+
+Only float32 CPU tensors whose last axis is contiguous are taken; anything else is
+None too. The kernel runs in the calling thread (one core, as the engine's default).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+__all__ = ["decode_attention", "native_kernels"]
+
+_log = logging.getLogger(__name__)
+_SOURCE = Path(__file__).with_name("decode_attention.c")
+#: Vectorised exp (glibc's libmvec) needs -ffast-math when compiling; linking stays
+#: plain, so the library does not switch the process's float mode (crtfastmath).
+_COMPILE = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c11"]
+_LINK = ["-shared", "-lmvec", "-lm"]
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+_F32 = ctypes.c_float
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "marlaas" / "kernels"
+
+
+def _build(source: Path, cc: str) -> Path:
+    """The shared library of `source`, compiled unless the cache has it."""
+    digest = hashlib.sha256(
+        source.read_bytes() + " ".join([cc, *_COMPILE, *_LINK]).encode()
+    ).hexdigest()[:16]
+    target = _cache_dir() / f"{source.stem}-{digest}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        obj, lib = Path(tmp) / "kernel.o", Path(tmp) / "kernel.so"
+        for argv in (
+            [cc, *_COMPILE, "-c", str(source), "-o", str(obj)],
+            [cc, str(obj), "-o", str(lib), *_LINK],
+        ):
+            subprocess.run(argv, check=True, capture_output=True, timeout=120)
+        os.replace(lib, target)
+    return target
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("MARLAAS_NATIVE_KERNELS", "1") == "0":
+        return None
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        _log.warning("no C compiler: the engine's decode attention stays on torch's path")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(_SOURCE, cc)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", b"") or b""
+        _log.warning(
+            "could not build the native decode attention (%s %s); torch's path is used",
+            exc,
+            detail.decode(errors="replace")[-500:],
+        )
+        return None
+    fn = lib.decode_attention_f32
+    fn.restype = None
+    fn.argtypes = [  # see decode_attention.c
+        *(_I64, _I64, _I64, _I64),
+        *(_PTR, _I64, _I64, _PTR, _PTR),
+        *(_I64, _I64, _I64),
+        *(_PTR, _PTR, _F32, _F32, _PTR, _PTR),
+    ]
+    return lib
+
+
+def native_kernels() -> bool:
+    """Whether the native kernels are built and loaded in this process."""
+    return _library() is not None
+
+
+def decode_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    start_R: Tensor,
+    end_R: Tensor,
+    widest: int,
+    scale: float,
+    softcap: float | None,
+) -> Tensor | None:
+    """Attention of `query [R, H, 1, D]` over columns `[start_R[b], end_R[b])` of row
+    `b` of `key`/`value [R, Hkv, S, D]`; `[R, 1, H, D]`, or None where the kernel does
+    not apply (see the module doc). `start_R`/`end_R` are contiguous int64 CPU tensors
+    with `0 <= start < end <= S`; `widest` is the largest `end - start` (0: some row
+    attends no column, which the kernel does not take)."""
+    lib = _library()
+    R, H, N, D = query.shape
+    Hkv = int(key.shape[1])
+    if (
+        lib is None
+        or N != 1
+        or widest < 1
+        or widest > int(key.shape[2])
+        or H % Hkv
+        or not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (query, key))
+        or value.dtype != torch.float32
+        or key.stride() != value.stride()
+        or key.stride(-1) != 1
+        or query.stride(-1) != 1
+        or start_R.dtype != torch.int64
+        or not (start_R.is_contiguous() and end_R.is_contiguous())
+    ):
+        return None
+    out = torch.empty((R, 1, H, D), dtype=torch.float32)
+    scratch = torch.empty((H // Hkv) * widest, dtype=torch.float32)
+    lib.decode_attention_f32(
+        R,
+        H,
+        Hkv,
+        D,
+        query.data_ptr(),
+        query.stride(0),
+        query.stride(1),
+        key.data_ptr(),
+        value.data_ptr(),
+        key.stride(0),
+        key.stride(1),
+        key.stride(2),
+        start_R.data_ptr(),
+        end_R.data_ptr(),
+        float(scale),
+        float(softcap or 0.0),
+        out.data_ptr(),
+        scratch.data_ptr(),
+    )
+    return out

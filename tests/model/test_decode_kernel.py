@@ -1,0 +1,115 @@
+"""The native decode attention (`marlaas.model.kernels`) equals plain attention over each
+row's own columns (grouped heads, windows, soft-capping, strided cache views), declines
+what it does not take, and the engine's outputs do not depend on whether it is used."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import Tensor
+
+from marlaas.model import kernels
+from marlaas.model.attention import AttentionPlan, slot_attention
+
+
+@pytest.fixture
+def torch_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The kernels switched off (`MARLAAS_NATIVE_KERNELS=0`) for this test only."""
+    monkeypatch.setenv("MARLAAS_NATIVE_KERNELS", "0")
+    kernels._library.cache_clear()
+    yield
+    monkeypatch.delenv("MARLAAS_NATIVE_KERNELS")
+    kernels._library.cache_clear()
+
+
+def reference(
+    q: Tensor, k: Tensor, v: Tensor, pos_R: Tensor, window: int | None, softcap: float | None
+) -> Tensor:
+    """Row by row, head by head: softmax over the attended columns, in float64."""
+    R, H, _, D = q.shape
+    G = H // k.shape[1]
+    out = torch.zeros(R, 1, H, D, dtype=torch.float64)
+    for b in range(R):
+        end = int(pos_R[b]) + 1
+        start = 0 if window is None else max(0, end - window)
+        for h in range(H):
+            keys, values = k[b, h // G, start:end].double(), v[b, h // G, start:end].double()
+            s = keys @ q[b, h, 0].double() * D**-0.5
+            if softcap is not None:
+                s = torch.tanh(s / softcap) * softcap
+            out[b, 0, h] = torch.softmax(s, 0) @ values
+    return out
+
+
+def test_the_kernel_builds_where_there_is_a_compiler() -> None:
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler on this machine")
+    assert kernels.native_kernels()
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "window", "softcap"),
+    [
+        (4, 2, 32, None, None),
+        (4, 4, 64, None, None),
+        (8, 2, 24, 5, None),  # a head size without a specialised loop, a sliding window
+        (2, 1, 128, None, 30.0),
+        (6, 3, 32, 7, 20.0),
+    ],
+)
+def test_equals_attention_over_each_rows_own_columns(
+    heads: int, kv_heads: int, dim: int, window: int | None, softcap: float | None
+) -> None:
+    assert kernels.native_kernels()
+    g = torch.Generator().manual_seed(heads * 100 + dim)
+    R, cap = 9, 40
+    pos_R = torch.tensor([0, 1, 3, 11, 20, 31, 5, 17, 2])
+    columns = int(pos_R.max()) + 1
+    # Views of a bigger cache buffer, as the slot cache hands them over.
+    k = torch.randn(R + 2, kv_heads, cap, dim, generator=g)[1 : R + 1, :, :columns]
+    v = torch.randn(R + 2, kv_heads, cap, dim, generator=g)[1 : R + 1, :, :columns]
+    q = torch.randn(R, heads, 1, dim, generator=g)
+    plan = AttentionPlan.build(pos_R[:, None], columns, [window])
+    start_R, end_R, widest = plan.span(window)
+    out = kernels.decode_attention(q, k, v, start_R, end_R, widest, dim**-0.5, softcap)
+    assert out is not None
+    want = reference(q, k, v, pos_R, window, softcap)
+    torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=1e-5)
+    # And slot_attention, which routes decode queries to it, gives the same.
+    got = slot_attention(q, k, v, plan, scaling=dim**-0.5, softcap=softcap, window=window)
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
+
+
+def test_declines_what_it_does_not_take() -> None:
+    q, k = torch.randn(2, 2, 1, 8), torch.randn(2, 1, 4, 8)
+    start, end = torch.tensor([0, 0]), torch.tensor([2, 4])
+    assert kernels.decode_attention(q, k, k, start, end, 4, 1.0, None) is not None
+    assert (
+        kernels.decode_attention(q.double(), k.double(), k.double(), start, end, 4, 1.0, None)
+        is None
+    )
+    assert (
+        kernels.decode_attention(q.bfloat16(), k.bfloat16(), k.bfloat16(), start, end, 4, 1.0, None)
+        is None
+    )
+    assert kernels.decode_attention(q, k, k, start, end, 0, 1.0, None) is None  # a row of no column
+    assert kernels.decode_attention(q, k, k, start, end, 5, 1.0, None) is None  # past the columns
+    assert kernels.decode_attention(torch.randn(2, 2, 3, 8), k, k, start, end, 4, 1.0, None) is None
+    assert (
+        kernels.decode_attention(
+            q, k.transpose(2, 3).contiguous().transpose(2, 3), k, start, end, 4, 1.0, None
+        )
+        is None
+    )
+
+
+def test_switched_off_it_declines_everything(torch_path: None) -> None:
+    q, k = torch.randn(2, 2, 1, 8), torch.randn(2, 1, 4, 8)
+    assert not kernels.native_kernels()
+    out = kernels.decode_attention(
+        q, k, k, torch.tensor([0, 0]), torch.tensor([2, 4]), 4, 1.0, None
+    )
+    assert out is None
