@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from marlaas.cli.process import favour_the_device_thread
+from marlaas.cli.process import device_process
 from marlaas.config.ray import RaySpec, load_ray_spec
 from marlaas.config.specs import DTYPE_HELP, check_dtype
 
@@ -19,7 +19,7 @@ app = typer.Typer(no_args_is_help=True, help="Benchmarks (a table on screen, JSO
 @app.callback()
 def bench() -> None:
     """Benchmarks (a table on screen, JSON on disk)."""
-    favour_the_device_thread()
+    device_process()
 
 
 def _counts(text: str) -> tuple[int, ...]:

@@ -21,7 +21,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from marlaas.cli.process import favour_the_device_thread
+from marlaas.cli.process import device_process
 
 if TYPE_CHECKING:
     from marlaas.config.job import JobSpec, RunSpec
@@ -58,7 +58,7 @@ def demo(
 ) -> None:
     """Many tenants fine-tune one shared base at once; eval before/after, device
     utilization, and the same work's time under the synchronous baseline."""
-    favour_the_device_thread()
+    device_process()
     import torch
 
     from marlaas.cli.run_cmd import record_run

@@ -19,7 +19,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from marlaas.cli.process import favour_the_device_thread
+from marlaas.cli.process import device_process
 
 if TYPE_CHECKING:
     from marlaas.config.job import RunSpec
@@ -39,7 +39,7 @@ def run(
     ),
 ) -> None:
     """Run tenant jobs on one shared base; write a run folder."""
-    favour_the_device_thread()
+    device_process()
     from marlaas.config.job import load_run_spec
     from marlaas.errors import ConfigError
 

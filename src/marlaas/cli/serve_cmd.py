@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from marlaas.cli.process import favour_the_device_thread
+from marlaas.cli.process import device_process
 from marlaas.config.specs import DTYPE_HELP, check_dtype, parse_target_modules
 
 if TYPE_CHECKING:
@@ -112,7 +112,7 @@ def serve(
     at first start and printed once."""
     import uvicorn
 
-    favour_the_device_thread()
+    device_process()
 
     from marlaas.service.app import GRACEFUL_SHUTDOWN_S, create_app, open_context
     from marlaas.service.settings import (
