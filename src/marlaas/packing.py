@@ -6,6 +6,9 @@ consecutive batches in which no row is shorter than `MIN_FILL` of the batch's fi
 (longest) row, so at most a quarter of a batch is padding, whatever the mix of
 lengths; `max_tokens` also bounds rows x length.
 
+`pack_cheapest` cuts them where the padding costs less than another batch would, for
+batches with a fixed price of their own (the engine's prefill forwards).
+
 `pack_prefix_groups` does the same for groups of rows that share a prefix (the samples
 of one prompt), which the trainer runs as one forward of the prefixes and one of the
 suffixes: a group is never split, groups are ordered by their longest suffix, and the
@@ -42,6 +45,28 @@ def pack_longest_first(
         spans.append((start, end))
         start = end
     return spans
+
+
+def pack_cheapest(lengths: Sequence[int], fixed_tokens: int) -> list[tuple[int, int]]:
+    """The `[start, end)` spans over `lengths` (non-increasing, each at least 1) that
+    minimise the total cost when a batch costs `fixed_tokens` plus its rows x its
+    longest row: the cheapest cut of the sorted rows into consecutive batches (an exact
+    dynamic programme, quadratic in the rows), for callers whose every batch has a
+    fixed price, such as a forward's per-layer work whatever its size."""
+    n = len(lengths)
+    best = [0] + [math.inf] * n  # best[j]: the cheapest cost of rows [0, j)
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):
+            cost = best[i] + fixed_tokens + (j - i) * lengths[i]
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    spans: list[tuple[int, int]] = []
+    j = n
+    while j > 0:
+        spans.append((cut[j], j))
+        j = cut[j]
+    return spans[::-1]
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,8 @@ what any request gets back."""
 
 from __future__ import annotations
 
+import itertools
+import random
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -16,9 +18,9 @@ from transformers import PreTrainedTokenizerBase
 import marlaas.rollout.prefill as prefill
 from marlaas.model.bank import AdapterBank
 from marlaas.model.lora import LoRAModel
-from marlaas.packing import MIN_FILL
+from marlaas.packing import MIN_FILL, pack_cheapest, pack_longest_first
 from marlaas.rollout import RolloutEngine
-from marlaas.rollout.prefill import plan_prefill
+from marlaas.rollout.prefill import FORWARD_TOKENS, plan_prefill
 from marlaas.types import Completion, RolloutRequest, SamplingParams
 
 
@@ -84,6 +86,8 @@ def test_short_and_long_prompts_use_separate_forwards(
         return real(*args, **kwargs)
 
     monkeypatch.setattr(prefill, "prefill_logits", spy)
+    # Forwards of a small fixed price: the short and long prompts do not pad each other.
+    monkeypatch.setattr(prefill, "FORWARD_TOKENS", 4)
     long_text = "a much longer prompt that goes on and on"
     requests = [
         _sampled(tokenizer, "t0", "hi", seed=1),
@@ -102,6 +106,14 @@ def test_short_and_long_prompts_use_separate_forwards(
     monkeypatch.setattr(prefill, "prefill_logits", real)
     for request, out in zip(requests, outs, strict=True):
         assert_same_completion(out, _alone(make_engine, request))
+    # At a price above the padding (2 x 39 tokens), they share one: same completions.
+    monkeypatch.setattr(prefill, "FORWARD_TOKENS", 100)
+    monkeypatch.setattr(prefill, "prefill_logits", spy)
+    widths.clear()
+    together = make_engine().generate(requests)
+    assert len(widths) == 1
+    for out, want in zip(together, outs, strict=True):
+        assert_same_completion(out, want)
 
 
 def test_a_prompt_prefilled_earlier_comes_from_the_prompt_cache(
@@ -147,7 +159,7 @@ def test_plan_prefill_covers_every_prompt_once_with_bounded_padding(seed: int) -
     gen = torch.Generator().manual_seed(seed)
     admitted = []
     for _ in range(40):
-        n = int(torch.randint(1, 60, (1,), generator=gen))
+        n = int(torch.randint(1, 300, (1,), generator=gen))
         tenant = f"t{int(torch.randint(0, 3, (1,), generator=gen))}"
         tokens = tuple([int(torch.randint(0, 4, (1,), generator=gen))] * n)
         past = object() if bool(torch.rand(1, generator=gen) < 0.2) else None
@@ -162,6 +174,38 @@ def test_plan_prefill_covers_every_prompt_once_with_bounded_padding(seed: int) -
         assert a.row.handle.adapter_id == b.row.handle.adapter_id
         assert j == i or (a.past is None and b.past is None)
     assert not cached & set(planned)
-    for forward in forwards:
-        lengths = [len(admitted[i].new_tokens) for i in forward]
-        assert min(lengths) >= MIN_FILL * max(lengths)
+    # Longest first, and no cheaper than the bounded-padding plan or one big forward.
+    lengths = [[len(admitted[i].new_tokens) for i in forward] for forward in forwards]
+    assert all(f == sorted(f, reverse=True) for f in lengths)
+    flat = sorted((n for f in lengths for n in f), reverse=True)
+    bounded = [flat[a:b] for a, b in pack_longest_first(flat)]
+    assert _cost(lengths) <= min(_cost(bounded), _cost([flat]))
+
+
+def _cost(forwards: list[list[int]]) -> int:
+    return sum(FORWARD_TOKENS + len(f) * max(f) for f in forwards)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_cheapest_cut_is_the_least_cost_of_all_cuts(seed: int) -> None:
+    gen = random.Random(seed)
+    lengths = sorted((gen.randint(1, 200) for _ in range(gen.randint(1, 9))), reverse=True)
+    fixed = gen.choice([0, 16, 64, 500])
+    spans = pack_cheapest(lengths, fixed)
+    assert [a for a, _ in spans] == [0, *(b for _, b in spans[:-1])]  # a partition, in order
+    assert spans[-1][1] == len(lengths)
+    got = sum(fixed + (b - a) * lengths[a] for a, b in spans)
+    best = min(
+        sum(fixed + (b - a) * lengths[a] for a, b in itertools.pairwise((0, *cuts, len(lengths))))
+        for k in range(len(lengths))
+        for cuts in itertools.combinations(range(1, len(lengths)), k)
+    )
+    assert got == best
+
+
+def test_short_prompts_share_one_prefill_forward() -> None:
+    """Prompts of 3 to 40 tokens (an iteration's new rows in a multi-turn workload) run
+    in one forward: the padding costs less than a forward's fixed price."""
+    admitted = [_fake("t0", 0, (k % 5 + 1,) * n, None) for k, n in enumerate((40, 31, 12, 3, 25))]
+    _, forwards = plan_prefill(admitted, set())
+    assert forwards == [[0, 1, 4, 2, 3]]
