@@ -87,12 +87,26 @@ class Segments:
         return segments, None if every_lane else lane_P
 
     def gathered(self, x_BD: Tensor) -> Tensor:
-        """`x_BD`'s rows in the padded layout (the last input's, when it is the same)."""
-        if self.last and self.last[0] is x_BD:
+        """`x_BD`'s rows in the padded layout (the last input's, when it is the same).
+
+        Each module hands over a new view of its input, so "the same" is the same
+        memory, shape, strides and version counter: the last input is kept, so its
+        memory cannot be another tensor's, and an in-place write bumps the version."""
+        if self.last and _same_data(self.last[0], x_BD):
             return self.last[1]
         x_PD = x_BD.index_select(0, self.gather)
         self.last[:] = [x_BD, x_PD]
         return x_PD
+
+
+def _same_data(a: Tensor, b: Tensor) -> bool:
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a._version == b._version
+    )
 
 
 @dataclass(frozen=True)
