@@ -339,3 +339,94 @@ async def test_runs_leak_no_file_descriptors(sandbox: Sandbox) -> None:
     for code in ("print(1)", "raise SystemExit(3)", "print('x' * 200_000)"):
         await sandbox.run_python(code)
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+#: The names a ``python main.py`` program finds in its globals before its first line.
+SCRIPT_GLOBALS = ["__name__", "__doc__", "__package__", "__loader__", "__spec__",
+                  "__annotations__", "__builtins__", "__file__", "__cached__"]  # fmt: skip
+
+
+async def test_the_program_runs_as_a_main_script_with_fresh_globals(sandbox: Sandbox) -> None:
+    # The bootstrap runs the program in its own interpreter: none of its names may leak.
+    code = (
+        "import sys\n"
+        "import __main__\n"
+        "print(list(globals())[:-2])\n"  # less sys and __main__, imported above
+        "print(__name__, __file__, sys.argv, __main__.__dict__ is globals(), __spec__)\n"
+        "for name in ('cpu', 'mem', 'nproc', 'fsize', 'drop', 'main', 'r', 'os', 'program'):\n"
+        "    try:\n"
+        "        eval(name)\n"
+        "        print('leaked', name)\n"
+        "    except NameError:\n"
+        "        pass\n"
+    )
+    result = await sandbox.run_python(code)
+    assert result.ok, result.stderr
+    names, facts = result.stdout.splitlines()
+    assert names == repr(SCRIPT_GLOBALS)
+    name, path, argv, is_main_module, spec = facts.split(" ", 4)
+    assert name == "__main__" and path.endswith("/main.py") and os.path.isabs(path)
+    assert argv == repr([path]) and is_main_module == "True" and spec == "None"
+
+
+async def test_a_traceback_names_the_program_and_not_the_bootstrap(sandbox: Sandbox) -> None:
+    code = "def boom():\n    raise ValueError('boom')\n\n\nboom()\n"
+    result = await sandbox.run_python(code)
+    assert result.returncode == 1 and result.reason == "exit code 1"
+    lines = result.stderr.splitlines()
+    assert lines[0] == "Traceback (most recent call last):"
+    assert lines[-1] == "ValueError: boom"
+    frames = [line.strip() for line in lines if line.lstrip().startswith("File ")]
+    assert len(frames) == 2, result.stderr
+    assert frames[0].startswith('File "') and frames[0].endswith('main.py", line 5, in <module>')
+    assert frames[1].endswith('main.py", line 2, in boom')
+    assert "<string>" not in result.stderr
+
+
+async def test_exit_statuses_are_a_scripts(sandbox: Sandbox) -> None:
+    exited = await sandbox.run_python("import sys\nprint('out')\nsys.exit(3)")
+    assert exited.returncode == 3 and exited.stdout == "out\n" and exited.stderr == ""
+    message = await sandbox.run_python("raise SystemExit('bye')")
+    assert message.returncode == 1 and message.stderr == "bye\n"
+    syntax = await sandbox.run_python("x = 1\ndef (\n")
+    assert syntax.returncode == 1 and "Traceback" not in syntax.stderr
+    assert 'main.py", line 2' in syntax.stderr and "SyntaxError" in syntax.stderr
+    hooked = await sandbox.run_python(
+        "import sys\n"
+        "sys.excepthook = lambda t, v, tb: print(t.__name__, tb.tb_frame.f_code.co_filename)\n"
+        "1 / 0\n"
+    )
+    assert hooked.returncode == 1 and hooked.stderr == ""
+    kind, filename = hooked.stdout.split()
+    assert kind == "ZeroDivisionError" and filename.endswith("/main.py")
+    interrupted = await sandbox.run_python("raise KeyboardInterrupt")
+    assert interrupted.returncode == -2 and "KeyboardInterrupt" in interrupted.stderr
+
+
+async def test_the_limits_are_set_before_the_program_runs(sandbox: Sandbox) -> None:
+    limits = SandboxLimits(cpu_seconds=1.5, memory_bytes=300 * 1024**2, max_processes=7,
+                           file_size_bytes=4096)  # fmt: skip
+    code = (
+        "import resource as r\n"
+        "print([r.getrlimit(getattr(r, 'RLIMIT_' + name))\n"
+        "       for name in ('CPU', 'AS', 'NPROC', 'FSIZE', 'CORE')])\n"
+    )
+    result = await sandbox.run_python(code, limits=limits)
+    assert result.ok, result.stderr
+    expected = [(2, 3), (300 * 1024**2,) * 2, (7, 7), (4096, 4096), (0, 0)]
+    assert result.stdout == f"{expected}\n"
+
+
+async def test_bwrap_program_runs_as_nobody_without_capabilities(bwrap: Sandbox) -> None:
+    # As root the bootstrap's own user namespace grants every capability in it; the program
+    # (no longer exec'd, which cleared them) must start without any.
+    code = (
+        "for line in open('/proc/self/status'):\n"
+        "    if line.split(':')[0] in {'Uid', 'Gid', 'CapInh', 'CapPrm', 'CapEff', 'CapAmb'}:\n"
+        "        print(*line.split()[:2])\n"
+    )
+    result = await bwrap.run_python(code)
+    assert result.ok, result.stderr
+    status = dict(line.split() for line in result.stdout.splitlines())
+    assert status == {"Uid:": "65534", "Gid:": "65534", "CapInh:": "0" * 16,
+                      "CapPrm:": "0" * 16, "CapEff:": "0" * 16, "CapAmb:": "0" * 16}  # fmt: skip
