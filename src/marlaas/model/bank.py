@@ -393,13 +393,19 @@ class AdapterBank:
         r = entry.spec.rank
         for path in self._A:
             A_buf, B_buf = self._A[path][slot], self._B[path][slot]
-            A_buf.zero_()
-            B_buf.zero_()
             pair = tensors.get(path)
-            if pair is not None and r > 0:
-                A_buf[:r].copy_(pair[0])
-                # B carries the scale: the layers skip a multiplication per module.
-                B_buf[:, :r].copy_(pair[1] * entry.spec.scaling)
+            if pair is None or r == 0:
+                A_buf.zero_()
+                B_buf.zero_()
+                continue
+            # Only the ranks past the adapter's need clearing (one op fewer per module
+            # where it fills the slot, as it usually does): a page-in per new version.
+            if r < A_buf.shape[0]:
+                A_buf[r:].zero_()
+                B_buf[:, r:].zero_()
+            A_buf[:r].copy_(pair[0])
+            # B carries the scale: the layers skip a multiplication per module.
+            torch.mul(pair[1], entry.spec.scaling, out=B_buf[:, :r])
         self._scale_S[slot] = entry.spec.scaling
         self._slots[slot] = entry
         entry.slot = slot
