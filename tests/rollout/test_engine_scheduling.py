@@ -237,3 +237,28 @@ def test_more_tenants_than_slots_still_complete(
         assert out.token_ids == engine.generate([request])[0].token_ids
     with pytest.raises(TenantNotFound):
         engine.generate([_req(tokenizer, "u9", "x", 2)])
+
+
+def test_many_sessions_in_flight_all_keep_their_caches(
+    make_engine: Callable[..., RolloutEngine], tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """More sessions waiting on their next turn than the old entry bound (256): every
+    second turn continues its session's cache (the token bound is the memory's, and
+    300 short sessions stay well within it)."""
+    engine = make_engine(background=False)
+    firsts = [_req(tokenizer, f"t{i % 3}", f"ep {i}:", 2, session=f"ep-{i}") for i in range(300)]
+    outs = engine.generate(firsts)
+    seconds = [
+        RolloutRequest(
+            tenant=first.tenant,
+            prompt_ids=first.prompt_ids + out.token_ids + tuple(tokenizer.encode(" ok")),
+            sampling=first.sampling,
+            session=first.session,
+        )
+        for first, out in zip(firsts, outs, strict=True)
+    ]
+    before = engine.stats.reused_tokens
+    engine.generate(seconds)
+    # Each second turn reuses its first turn's prompt and completion but the last token.
+    want = sum(len(f.prompt_ids) + len(o.token_ids) - 1 for f, o in zip(firsts, outs, strict=True))
+    assert engine.stats.reused_tokens - before == want
