@@ -76,7 +76,9 @@ class RolloutEngine:
     needs to cover the sessions in flight, whose next turn waits on a tool: many tenants'
     groups at once. At 256 entries, a 32-tenant paper-regime run (`bench paper`) filled
     the count with 21k tokens cached and lost 1,672 of its 2,908 continued turns' caches
-    (112k prompt tokens run again); `MAX_SESSIONS` lets the token bound bind instead.
+    (112k prompt tokens run again); `MAX_SESSIONS` lets the token bound bind instead:
+    707 lost, and as many (724) with no bound reached, a turn whose adapter version
+    changed since the last one (its cache was computed under the old weights).
     """
 
     #: Token listeners are called as tokens are sampled ("Streaming" in the module doc).
