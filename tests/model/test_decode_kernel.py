@@ -4,8 +4,10 @@ what it does not take, and the engine's outputs do not depend on whether it is u
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,3 +115,18 @@ def test_switched_off_it_declines_everything(torch_path: None) -> None:
         q, k, k, torch.tensor([0, 0]), torch.tensor([2, 4]), 4, 1.0, None
     )
     assert out is None
+
+
+def test_builds_in_a_temporary_folder_without_a_writable_cache(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    readonly = tmp_path / "cache"
+    readonly.mkdir(mode=0o500)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(readonly / "sub"))
+    monkeypatch.setattr(kernels.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    if os.geteuid() == 0:  # root writes anywhere: make the cache a file instead
+        readonly.chmod(0o700)
+        (readonly / "sub").write_text("not a folder")
+    built = kernels._build(kernels._SOURCE, shutil.which("cc") or "gcc")
+    assert built.parent == tmp_path / "tmp" / f"marlaas-kernels-{os.getuid()}"
+    assert built.exists()

@@ -7,8 +7,9 @@ matmuls of `rows x kv heads` tiny matrices, whose per-matrix overhead, not the b
 sets their time: at 256 rows and ~90 columns they take ~1 ms each per layer.
 
 Build: the C source is compiled with the system's C compiler (`cc`, or `$CC`) into a
-shared library in the user's cache (`$XDG_CACHE_HOME/marlaas/kernels`, named by a hash
-of the source and flags, so a changed source builds again), written to a temporary
+shared library in the user's cache (`$XDG_CACHE_HOME/marlaas/kernels`, else a private
+temporary folder; named by a hash of the source and flags, so a changed source builds
+again), written to a temporary
 name and renamed, so concurrent processes never load a half-written file. It takes
 well under a second. Where there is no compiler, or the build or load fails, or
 `MARLAAS_NATIVE_KERNELS=0`, `decode_attention` returns None (logged once) and callers
@@ -56,10 +57,17 @@ def _build(source: Path, cc: str) -> Path:
     digest = hashlib.sha256(
         source.read_bytes() + " ".join([cc, *_COMPILE, *_LINK]).encode()
     ).hexdigest()[:16]
-    target = _cache_dir() / f"{source.stem}-{digest}.so"
+    name = f"{source.stem}-{digest}.so"
+    target = _cache_dir() / name
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:  # no writable cache (a read-only home): a per-user temporary one
+        target = Path(tempfile.gettempdir()) / f"marlaas-kernels-{os.getuid()}" / name
+        if target.exists():
+            return target
+        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         obj, lib = Path(tmp) / "kernel.o", Path(tmp) / "kernel.so"
         for argv in (
