@@ -26,6 +26,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -52,10 +53,21 @@ def _cache_dir() -> Path:
     return Path(root) / "marlaas" / "kernels"
 
 
+def _cpu() -> str:
+    """What `-march=native` compiles for: the machine and its CPU's feature flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + " " + flags.strip()
+
+
 def _build(source: Path, cc: str) -> Path:
     """The shared library of `source`, compiled unless the cache has it."""
+    # -march=native: a cache shared by machines of other CPUs must not hand them this one.
     digest = hashlib.sha256(
-        source.read_bytes() + " ".join([cc, *_COMPILE, *_LINK]).encode()
+        source.read_bytes() + " ".join([cc, *_COMPILE, *_LINK, _cpu()]).encode()
     ).hexdigest()[:16]
     name = f"{source.stem}-{digest}.so"
     target = _cache_dir() / name
