@@ -43,7 +43,12 @@ def forward_rows(
     # A 4-D mask is taken as given: Hugging Face builds no mask of its own (ours is in
     # the plan, one per window).
     mask = next(iter(plan.masks.values()))
-    with torch.no_grad(), model.lanes(bank.slot_lanes(slot_R)):
+    # Inference mode, not just no_grad: no version counters or view tracking, which a
+    # forward of ~2,000 small ops pays for (in-process A/B on the embedded base, median
+    # iteration: 1 row 6.42 vs 7.23 ms, 64 rows 12.8 vs 14.9, 256 rows 30.5 vs 33.0).
+    # The cache buffers and the bank's slots are allocated outside it, so they stay
+    # ordinary tensors that later in-place writes may update.
+    with torch.inference_mode(), model.lanes(bank.slot_lanes(slot_R)):
         out = model.base(
             input_ids=ids_RN,
             attention_mask=mask,
