@@ -40,7 +40,8 @@ fork bomb stops at `max_processes`). Under root, bwrap runs privileged keeping o
 CAP_SETUID/CAP_SETGID and the bootstrap drops to 65534 and unshares that namespace itself
 (then clears the capabilities it holds in it), because root ignores RLIMIT_NPROC and a user
 namespace made by bwrap as root maps 65534 to host root; not as root, bwrap makes it
-(``--uid 65534``). An exit status above 128 is read as a signal, as shells do.
+(``--uid 65534``). An exit status above 128 is read as a signal, as shells do. The child's
+command lines and its bootstrap program are `marlaas.envs.sandbox_child`'s.
 
 Backend ``rlimit`` (the fallback where bubblewrap is missing or cannot run, warned once per
 process) has the limits above and a temporary cwd but NO isolation: the program can use the
@@ -58,17 +59,15 @@ import dataclasses
 import functools
 import json
 import logging
-import math
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any, Literal
 
+from marlaas.envs.sandbox_child import MiB, base_python, bootstrap_args, bwrap_argv, child_env
 from marlaas.errors import ConfigError, SandboxError
 
 __all__ = ["Sandbox", "SandboxLimits", "SandboxResult", "default_sandbox"]
@@ -77,85 +76,9 @@ _log = logging.getLogger(__name__)
 
 Backend = Literal["bwrap", "rlimit"]
 
-MiB = 1 << 20
-#: The unprivileged uid and gid the program runs as under bwrap.
-NOBODY = 65534
 _INSTALL_HINT = "install it with `apt-get install bubblewrap`"
-#: Where the program's source lies inside the bwrap sandbox.
-_SANDBOX_MAIN = "/tmp/main.py"
 #: How long the output pipes may drain once the child is gone.
 _DRAIN_S = 1.0
-_PYTHON_FLAGS = ["-I", "-S", "-B", "-X", "utf8"]
-
-#: Runs in the child and then runs the program in the same interpreter (one interpreter start
-#: per call; see the module docstring); argv: cpu, memory, nproc, fsize, drop, main.
-#: With drop == "1" (bwrap ran as root) it becomes NOBODY and enters a user namespace of its
-#: own that maps NOBODY to itself, so RLIMIT_NPROC counts this sandbox only (where the
-#: kernel refuses that namespace, the count covers every uid-65534 process of the host).
-#: Entering it grants every capability inside it, which an exec as NOBODY would clear and
-#: none does now: capset clears them, and the process is made dumpable again (as an exec
-#: leaves it), so that its /proc/self stays readable to it. Then the program runs as
-#: ``python <flags> main`` would run it: a fresh ``__main__`` module (the globals and loader
-#: such a program has), sys.argv == [main], and an uncaught exception printed by
-#: sys.excepthook without this frame, exit 1 (a KeyboardInterrupt re-raised, so that the
-#: interpreter exits by SIGINT as it does).
-_BOOTSTRAP = f"""\
-import os, resource as r, sys
-cpu, mem, nproc, fsize, drop, main = sys.argv[1:]
-if drop == "1":
-    import ctypes
-    os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE, so that we may write our own maps
-    if libc.unshare(0x10000000) == 0:  # CLONE_NEWUSER
-        for path, text in (("self/setgroups", "deny"), ("self/uid_map", "{NOBODY} {NOBODY} 1"),
-                           ("self/gid_map", "{NOBODY} {NOBODY} 1"),
-                           ("sys/user/max_user_namespaces", "0")):
-            with open("/proc/" + path, "w") as f:
-                f.write(text)
-        # _LINUX_CAPABILITY_VERSION_3, this process; no effective, permitted, inheritable
-        if libc.capset((ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()) != 0:
-            raise OSError(ctypes.get_errno(), "capset")
-        libc.prctl(4, 1, 0, 0, 0)  # new credentials may have cleared it
-for res, value in ((r.RLIMIT_CORE, 0), (r.RLIMIT_AS, int(mem)), (r.RLIMIT_FSIZE, int(fsize)),
-                   (r.RLIMIT_NPROC, int(nproc))):
-    r.setrlimit(res, (value, value))
-r.setrlimit(r.RLIMIT_CPU, (int(cpu), int(cpu) + 1))
-sys.argv, sys.orig_argv = [main], [sys.executable, *{_PYTHON_FLAGS!r}, main]
-program = type(sys)("__main__")
-vars(program).update(__annotations__=dict(), __builtins__=__builtins__, __file__=main,
-                     __cached__=None)
-program.__loader__ = sys.modules["_frozen_importlib_external"].SourceFileLoader("__main__", main)
-sys.modules["__main__"] = program
-try:
-    with open(main, "rb") as f:
-        code = compile(f.read(), main, "exec", dont_inherit=True)
-    exec(code, vars(program))
-except SystemExit:
-    raise
-except BaseException as exc:
-    exc.__traceback__ = tb = exc.__traceback__.tb_next  # without this bootstrap's frame
-    sys.last_type, sys.last_value, sys.last_traceback = type(exc), exc, tb
-    hook = getattr(sys, "excepthook", None)
-    try:
-        if hook is None:
-            sys.stderr.write("sys.excepthook is missing\\n")
-            sys.__excepthook__(type(exc), exc, tb)
-        else:
-            hook(type(exc), exc, tb)
-    except SystemExit:
-        raise
-    except BaseException as error:  # as the interpreter reports a failing excepthook
-        error.__context__, error.__traceback__ = None, error.__traceback__.tb_next
-        sys.stderr.write("Error in sys.excepthook:\\n")
-        sys.__excepthook__(type(error), error, error.__traceback__)
-        sys.stderr.write("\\nOriginal exception was:\\n")
-        sys.__excepthook__(type(exc), exc, tb)
-    if isinstance(exc, KeyboardInterrupt):
-        sys.excepthook = lambda *args: None  # printed already
-        raise
-    raise SystemExit(1) from None
-"""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,8 +152,8 @@ class Sandbox:
             if self._backend == "rlimit":
                 return await self._run_rlimit(source, stdin_fd, limits)
             code_fd, (status_r, status_w) = _memfd(stack, source), _pipe(stack)
-            argv = _bwrap_argv(code_fd, status_w, len(source), limits)
-            return await _execute(argv, stdin_fd, limits, cwd="/", env=_env("/tmp"),
+            argv = bwrap_argv(code_fd, status_w, len(source), limits)
+            return await _execute(argv, stdin_fd, limits, cwd="/", env=child_env("/tmp"),
                                   pass_fds=(code_fd, status_w), status_fd=status_r)  # fmt: skip
 
     async def _run_rlimit(
@@ -241,8 +164,8 @@ class Sandbox:
             main = os.path.join(workdir, "main.py")
             with open(main, "wb") as f:
                 f.write(source)
-            argv = [_base_python(), *_bootstrap_args(limits, drop=False, main=main)]
-            return await _execute(argv, stdin_fd, limits, cwd=workdir, env=_env(workdir))
+            argv = [base_python(), *bootstrap_args(limits, drop=False, main=main)]
+            return await _execute(argv, stdin_fd, limits, cwd=workdir, env=child_env(workdir))
         finally:
             await asyncio.to_thread(shutil.rmtree, workdir, True)
 
@@ -251,63 +174,6 @@ class Sandbox:
 def default_sandbox() -> Sandbox:
     """The process-wide sandbox with default limits, made on first use."""
     return Sandbox()
-
-
-def _bootstrap_args(limits: SandboxLimits, *, drop: bool, main: str) -> list[str]:
-    cpu = max(1, math.ceil(limits.cpu_seconds))
-    numbers = (cpu, limits.memory_bytes, limits.max_processes, limits.file_size_bytes)
-    return [*_PYTHON_FLAGS, "-c", _BOOTSTRAP, *map(str, numbers), str(int(drop)), main]
-
-
-def _env(home: str) -> dict[str, str]:
-    return {"PATH": "/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8"}
-
-
-def _base_python() -> str:
-    """The real interpreter behind this one (a venv's python links to it)."""
-    return os.path.realpath(getattr(sys, "_base_executable", sys.executable))
-
-
-def _bwrap_argv(code_fd: int, status_fd: int, code_len: int, limits: SandboxLimits) -> list[str]:
-    """The bwrap command line running the program in `code_fd` ("/tmp/main.py" inside)."""
-    python, bwrap = _base_python(), shutil.which("bwrap") or "bwrap"
-    privileged = os.geteuid() == 0
-    # Not --unshare-all: as root it adds a user namespace that maps 65534 to host root.
-    argv = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts",
-            "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--clearenv",
-            "--json-status-fd", str(status_fd)]  # fmt: skip
-    if privileged:
-        argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
-    else:
-        argv += ["--unshare-user", "--uid", str(NOBODY), "--gid", str(NOBODY),
-                 "--disable-userns", "--cap-drop", "ALL"]  # fmt: skip
-    for name, value in _env("/tmp").items():
-        argv += ["--setenv", name, value]
-    tmp_size = code_len + 8 * limits.file_size_bytes + MiB
-    argv += [*_readonly_mounts(python), "--proc", "/proc", "--dev", "/dev",
-             "--perms", "1777", "--size", str(tmp_size), "--tmpfs", "/tmp",
-             "--perms", "0444", "--file", str(code_fd), _SANDBOX_MAIN, "--chdir", "/tmp",
-             "--", python]  # fmt: skip
-    return argv + _bootstrap_args(limits, drop=privileged, main=_SANDBOX_MAIN)
-
-
-def _readonly_mounts(python: str) -> list[str]:
-    """bwrap arguments for a read-only root of /usr, the top-level links and Python."""
-    argv = ["--ro-bind", "/usr", "/usr"]
-    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
-        if os.path.islink(top):
-            argv += ["--symlink", os.readlink(top), top]
-        elif os.path.isdir(top):
-            argv += ["--ro-bind", top, top]
-    prefix = os.path.realpath(sys.base_prefix)
-    if os.path.commonpath([prefix, "/usr"]) != "/usr":
-        # bwrap would create the mount point's parents as 0700 root: uid 65534 could not pass.
-        for parent in reversed(Path(prefix).parents[:-1]):
-            argv += ["--perms", "0755", "--dir", str(parent)]
-        argv += ["--ro-bind", prefix, prefix]
-    if not any(os.path.commonpath([python, root]) == root for root in (prefix, "/usr")):
-        raise SandboxError(f"the interpreter {python} lies outside {prefix} and /usr")
-    return argv
 
 
 def _memfd(stack: contextlib.ExitStack, data: bytes) -> int:
@@ -339,9 +205,9 @@ def _bwrap_problem() -> str | None:
     try:
         with contextlib.ExitStack() as stack:
             code_fd, (_, status_w) = _memfd(stack, source), _pipe(stack)
-            argv = _bwrap_argv(code_fd, status_w, len(source), SandboxLimits())
+            argv = bwrap_argv(code_fd, status_w, len(source), SandboxLimits())
             proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True,
-                                  cwd="/", env=_env("/tmp"), pass_fds=(code_fd, status_w),
+                                  cwd="/", env=child_env("/tmp"), pass_fds=(code_fd, status_w),
                                   timeout=30)  # fmt: skip
     except (SandboxError, OSError, subprocess.SubprocessError) as exc:
         return str(exc)
