@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from marlaas.envs import sandbox as sandbox_module
+from marlaas.envs import sandbox_child
 from marlaas.envs.sandbox import Sandbox, SandboxLimits, default_sandbox
 from marlaas.errors import ConfigError, SandboxError
 
@@ -261,9 +262,9 @@ async def test_bwrap_keeps_host_files_out_of_reach(bwrap: Sandbox, tmp_path: Pat
 async def test_bwrap_setup_failure_raises_sandbox_error(
     bwrap: Sandbox, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    mounts = sandbox_module._readonly_mounts
-    broken = [*mounts(sandbox_module._base_python()), "--ro-bind", "/nonexistent-marlaas", "/mnt"]
-    monkeypatch.setattr(sandbox_module, "_readonly_mounts", lambda python: broken)
+    mounts = sandbox_child._readonly_mounts
+    broken = [*mounts(sandbox_child.base_python()), "--ro-bind", "/nonexistent-marlaas", "/mnt"]
+    monkeypatch.setattr(sandbox_child, "_readonly_mounts", lambda python: broken)
     with pytest.raises(SandboxError, match="could not set up"):
         await bwrap.run_python("print('never runs')")
 
