@@ -26,7 +26,7 @@ import json
 import os
 import random
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 from marlaas.envs.base import Env, Example, Segment, Split, StepResult, TaskFamily
 from marlaas.errors import DataError
@@ -167,28 +167,49 @@ def unique_rows(
     return out
 
 
+class JSONLineError(ValueError):
+    """A line of a JSON Lines file that is not UTF-8 (`kind` "UTF-8") or not JSON
+    ("JSON"): its number and what the decoder said; callers word it for their readers."""
+
+    def __init__(self, lineno: int, kind: Literal["UTF-8", "JSON"], detail: str) -> None:
+        super().__init__(f"line {lineno}: not valid {kind} ({detail})")
+        self.lineno, self.kind, self.detail = lineno, kind, detail
+
+
+def json_lines(path: str | os.PathLike[str]) -> Iterator[tuple[int, object]]:
+    """(line number, parsed value) of each non-blank line of a JSON Lines file;
+    `JSONLineError` at the first line that is not UTF-8 JSON (`OSError` passes through)."""
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise JSONLineError(lineno, "UTF-8", exc.reason) from exc
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise JSONLineError(lineno, "JSON", f"{exc.msg} at column {exc.colno}") from exc
+            yield lineno, value
+
+
 def jsonl_rows(name: str, max_rows: int | None = None) -> Iterator[tuple[str, str, object]]:
     """(where, default id, raw row) of each non-blank line of a JSON Lines file, at most
     `max_rows`; `DataError` naming the file and line of one that is not UTF-8 JSON
     (`OSError` of the file passes through)."""
+    if max_rows is not None and max_rows <= 0:
+        return
     count = 0
-    with open(name, "rb") as fh:
-        for lineno, raw in enumerate(fh, start=1):
+    try:
+        for lineno, row in json_lines(name):
+            yield f"{name}:{lineno}", f"row-{lineno}", row
+            count += 1
             if max_rows is not None and count >= max_rows:
                 return
-            where = f"{name}:{lineno}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise DataError(f"{where}: not valid UTF-8 ({exc.reason})") from exc
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
-            count += 1
-            yield where, f"row-{lineno}", row
+    except JSONLineError as exc:
+        what = "not valid UTF-8" if exc.kind == "UTF-8" else "invalid JSON"
+        raise DataError(f"{name}:{exc.lineno}: {what} ({exc.detail})") from exc
 
 
 def load_jsonl_rows(

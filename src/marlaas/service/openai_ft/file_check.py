@@ -14,13 +14,13 @@ blocking: callers run them in a worker thread.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from marlaas.envs.conversations import parse_conversation
+from marlaas.envs.datasets import JSONLineError, json_lines
 from marlaas.errors import DataError
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -35,21 +35,14 @@ class FileCheck:
 
 def _rows(path: Path) -> Iterator[tuple[int, Any]]:
     """(line number, parsed row) of each non-blank line; `ValueError('line N: ...')`."""
-    with path.open("rb") as fh:
-        for lineno, raw in enumerate(fh, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise ValueError(f"line {lineno}: not valid UTF-8 ({exc.reason})") from None
-            if not line.strip():
-                continue
-            try:
-                yield lineno, json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(
-                    f"line {lineno}: not valid JSON ({exc.msg} at column {exc.colno}); each "
-                    "line must be one JSON object"
-                ) from None
+    try:
+        yield from json_lines(path)
+    except JSONLineError as exc:
+        if exc.kind == "UTF-8":
+            raise ValueError(f"line {exc.lineno}: not valid UTF-8 ({exc.detail})") from None
+        raise ValueError(
+            f"line {exc.lineno}: not valid JSON ({exc.detail}); each line must be one JSON object"
+        ) from None
 
 
 def _content_problem(content: object) -> str | None:
