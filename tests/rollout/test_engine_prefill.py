@@ -189,7 +189,8 @@ def _cost(forwards: list[list[int]]) -> int:
 @pytest.mark.parametrize("seed", range(20))
 def test_the_cheapest_cut_is_the_least_cost_of_all_cuts(seed: int) -> None:
     gen = random.Random(seed)
-    lengths = sorted((gen.randint(1, 200) for _ in range(gen.randint(1, 9))), reverse=True)
+    top = 200 if seed % 2 else 6  # odd seeds: runs of equal lengths
+    lengths = sorted((gen.randint(1, top) for _ in range(gen.randint(1, 9))), reverse=True)
     fixed = gen.choice([0, 16, 64, 500])
     spans = pack_cheapest(lengths, fixed)
     assert [a for a, _ in spans] == [0, *(b for _, b in spans[:-1])]  # a partition, in order
