@@ -334,21 +334,3 @@ def test_flattened_token_inputs_keep_each_rows_lane() -> None:
         torch.testing.assert_close(flat, expected.reshape(12, 5))
         with pytest.raises(ModelError, match="does not match a lane batch of 3"):
             layer(torch.randn(10, 6))
-
-
-def test_segments_gather_an_input_once_for_the_modules_that_share_it() -> None:
-    """q/k/v (gate/up) each pass a new view of one input: gathered once; a different
-    input, or the same one written in place since, is gathered again."""
-    from marlaas.model.lane_plan import Segments
-
-    segments, _ = Segments.of([0, 1, 0, 2], 3, torch.device("cpu"))
-    x = torch.randn(4, 2, 8)
-    first = segments.gathered(x.reshape(4, 16))
-    assert segments.gathered(x.reshape(4, 16)) is first
-    torch.testing.assert_close(first, x.reshape(4, 16).index_select(0, segments.gather))
-    x.mul_(2.0)
-    again = segments.gathered(x.reshape(4, 16))
-    assert again is not first
-    torch.testing.assert_close(again, x.reshape(4, 16).index_select(0, segments.gather))
-    other = torch.randn(4, 16)
-    torch.testing.assert_close(segments.gathered(other), other.index_select(0, segments.gather))

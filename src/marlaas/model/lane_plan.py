@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,17 +40,16 @@ class Segments:
     repeats a row; its result is dropped), and row `b`'s result is at `inverse[b]` of
     the padded layout.
 
-    The gathered input of the last call is kept (`last`): the modules that read the same
-    input (`q_proj`, `k_proj`, `v_proj`; `gate_proj`, `up_proj`) gather it once, where
-    its version counter proves it unwritten since (not in inference mode, the engine's:
-    there each module gathers its own; no measurable difference at 256 rows).
+    Each module gathers its own input: the modules that read the same one (`q_proj`,
+    `k_proj`, `v_proj`; `gate_proj`, `up_proj`) cannot prove it unwritten since in the
+    engine's inference mode (no version counter), and keeping a gather measured no
+    faster at 256 rows.
     """
 
     pieces: int
     size: int
     gather: Tensor
     inverse: Tensor
-    last: list[Any] = field(default_factory=list, repr=False, compare=False)
 
     @staticmethod
     def of(
@@ -89,27 +88,8 @@ class Segments:
         return segments, None if every_lane else lane_P
 
     def gathered(self, x_BD: Tensor) -> Tensor:
-        """`x_BD`'s rows in the padded layout (the last input's, when it is the same).
-
-        Each module hands over a new view of its input, so "the same" is the same
-        memory, shape, strides and version: the last input is kept, so its memory
-        cannot be another tensor's, and an in-place write since bumps its version."""
-        if x_BD.is_inference():  # no version counter: no proof it was not written since
-            return x_BD.index_select(0, self.gather)
-        if self.last and _same_data(self.last[0], x_BD) and self.last[2] == x_BD._version:
-            return self.last[1]
-        x_PD = x_BD.index_select(0, self.gather)
-        self.last[:] = [x_BD, x_PD, x_BD._version]
-        return x_PD
-
-
-def _same_data(a: Tensor, b: Tensor) -> bool:
-    return (
-        a.data_ptr() == b.data_ptr()
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-        and a.dtype == b.dtype
-    )
+        """`x_BD`'s rows in the padded layout."""
+        return x_BD.index_select(0, self.gather)
 
 
 @dataclass(frozen=True)
