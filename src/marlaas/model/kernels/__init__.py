@@ -48,9 +48,18 @@ _PTR = ctypes.c_void_p
 _F32 = ctypes.c_float
 
 
-def _cache_dir() -> Path:
+def _kernel_dir() -> Path:
+    """The user cache's kernel folder, else (a read-only home) a private temporary one."""
     root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(root) / "marlaas" / "kernels"
+    folder = Path(root) / "marlaas" / "kernels"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not os.access(folder, os.W_OK):
+            raise PermissionError(folder)
+    except OSError:
+        folder = Path(tempfile.gettempdir()) / f"marlaas-kernels-{os.getuid()}"
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return folder
 
 
 def _cpu() -> str:
@@ -69,17 +78,9 @@ def _build(source: Path, cc: str) -> Path:
     digest = hashlib.sha256(
         source.read_bytes() + " ".join([cc, *_COMPILE, *_LINK, _cpu()]).encode()
     ).hexdigest()[:16]
-    name = f"{source.stem}-{digest}.so"
-    target = _cache_dir() / name
+    target = _kernel_dir() / f"{source.stem}-{digest}.so"
     if target.exists():
         return target
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-    except OSError:  # no writable cache (a read-only home): a per-user temporary one
-        target = Path(tempfile.gettempdir()) / f"marlaas-kernels-{os.getuid()}" / name
-        if target.exists():
-            return target
-        target.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         obj, lib = Path(tmp) / "kernel.o", Path(tmp) / "kernel.so"
         for argv in (
