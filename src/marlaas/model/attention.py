@@ -99,10 +99,8 @@ class AttentionPlan:
         if window not in self.spans:
             self.mask(window)  # the same error for a window the plan was not built for
             end_R = (self.positions_RN[:, -1] + 1).to("cpu", torch.int64).contiguous()
-            if window is None:
-                start_R = torch.zeros_like(end_R)
-            else:
-                start_R = (end_R - window).clamp_(min=0)
+            first_R = end_R - window if window is not None else end_R.new_zeros(end_R.shape)
+            start_R = first_R.clamp_(min=0)
             n_R = end_R - start_R
             widest = int(n_R.max()) if int(n_R.min()) > 0 else 0
             self.spans[window] = (start_R, end_R, widest)
