@@ -127,6 +127,6 @@ def test_builds_in_a_temporary_folder_without_a_writable_cache(
     if os.geteuid() == 0:  # root writes anywhere: make the cache a file instead
         readonly.chmod(0o700)
         (readonly / "sub").write_text("not a folder")
-    built = kernels._build(kernels._SOURCE, shutil.which("cc") or "gcc")
+    built = kernels._build(kernels._source("decode_attention"), shutil.which("cc") or "gcc")
     assert built.parent == tmp_path / "tmp" / f"marlaas-kernels-{os.getuid()}"
     assert built.exists()

@@ -1,6 +1,7 @@
-"""The engine's decode attention through the native kernel and through torch's batched
-matmuls give the same completions: sampled tokens and log-probs, many rows of mixed
-lengths and tenants decoding together (`marlaas.model.kernels`)."""
+"""The engine through the native kernels (decode attention, the per-row LoRA update) and
+through torch's batched matmuls gives the same completions: sampled tokens and
+log-probs, many rows of mixed lengths and tenants decoding together
+(`marlaas.model.kernels`)."""
 
 from __future__ import annotations
 

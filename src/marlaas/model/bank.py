@@ -311,7 +311,11 @@ class AdapterBank:
             if path in modules and path not in self._A:
                 fan_in, fan_out = shapes[path]
                 self._A[path] = torch.zeros(S, r, fan_in, device=dev, dtype=self._dtype)
-                self._B[path] = torch.zeros(S, fan_out, r, device=dev, dtype=self._dtype)
+                # Rank-major (`out` contiguous) under PEFT's `[S, out, r]` view: how the
+                # native LoRA kernel reads B in place (`marlaas.model.kernels.lora_rows`).
+                self._B[path] = torch.zeros(S, r, fan_out, device=dev, dtype=self._dtype).transpose(
+                    1, 2
+                )
 
     def _get(self, tenant: str) -> _Tenant:
         record = self._tenants.get(tenant)

@@ -12,7 +12,12 @@ and picks the cheapest exact layout for `marlaas.model.lora.MultiLoRALinear`:
   two dense matmuls per piece, and scattered back: a copy of each row's activations
   instead of a copy of its lane's weights.
 
-Both give every row exactly `scale[lane] * (x A[lane]^T) B[lane]^T`, gradients
+Without gradients on the CPU (the engine), rows that each have their own lane skip
+both layouts: the native kernel `marlaas.model.kernels.lora_rows` adds every row's
+update in place, reading its lane's weights where they lie (`RowLanes`); where it does
+not apply (another device or dtype, no compiler) the segments or per-row blocks run.
+
+All give every row exactly `scale[lane] * (x A[lane]^T) B[lane]^T`, gradients
 included; `scale` is skipped when the weights carry it (`LaneBatch.prescaled`).
 
 With gradients on (the trainer), blocks run through `BlockLoRA`, one autograd node per
@@ -31,6 +36,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from marlaas.model.kernels import lora_rows
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,29 @@ class Segments:
 
 
 @dataclass(frozen=True)
+class RowLanes:
+    """Rows that each use their own lane, for the native kernel: the lane of every row,
+    the rows sorted by lane (each lane's weights are then prepared once) and the
+    per-lane scales (None: the weights carry them)."""
+
+    lane_N: Tensor
+    order_N: Tensor
+    scale_L: Tensor | None
+
+    @staticmethod
+    def of(lanes_B: list[int], lane_B: Tensor, scale_L: Tensor | None) -> RowLanes | None:
+        """None off the CPU, where the kernel never applies."""
+        if lane_B.device.type != "cpu":
+            return None
+        order = sorted(range(len(lanes_B)), key=lanes_B.__getitem__)
+        return RowLanes(
+            lane_N=lane_B.to(torch.long).contiguous(),
+            order_N=torch.tensor(order, dtype=torch.long),
+            scale_L=scale_L,
+        )
+
+
+@dataclass(frozen=True)
 class LanePlan:
     """How one lane batch applies its adapters, made once per `lanes()` context.
 
@@ -108,6 +138,9 @@ class LanePlan:
     (`Segments`) and each piece runs two dense matmuls on its lane's weights: a few
     small copies of activations instead of a copy of the weights for every row.
     `lane_K`/`scale_K` are then per piece.
+
+    `rows` (both cases of one row per block): what the native kernel needs to skip
+    either layout when no gradient is wanted (see the module doc).
     """
 
     size: int
@@ -116,6 +149,7 @@ class LanePlan:
     #: Per block or piece; None when the weights carry the scales (`LaneBatch.prescaled`).
     scale_K: Tensor | None
     segments: Segments | None = None
+    rows: RowLanes | None = None
 
     @staticmethod
     def of(
@@ -141,31 +175,40 @@ class LanePlan:
 
         if lanes_K == list(range(num_lanes)):
             return LanePlan(size, len(lanes_K), None, scales(None))
+        rows = RowLanes.of(lanes_B, lane_B, scale_L) if size == 1 else None
         if size == 1 and 2 * tokens < rank:
             # Per-row blocks would copy every row's weights (rank x features each); the
             # segments copy each row's activations twice (tokens x features).
             segments, lanes_P = Segments.of(lanes_B, num_lanes, lane_B.device)
             if lanes_P is None:
-                return LanePlan(1, segments.pieces, None, scales(None), segments)
+                return LanePlan(1, segments.pieces, None, scales(None), segments, rows)
             lane_P = torch.tensor(lanes_P, dtype=torch.long, device=lane_B.device)
-            return LanePlan(1, segments.pieces, lane_P, scales(lane_P), segments)
+            return LanePlan(1, segments.pieces, lane_P, scales(lane_P), segments, rows)
         if size == 1:
-            return LanePlan(1, len(lanes_B), lane_B, None if scale_L is None else scale_B)
+            scale_K = None if scale_L is None else scale_B
+            return LanePlan(1, len(lanes_B), lane_B, scale_K, rows=rows)
         lane_K = torch.tensor(lanes_K, dtype=torch.long, device=lane_B.device)
         return LanePlan(size, len(lanes_K), lane_K, scales(lane_K))
 
     def apply(self, x_BTi: Tensor, A_Lri: Tensor, B_Lor: Tensor, y_BTo: Tensor) -> Tensor:
-        """`y_BTo` plus the LoRA update of rows `x_BTi` (both `[B, T, features]`)."""
+        """`y_BTo` plus the LoRA update of rows `x_BTi` (both `[B, T, features]`); without
+        gradients, where the native kernel applies, written into `y_BTo` itself."""
+        grad = torch.is_grad_enabled() and (
+            A_Lri.requires_grad or B_Lor.requires_grad or x_BTi.requires_grad
+        )
+        rows = self.rows
+        if (
+            rows is not None
+            and not grad
+            and lora_rows(x_BTi, y_BTo, A_Lri, B_Lor, rows.lane_N, rows.order_N, rows.scale_L)
+        ):
+            return y_BTo
         if self.segments is not None:
             return self._apply_segments(self.segments, x_BTi, A_Lri, B_Lor, y_BTo)
         K, n = self.blocks, self.size
         # Blocks of one row are the rows themselves: no reshapes (decode is op-bound).
         x_Kni = x_BTi if n == 1 else x_BTi.reshape(K, -1, x_BTi.shape[-1])
-        if (
-            torch.is_grad_enabled()
-            and (A_Lri.requires_grad or B_Lor.requires_grad or x_BTi.requires_grad)
-            and x_BTi.dtype == A_Lri.dtype == B_Lor.dtype == y_BTo.dtype
-        ):
+        if grad and x_BTi.dtype == A_Lri.dtype == B_Lor.dtype == y_BTo.dtype:
             y_Kno = y_BTo if n == 1 else y_BTo.reshape(K, -1, y_BTo.shape[-1])
             scale_K = None if self.scale_K is None else self.scale_K.to(x_BTi.dtype)
             out = BlockLoRA.apply(x_Kni, A_Lri, B_Lor, y_Kno, self.lane_K, scale_K)

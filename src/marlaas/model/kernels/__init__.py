@@ -1,18 +1,23 @@
 """Native CPU kernels for the few steps torch has no fused kernel for, built on first use.
 
-`decode_attention` is the engine's decode attention (one query token per row) over the
-slot cache: one pass over each row's own keys and values, shared by the query heads of
-a group (`decode_attention.c`). torch on the CPU runs the same product as two batched
-matmuls of `rows x kv heads` tiny matrices, whose per-matrix overhead, not the bytes,
-sets their time: at 256 rows and ~90 columns they take ~1 ms each per layer.
+- `decode_attention` is the engine's decode attention (one query token per row) over
+  the slot cache: one pass over each row's own keys and values, shared by the query
+  heads of a group (`decode_attention.c`). torch on the CPU runs the same product as two
+  batched matmuls of `rows x kv heads` tiny matrices, whose per-matrix overhead, not the
+  bytes, sets their time: at 256 rows and ~90 columns they take ~1 ms each per layer.
+- `lora_rows` adds the LoRA update of rows that each use their own adapter (a decode
+  batch of many tenants) in place, reading every lane's weights where they lie
+  (`lora_rows.c`). torch's way is a gather of the rows into per-lane pieces, two
+  batched matmuls of `lanes` tiny matrices (`[rows per lane, in] x [in, r]`), a scatter
+  back and an add: five ops per layer whose per-matrix overhead again sets the time.
 
-Build: the C source is compiled with the system's C compiler (`cc`, or `$CC`) into a
+Build: each C source is compiled with the system's C compiler (`cc`, or `$CC`) into a
 shared library in the user's cache (`$XDG_CACHE_HOME/marlaas/kernels`, else a private
 temporary folder; named by a hash of the source and flags, so a changed source builds
 again), written to a temporary
 name and renamed, so concurrent processes never load a half-written file. It takes
 well under a second. Where there is no compiler, or the build or load fails, or
-`MARLAAS_NATIVE_KERNELS=0`, `decode_attention` returns None (logged once) and callers
+`MARLAAS_NATIVE_KERNELS=0`, the kernels decline (None or False, logged once) and callers
 keep torch's path: the kernels change speed, never results beyond float rounding.
 
 Only float32 CPU tensors whose last axis is contiguous are taken; anything else is
@@ -31,14 +36,14 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["decode_attention", "native_kernels"]
+__all__ = ["decode_attention", "lora_rows", "native_kernels"]
 
 _log = logging.getLogger(__name__)
-_SOURCE = Path(__file__).with_name("decode_attention.c")
 #: Vectorised exp (glibc's libmvec) needs -ffast-math when compiling; linking stays
 #: plain, so the library does not switch the process's float mode (crtfastmath).
 _COMPILE = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c11"]
@@ -46,6 +51,29 @@ _LINK = ["-shared", "-lmvec", "-lm"]
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 _F32 = ctypes.c_float
+#: Every kernel: its source's stem (`<stem>.c`), its function and the function's
+#: argument types, in the order of the C signature.
+_KERNELS: dict[str, tuple[str, list[type]]] = {
+    "decode_attention": (
+        "decode_attention_f32",
+        [
+            *(_I64, _I64, _I64, _I64),
+            *(_PTR, _I64, _I64, _PTR, _PTR),
+            *(_I64, _I64, _I64),
+            *(_PTR, _PTR, _F32, _F32, _PTR, _PTR),
+        ],
+    ),
+    "lora_rows": (
+        "lora_rows_f32",
+        [
+            *(_I64, _I64, _I64, _I64, _I64),
+            *(_PTR, _PTR),
+            *(_PTR, _I64, _I64),
+            *(_PTR, _I64, _I64, _I64),
+            *(_PTR, _PTR, _PTR, _PTR),
+        ],
+    ),
+}
 
 
 def _kernel_dir() -> Path:
@@ -72,6 +100,10 @@ def _cpu() -> str:
     return platform.machine() + " " + flags.strip()
 
 
+def _source(stem: str) -> Path:
+    return Path(__file__).with_name(f"{stem}.c")
+
+
 def _build(source: Path, cc: str) -> Path:
     """The shared library of `source`, compiled unless the cache has it."""
     # -march=native: a cache shared by machines of other CPUs must not hand them this one.
@@ -93,37 +125,36 @@ def _build(source: Path, cc: str) -> Path:
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def _library(stem: str) -> Any:
+    """Kernel `stem`'s C function, built and loaded on first use; None where it cannot
+    be (see the module doc)."""
     if os.environ.get("MARLAAS_NATIVE_KERNELS", "1") == "0":
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        _log.warning("no C compiler: the engine's decode attention stays on torch's path")
+        _log.warning("no C compiler: the native kernels are off, torch's path is used")
         return None
+    name, argtypes = _KERNELS[stem]
     try:
-        lib = ctypes.CDLL(str(_build(_SOURCE, cc)))
+        lib = ctypes.CDLL(str(_build(_source(stem), cc)))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", b"") or b""
         _log.warning(
-            "could not build the native decode attention (%s %s); torch's path is used",
+            "could not build the native kernel %s (%s %s); torch's path is used",
+            stem,
             exc,
             detail.decode(errors="replace")[-500:],
         )
         return None
-    fn = lib.decode_attention_f32
+    fn = getattr(lib, name)
     fn.restype = None
-    fn.argtypes = [  # see decode_attention.c
-        *(_I64, _I64, _I64, _I64),
-        *(_PTR, _I64, _I64, _PTR, _PTR),
-        *(_I64, _I64, _I64),
-        *(_PTR, _PTR, _F32, _F32, _PTR, _PTR),
-    ]
-    return lib
+    fn.argtypes = argtypes
+    return fn
 
 
 def native_kernels() -> bool:
-    """Whether the native kernels are built and loaded in this process."""
-    return _library() is not None
+    """Whether every native kernel is built and loaded in this process."""
+    return all(_library(stem) is not None for stem in _KERNELS)
 
 
 def decode_attention(
@@ -141,11 +172,11 @@ def decode_attention(
     not apply (see the module doc). `start_R`/`end_R` are contiguous int64 CPU tensors
     with `0 <= start < end <= S`; `widest` is the largest `end - start` (0: some row
     attends no column, which the kernel does not take)."""
-    lib = _library()
+    kernel = _library("decode_attention")
     R, H, N, D = query.shape
     Hkv = int(key.shape[1])
     if (
-        lib is None
+        kernel is None
         or N != 1
         or widest < 1
         or widest > int(key.shape[2])
@@ -161,7 +192,7 @@ def decode_attention(
         return None
     out = torch.empty((R, 1, H, D), dtype=torch.float32)
     scratch = torch.empty((H // Hkv) * widest, dtype=torch.float32)
-    lib.decode_attention_f32(
+    kernel(
         R,
         H,
         Hkv,
@@ -182,3 +213,64 @@ def decode_attention(
         scratch.data_ptr(),
     )
     return out
+
+
+def lora_rows(
+    x_NTi: Tensor,
+    y_NTo: Tensor,
+    A_Lri: Tensor,
+    B_Lor: Tensor,
+    lane_N: Tensor,
+    order_N: Tensor,
+    scale_L: Tensor | None,
+) -> bool:
+    """Add `scale_L[l] * (x A_L[l]^T) B_L[l]^T` to the `T` tokens of every row `n` of
+    `y_NTo [N, T, out]`, `l = lane_N[n]`, in place; False (nothing written) where the
+    kernel does not apply (see the module doc). `order_N` is the rows sorted by lane
+    (any order is exact; sorted, each lane's `B` is prepared once); `scale_L` None: the
+    weights carry their scales. `x_NTi` and `y_NTo` must be contiguous, `B_Lor` either
+    contiguous along `r` (PEFT's layout) or along `out` (rank-major, read in place),
+    `lane_N` and `order_N` contiguous int64 with lanes in `[0, L)`."""
+    kernel = _library("lora_rows")
+    N, T, fan_in = x_NTi.shape
+    L, r, _ = A_Lri.shape
+    fan_out = int(y_NTo.shape[-1])
+    if (
+        kernel is None
+        or not all(
+            t.device.type == "cpu" and t.dtype == torch.float32
+            for t in (x_NTi, y_NTo, A_Lri, B_Lor)
+        )
+        or not (x_NTi.is_contiguous() and y_NTo.is_contiguous())
+        or A_Lri.stride(-1) != 1
+        or 1 not in (B_Lor.stride(1), B_Lor.stride(2))
+        or tuple(B_Lor.shape) != (L, fan_out, r)
+        or tuple(y_NTo.shape[:2]) != (N, T)
+        or lane_N.dtype != torch.int64
+        or not (lane_N.is_contiguous() and order_N.is_contiguous())
+        or (scale_L is not None and (scale_L.dtype != torch.float32 or not scale_L.is_contiguous()))
+    ):
+        return False
+    # B rank-major (`out` contiguous, the adapter bank's layout) is read in place.
+    scratch = torch.empty(1 if B_Lor.stride(1) == 1 else r * fan_out, dtype=torch.float32)
+    kernel(
+        N,
+        T,
+        fan_in,
+        fan_out,
+        r,
+        x_NTi.data_ptr(),
+        y_NTo.data_ptr(),
+        A_Lri.data_ptr(),
+        A_Lri.stride(0),
+        A_Lri.stride(1),
+        B_Lor.data_ptr(),
+        B_Lor.stride(0),
+        B_Lor.stride(1),
+        B_Lor.stride(2),
+        lane_N.data_ptr(),
+        order_N.data_ptr(),
+        0 if scale_L is None else scale_L.data_ptr(),
+        scratch.data_ptr(),
+    )
+    return True

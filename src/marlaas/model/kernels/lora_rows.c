@@ -1,0 +1,130 @@
+/* The LoRA update of rows that each use their own adapter, added in place:
+ *
+ *     y[u, t] += scale[lane[u]] * B[lane[u]] (A[lane[u]] x[u, t])
+ *
+ * for the `T` tokens t of every unit u (a decode row, or a row of a few tokens). Each
+ * token reads its lane's weights where they lie (no per-row copy of the weights, no
+ * gather of the activations into per-lane pieces, no scatter back): two small
+ * matrix-vector products per token, in vector registers.
+ *
+ * - down, h = A x: eight rank rows at a time, each a vector accumulator over `in`.
+ * - up, y += B h: along `out`, one vector of y at a time kept in a register while the
+ *   `r` columns of B add into it. That reads B rank-major (`out` contiguous), which is
+ *   how the adapter bank stores it; B in PEFT's own layout (`r` contiguous) is
+ *   transposed into `scratch` once per run of a lane's units, visited in `order` (the
+ *   caller sorts them by lane).
+ *
+ * Layouts (float32): x [U * T, in] and y [U * T, out] contiguous; A [L, r, in] with
+ * strides a_sl, a_sr (the last axis contiguous); B [L, out, r] with strides b_sl, b_so,
+ * b_sr (one of b_so, b_sr is 1); lane and order [U]; scale [L], or NULL for weights
+ * that carry their scale; r <= 64. `scratch` holds r * out floats (used when b_so != 1).
+ */
+#include <stdint.h>
+
+#define W 16
+typedef float vf __attribute__((vector_size(W * sizeof(float)), aligned(4), may_alias));
+#define GROUP 8
+
+static inline float hsum(vf v) {
+    float s = 0.0f;
+    for (int i = 0; i < W; ++i) s += v[i];
+    return s;
+}
+
+/* h[k] = s * (A_k . x) for k < r. A group past r repeats row r - 1 (results unused). */
+static inline void down(const float *A, int64_t a_sr, int64_t r, const float *x, int64_t in,
+                        float s, float *h) {
+    for (int64_t k0 = 0; k0 < r; k0 += GROUP) {
+        const float *row[GROUP];
+        for (int g = 0; g < GROUP; ++g) row[g] = A + (k0 + g < r ? k0 + g : r - 1) * a_sr;
+        vf acc[GROUP] = {{0}};
+        int64_t i = 0;
+        for (; i + W <= in; i += W) {
+            const vf xv = *(const vf *)(x + i);
+            for (int g = 0; g < GROUP; ++g) acc[g] += *(const vf *)(row[g] + i) * xv;
+        }
+        for (int g = 0; g < GROUP && k0 + g < r; ++g) {
+            float dot = hsum(acc[g]);
+            for (int64_t j = i; j < in; ++j) dot += row[g][j] * x[j];
+            h[k0 + g] = dot * s;
+        }
+    }
+}
+
+/* y[o] += sum_k h[k] * Bt[k * bt_sk + o], four vectors of y at a time (independent
+ * chains of `r` multiply-adds, so they overlap). */
+static inline void up(const float *Bt, int64_t bt_sk, int64_t r, const float *h, float *y,
+                      int64_t out) {
+    int64_t o = 0;
+    for (; o + 4 * W <= out; o += 4 * W) {
+        vf a0 = *(vf *)(y + o), a1 = *(vf *)(y + o + W);
+        vf a2 = *(vf *)(y + o + 2 * W), a3 = *(vf *)(y + o + 3 * W);
+        for (int64_t k = 0; k < r; ++k) {
+            const float hk = h[k];
+            const float *b = Bt + k * bt_sk + o;
+            a0 += hk * *(const vf *)b;
+            a1 += hk * *(const vf *)(b + W);
+            a2 += hk * *(const vf *)(b + 2 * W);
+            a3 += hk * *(const vf *)(b + 3 * W);
+        }
+        *(vf *)(y + o) = a0;
+        *(vf *)(y + o + W) = a1;
+        *(vf *)(y + o + 2 * W) = a2;
+        *(vf *)(y + o + 3 * W) = a3;
+    }
+    for (; o + W <= out; o += W) {
+        vf acc = *(vf *)(y + o);
+        for (int64_t k = 0; k < r; ++k) acc += h[k] * *(const vf *)(Bt + k * bt_sk + o);
+        *(vf *)(y + o) = acc;
+    }
+    for (; o < out; ++o) {
+        float acc = y[o];
+        for (int64_t k = 0; k < r; ++k) acc += h[k] * Bt[k * bt_sk + o];
+        y[o] = acc;
+    }
+}
+
+/* One lane's run of units: `r` as a compile-time constant for the common ranks (the
+ * loops over it unroll). */
+static inline __attribute__((always_inline)) void tokens(
+    int64_t T, int64_t in, int64_t out, const int64_t r, const float *x, float *y,
+    const float *Al, int64_t a_sr, const float *Bt, int64_t bt_sk, float s, int64_t u) {
+    float h[64];
+    for (int64_t t = 0; t < T; ++t) {
+        down(Al, a_sr, r, x + (u * T + t) * in, in, s, h);
+        up(Bt, bt_sk, r, h, y + (u * T + t) * out, out);
+    }
+}
+
+void lora_rows_f32(int64_t U, int64_t T, int64_t in, int64_t out, int64_t r,
+                   const float *x, float *y,
+                   const float *A, int64_t a_sl, int64_t a_sr,
+                   const float *B, int64_t b_sl, int64_t b_so, int64_t b_sr,
+                   const int64_t *lane, const int64_t *order, const float *scale,
+                   float *scratch) {
+    int64_t current = -1;
+    const float *Bt = scratch;
+    int64_t bt_sk = out;
+    for (int64_t j = 0; j < U; ++j) {
+        const int64_t u = order[j];
+        const int64_t l = lane[u];
+        if (l != current) {
+            const float *Bl = B + l * b_sl;
+            if (b_so == 1) {  /* rank-major already: read in place */
+                Bt = Bl;
+                bt_sk = b_sr;
+            } else {
+                for (int64_t o = 0; o < out; ++o)
+                    for (int64_t k = 0; k < r; ++k) scratch[k * out + o] = Bl[o * b_so + k * b_sr];
+            }
+            current = l;
+        }
+        const float *Al = A + l * a_sl;
+        const float s = scale ? scale[l] : 1.0f;
+        switch (r) {
+            case 8: tokens(T, in, out, 8, x, y, Al, a_sr, Bt, bt_sk, s, u); break;
+            case 16: tokens(T, in, out, 16, x, y, Al, a_sr, Bt, bt_sk, s, u); break;
+            default: tokens(T, in, out, r, x, y, Al, a_sr, Bt, bt_sk, s, u);
+        }
+    }
+}

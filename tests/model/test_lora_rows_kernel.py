@@ -1,0 +1,132 @@
+"""The native per-row LoRA update (`marlaas.model.kernels.lora_rows`) equals the plain
+product for every row's own lane (both layouts of B, scales or none, ranks with and
+without a specialised loop, features off the vector width, several tokens a row, any
+order), declines what it does not take without writing, and is what `LanePlan` runs
+for a decode batch without gradients, and not with them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from marlaas.model import kernels
+from marlaas.model.lane_plan import LanePlan
+
+
+def reference(x: Tensor, y: Tensor, A: Tensor, B: Tensor, lane: Tensor, scale: Tensor | None):
+    """Row by row in float64: `y + s * B[l] (A[l] x)`."""
+    out = y.double().clone()
+    for n in range(x.shape[0]):
+        k = int(lane[n])
+        s = 1.0 if scale is None else float(scale[k])
+        out[n] += s * (x[n].double() @ A[k].double().T) @ B[k].double().T
+    return out
+
+
+def weights(L: int, r: int, fan_in: int, fan_out: int, rank_major: bool, g: torch.Generator):
+    """Views of bigger slot buffers (rank cut), as the adapter bank hands them over."""
+    A = torch.randn(L, r + 3, fan_in, generator=g)[:, :r]
+    if rank_major:
+        B = torch.randn(L, r + 3, fan_out, generator=g).transpose(1, 2)[:, :, :r]
+    else:
+        B = torch.randn(L, fan_out, r + 3, generator=g)[:, :, :r]
+    return A, B
+
+
+@pytest.mark.parametrize(
+    ("r", "fan_in", "fan_out", "T", "rank_major", "scaled"),
+    [
+        (8, 128, 352, 1, True, False),  # the embedded base's MLP, as the bank holds it
+        (16, 64, 40, 1, True, True),
+        (5, 24, 17, 3, False, True),  # no specialised rank, features off the vector width
+        (8, 33, 130, 2, False, False),
+        (12, 16, 64, 1, True, False),  # a rank group past r (12 = 8 + 4)
+    ],
+)
+def test_equals_each_rows_own_lane(
+    r: int, fan_in: int, fan_out: int, T: int, rank_major: bool, scaled: bool
+) -> None:
+    assert kernels.native_kernels()
+    g = torch.Generator().manual_seed(r * 1000 + fan_in)
+    L, N = 6, 11
+    A, B = weights(L, r, fan_in, fan_out, rank_major, g)
+    lane = torch.tensor([3, 0, 5, 3, 1, 1, 5, 2, 3, 0, 4])
+    scale = torch.rand(L, generator=g) if scaled else None
+    x, y = torch.randn(N, T, fan_in, generator=g), torch.randn(N, T, fan_out, generator=g)
+    want = reference(x, y, A, B, lane, scale)
+    for order in (torch.argsort(lane, stable=True), torch.randperm(N, generator=g)):
+        got = y.clone()
+        assert kernels.lora_rows(x, got, A, B, lane, order, scale)
+        torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
+
+
+def test_declines_what_it_does_not_take_and_writes_nothing() -> None:
+    g = torch.Generator().manual_seed(0)
+    A, B = weights(3, 4, 8, 8, True, g)
+    lane, order = torch.tensor([0, 2]), torch.tensor([0, 1])
+    x, y = torch.randn(2, 1, 8, generator=g), torch.randn(2, 1, 8, generator=g)
+    before = y.clone()
+    declined = {
+        "float64": (x.double(), y.double(), A.double(), B.double(), lane, order, None),
+        "a strided input": (torch.randn(2, 1, 16)[:, :, ::2], y, A, B, lane, order, None),
+        "B strided on both axes": (x, y, A, torch.randn(3, 8, 8)[:, :, ::2], lane, order, None),
+        "A strided along in": (
+            x,
+            y,
+            A.transpose(1, 2).contiguous().transpose(1, 2),
+            B,
+            lane,
+            order,
+            None,
+        ),
+        "int32 lanes": (x, y, A, B, lane.int(), order, None),
+        "float64 scales": (x, y, A, B, lane, order, torch.ones(3, dtype=torch.float64)),
+    }
+    for case, args in declined.items():
+        assert not kernels.lora_rows(*args), case
+    assert torch.equal(y, before)
+    assert kernels.lora_rows(x, y, A, B, lane, order, None)
+    assert not torch.equal(y, before)
+
+
+def test_switched_off_it_declines(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MARLAAS_NATIVE_KERNELS", "0")
+    kernels._library.cache_clear()
+    try:
+        A, B = weights(2, 4, 8, 8, True, torch.Generator().manual_seed(1))
+        x, y = torch.randn(1, 1, 8), torch.randn(1, 1, 8)
+        assert not kernels.lora_rows(x, y, A, B, torch.tensor([1]), torch.tensor([0]), None)
+    finally:
+        monkeypatch.delenv("MARLAAS_NATIVE_KERNELS")
+        kernels._library.cache_clear()
+
+
+def test_lane_plan_runs_it_without_gradients_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    g = torch.Generator().manual_seed(2)
+    L, N, r = 5, 12, 8
+    A, B = weights(L, r, 16, 24, True, g)
+    lane = torch.tensor([1, 2, 3, 4] * 3)  # interleaved lanes: a decode batch's segments
+    plan = LanePlan.of(lane, L, None, torch.ones(N), 1, r)
+    assert plan.rows is not None and plan.segments is not None
+    x, y = torch.randn(N, 1, 16, generator=g), torch.randn(N, 1, 24, generator=g)
+    want = reference(x, y, A, B, lane, None)
+    calls: list[bool] = []
+    real = kernels.lora_rows
+
+    def counted(*args: object) -> bool:
+        calls.append(real(*args))  # type: ignore[arg-type]
+        return calls[-1]
+
+    monkeypatch.setattr("marlaas.model.lane_plan.lora_rows", counted)
+    with torch.inference_mode():
+        got = plan.apply(x, A, B, y.clone())
+    assert calls == [True]
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
+    # With gradients the segments run (autograd needs the ops), to the same values.
+    A_grad = A.detach().clone().requires_grad_(True)
+    out = plan.apply(x, A_grad, B, y.clone())
+    assert calls == [True]
+    torch.testing.assert_close(out.detach().double(), want, atol=1e-4, rtol=1e-5)
+    out.sum().backward()
+    assert A_grad.grad is not None and A_grad.grad[1:].abs().sum() > 0
