@@ -15,10 +15,11 @@ ours.
 token `j` of a row sits in column `j`: each query sees the columns at or before its
 position, within the layer's sliding window (`kv_idx > q_idx - window`, as Hugging
 Face's masks), never another row's padding. Grouped-query heads attend their key/value
-head without repeating it; `softcap` and `scaling` are the module's own. A decode query
-(one token per row) on the CPU is the native kernel (`marlaas.model.kernels`: one pass
-over each row's own columns), elsewhere or without it two batched matmuls over the
-cache columns; a prefill uses `scaled_dot_product_attention` with the plan's mask.
+head without repeating it; `softcap` and `scaling` are the module's own. On the CPU
+every query, decode or prefill, goes to the native kernel (`marlaas.model.kernels`:
+each query over its own span of columns, `AttentionPlan.span`); elsewhere or without
+it, a decode step is two batched matmuls over the cache columns and a prefill is
+`scaled_dot_product_attention` with the plan's mask.
 
 Invariants:
 - Only forwards that pass a plan are changed; the plan's masks are built once per
@@ -42,7 +43,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from marlaas.errors import ModelError
-from marlaas.model.kernels import decode_attention
+from marlaas.model.kernels import span_attention
 
 #: The forward keyword that carries an `AttentionPlan` down to every attention layer.
 PLAN_KWARG = "marlaas_attention"
@@ -62,8 +63,8 @@ class AttentionPlan:
     masks: dict[int | None, Tensor] = field(default_factory=dict)
     #: (window, dtype) -> the mask as an additive bias `[R, 1, N, S]` (0 or -inf).
     biases: dict[tuple[int | None, torch.dtype], Tensor] = field(default_factory=dict)
-    #: window -> each decode row's attended columns `[start_R, end_R)` (CPU int64) and
-    #: the most columns a row attends (0 when a row attends none: a padding query).
+    #: window -> each query's attended columns `[start_Q, end_Q)` (CPU int64, the
+    #: `R * N` queries in row-major order) and the most columns a query attends.
     spans: dict[int | None, tuple[Tensor, Tensor, int]] = field(default_factory=dict)
 
     @staticmethod
@@ -93,17 +94,18 @@ class AttentionPlan:
         return self.biases[key]
 
     def span(self, window: int | None) -> tuple[Tensor, Tensor, int]:
-        """A decode plan's columns per row for `window`: `[start_R, end_R)`, the same
-        columns as its mask, and the widest span (0 if some row attends none); made once
-        per forward, on the host, for the native kernel."""
+        """Each query's columns for `window`, `[start_Q, end_Q)` over the `R * N`
+        queries in row-major order, the same columns as its mask (a padding query:
+        column 0), and the widest span; made once per forward, on the host, for the
+        native kernel."""
         if window not in self.spans:
             self.mask(window)  # the same error for a window the plan was not built for
-            end_R = (self.positions_RN[:, -1] + 1).to("cpu", torch.int64).contiguous()
-            first_R = end_R - window if window is not None else end_R.new_zeros(end_R.shape)
-            start_R = first_R.clamp_(min=0)
-            n_R = end_R - start_R
-            widest = int(n_R.max()) if int(n_R.min()) > 0 else 0
-            self.spans[window] = (start_R, end_R, widest)
+            pos_Q = self.positions_RN.reshape(-1).to("cpu", torch.int64)
+            end_Q = (pos_Q + 1).clamp_(min=1).contiguous()
+            start_Q = (
+                (end_Q - window).clamp_(min=0) if window is not None else torch.zeros_like(end_Q)
+            )
+            self.spans[window] = (start_Q, end_Q, int((end_Q - start_Q).max()))
         return self.spans[window]
 
     def mask(self, window: int | None) -> Tensor:
@@ -134,16 +136,16 @@ def slot_attention(
     G = H // Hkv
     scale = scaling if scaling is not None else D**-0.5
     mask_R1NS = plan.mask(window)
+    if query.device.type == "cpu":
+        start_Q, end_Q, widest = plan.span(window)
+        native = span_attention(query, key, value, start_Q, end_Q, widest, scale, softcap)
+        if native is not None:
+            return native
     if N > 1 and softcap is None:
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=mask_R1NS, scale=scale, enable_gqa=G > 1
         )
         return out.transpose(1, 2)
-    if N == 1 and query.device.type == "cpu":
-        start_R, end_R, widest = plan.span(window)
-        native = decode_attention(query, key, value, start_R, end_R, widest, scale, softcap)
-        if native is not None:
-            return native
     S = int(key.shape[2])
     # Query heads h = kv_head * G + g (as `repeat_kv`): group them on their key/value
     # head, so each head's keys are read once and never repeated.

@@ -1,10 +1,14 @@
 """Native CPU kernels for the few steps torch has no fused kernel for, built on first use.
 
-- `decode_attention` is the engine's decode attention (one query token per row) over
-  the slot cache: one pass over each row's own keys and values, shared by the query
-  heads of a group (`decode_attention.c`). torch on the CPU runs the same product as two
-  batched matmuls of `rows x kv heads` tiny matrices, whose per-matrix overhead, not the
-  bytes, sets their time: at 256 rows and ~90 columns they take ~1 ms each per layer.
+- `span_attention` is the engine's attention over the slot cache, each query token over
+  its own span of columns (`span_attention.c`): a decode step's one token per row, one
+  pass over the row's own keys and values shared by the query heads of a group; a
+  prefill chunk's tokens, each over its causal span, the row's keys and values in cache
+  for all its tokens. torch on the CPU runs a decode step as two batched matmuls of
+  `rows x kv heads` tiny matrices, whose per-matrix overhead, not the bytes, sets their
+  time (~1 ms each per layer at 256 rows and ~90 columns), and a prefill as SDPA's
+  masked product over every column of the chunk (~8 ms a layer for 16 prompts of 192
+  tokens).
 - `lora_rows` adds the LoRA update of rows that each use their own adapter (a decode
   batch of many tenants) in place, reading every lane's weights where they lie
   (`lora_rows.c`). torch's way is a gather of the rows into per-lane pieces, two
@@ -41,7 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["decode_attention", "lora_rows", "native_kernels"]
+__all__ = ["lora_rows", "native_kernels", "span_attention"]
 
 _log = logging.getLogger(__name__)
 #: Vectorised exp (glibc's libmvec) needs -ffast-math when compiling; linking stays
@@ -54,11 +58,11 @@ _F32 = ctypes.c_float
 #: Every kernel: its source's stem (`<stem>.c`), its function and the function's
 #: argument types, in the order of the C signature.
 _KERNELS: dict[str, tuple[str, list[type]]] = {
-    "decode_attention": (
-        "decode_attention_f32",
+    "span_attention": (
+        "span_attention_f32",
         [
-            *(_I64, _I64, _I64, _I64),
-            *(_PTR, _I64, _I64, _PTR, _PTR),
+            *(_I64, _I64, _I64, _I64, _I64),
+            *(_PTR, _I64, _I64, _I64, _PTR, _PTR),
             *(_I64, _I64, _I64),
             *(_PTR, _PTR, _F32, _F32, _PTR, _PTR),
         ],
@@ -157,27 +161,27 @@ def native_kernels() -> bool:
     return all(_library(stem) is not None for stem in _KERNELS)
 
 
-def decode_attention(
+def span_attention(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    start_R: Tensor,
-    end_R: Tensor,
+    start_Q: Tensor,
+    end_Q: Tensor,
     widest: int,
     scale: float,
     softcap: float | None,
 ) -> Tensor | None:
-    """Attention of `query [R, H, 1, D]` over columns `[start_R[b], end_R[b])` of row
-    `b` of `key`/`value [R, Hkv, S, D]`; `[R, 1, H, D]`, or None where the kernel does
-    not apply (see the module doc). `start_R`/`end_R` are contiguous int64 CPU tensors
-    with `0 <= start < end <= S`; `widest` is the largest `end - start` (0: some row
-    attends no column, which the kernel does not take)."""
-    kernel = _library("decode_attention")
+    """Attention of `query [R, H, N, D]` (N tokens per cache row) where query token `n`
+    of row `r`, `q = r * N + n`, attends columns `[start_Q[q], end_Q[q])` of row `r` of
+    `key`/`value [R, Hkv, S, D]`; `[R, N, H, D]`, or None where the kernel does not
+    apply (see the module doc). `start_Q`/`end_Q` are contiguous int64 CPU tensors of
+    `R * N` entries with `0 <= start < end <= S`; `widest` is the largest `end - start`
+    (0: some query attends no column, which the kernel does not take)."""
+    kernel = _library("span_attention")
     R, H, N, D = query.shape
     Hkv = int(key.shape[1])
     if (
         kernel is None
-        or N != 1
         or widest < 1
         or widest > int(key.shape[2])
         or H % Hkv
@@ -186,27 +190,30 @@ def decode_attention(
         or key.stride() != value.stride()
         or key.stride(-1) != 1
         or query.stride(-1) != 1
-        or start_R.dtype != torch.int64
-        or not (start_R.is_contiguous() and end_R.is_contiguous())
+        or start_Q.dtype != torch.int64
+        or int(start_Q.shape[0]) != R * N
+        or not (start_Q.is_contiguous() and end_Q.is_contiguous())
     ):
         return None
-    out = torch.empty((R, 1, H, D), dtype=torch.float32)
+    out = torch.empty((R, N, H, D), dtype=torch.float32)
     scratch = torch.empty((H // Hkv) * widest, dtype=torch.float32)
     kernel(
         R,
+        N,
         H,
         Hkv,
         D,
         query.data_ptr(),
         query.stride(0),
         query.stride(1),
+        query.stride(2),
         key.data_ptr(),
         value.data_ptr(),
         key.stride(0),
         key.stride(1),
         key.stride(2),
-        start_R.data_ptr(),
-        end_R.data_ptr(),
+        start_Q.data_ptr(),
+        end_Q.data_ptr(),
         float(scale),
         float(softcap or 0.0),
         out.data_ptr(),

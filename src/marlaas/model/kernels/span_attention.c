@@ -1,9 +1,13 @@
-/* Decode attention over the engine's slot cache: one query token per row.
+/* Attention over the engine's slot cache, each query over its own span of columns:
+ * `N` query tokens per cache row (1 for a decode step, a prompt chunk's tokens for a
+ * prefill).
  *
- * Row b's query heads h = kv * G + g (G = H / Hkv) attend columns [start[b], end[b]) of
- * key/value head kv of cache row b: each key and value vector is read once per row and
- * kv head and serves the G query heads of its group (no repeat), and only the row's own
- * columns are read (no padding to the longest row, no mask). Softmax in float32 with
+ * Query b (= r * N + n: token n of cache row r) has heads h = kv * G + g (G = H / Hkv)
+ * that attend columns [start[b], end[b]) of key/value head kv of cache row r: each key
+ * and value vector is read once per query and kv head and serves the G query heads of
+ * its group (no repeat), and only the query's own columns are read (no padding to the
+ * longest row, no mask: a causal prefill reads half the columns a masked product does,
+ * and the N queries of a row find its keys and values in cache). Softmax in float32 with
  * the running maximum subtracted, as torch.softmax; `softcap` > 0 applies
  * tanh(s / softcap) * softcap to the scaled scores (Gemma 2). Each head's output
  * accumulates in registers (a local array of the constant head size) and is normalised
@@ -11,27 +15,29 @@
  * alias the values for all the compiler knows (measured 3.5x slower at 256 rows, 70
  * columns; now the kernel reads the cache at about the machine's copy bandwidth).
  *
- * Layouts (float32, the last axis contiguous): q [R, H, D] with strides q_sr, q_sh;
- * keys and values [R, Hkv, S, D] with strides kv_sr, kv_sh, kv_ss (both buffers alike);
- * out [R, H, D] contiguous. `scratch` holds G * (max_b end[b] - start[b]) floats.
+ * Layouts (float32, the last axis contiguous): q [R, H, N, D] with strides q_sr, q_sh,
+ * q_sn; keys and values [R, Hkv, S, D] with strides kv_sr, kv_sh, kv_ss (both buffers
+ * alike); start, end [R * N]; out [R, N, H, D] contiguous. `scratch` holds
+ * G * (max_b end[b] - start[b]) floats.
  */
 #include <math.h>
 #include <stdint.h>
 
-static inline __attribute__((always_inline)) void attend(int64_t R, int64_t H, int64_t Hkv, const int64_t D,
-                          const float *q, int64_t q_sr, int64_t q_sh,
+static inline __attribute__((always_inline)) void attend(int64_t R, int64_t N, int64_t H, int64_t Hkv, const int64_t D,
+                          const float *q, int64_t q_sr, int64_t q_sh, int64_t q_sn,
                           const float *k, const float *v,
                           int64_t kv_sr, int64_t kv_sh, int64_t kv_ss,
                           const int64_t *start, const int64_t *end,
                           float scale, float softcap, float *out, float *scratch) {
     const int64_t G = H / Hkv;
-    for (int64_t b = 0; b < R; ++b) {
+    for (int64_t b = 0; b < R * N; ++b) {
+        const int64_t row = b / N;
         const int64_t s0 = start[b];
         const int64_t n = end[b] - s0;
         for (int64_t kv = 0; kv < Hkv; ++kv) {
-            const float *kb = k + b * kv_sr + kv * kv_sh + s0 * kv_ss;
-            const float *vb = v + b * kv_sr + kv * kv_sh + s0 * kv_ss;
-            const float *qb = q + b * q_sr + kv * G * q_sh;
+            const float *kb = k + row * kv_sr + kv * kv_sh + s0 * kv_ss;
+            const float *vb = v + row * kv_sr + kv * kv_sh + s0 * kv_ss;
+            const float *qb = q + row * q_sr + (b % N) * q_sn + kv * G * q_sh;
             float *ob = out + (b * H + kv * G) * D;
             for (int64_t l = 0; l < n; ++l) {
                 const float *kl = kb + l * kv_ss;
@@ -73,11 +79,11 @@ static inline __attribute__((always_inline)) void attend(int64_t R, int64_t H, i
 
 /* D as a compile-time constant for the common head sizes: the inner loops unroll into a
  * few vector instructions instead of a runtime-length loop and its remainder. */
-#define ATTEND(DIM) attend(R, H, Hkv, DIM, q, q_sr, q_sh, k, v, kv_sr, kv_sh, kv_ss, \
+#define ATTEND(DIM) attend(R, N, H, Hkv, DIM, q, q_sr, q_sh, q_sn, k, v, kv_sr, kv_sh, kv_ss, \
                            start, end, scale, softcap, out, scratch)
 
-void decode_attention_f32(int64_t R, int64_t H, int64_t Hkv, int64_t D,
-                          const float *q, int64_t q_sr, int64_t q_sh,
+void span_attention_f32(int64_t R, int64_t N, int64_t H, int64_t Hkv, int64_t D,
+                          const float *q, int64_t q_sr, int64_t q_sh, int64_t q_sn,
                           const float *k, const float *v,
                           int64_t kv_sr, int64_t kv_sh, int64_t kv_ss,
                           const int64_t *start, const int64_t *end,

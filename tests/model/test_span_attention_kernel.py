@@ -1,6 +1,7 @@
-"""The native decode attention (`marlaas.model.kernels`) equals plain attention over each
-row's own columns (grouped heads, windows, soft-capping, strided cache views), declines
-what it does not take, and the engine's outputs do not depend on whether it is used."""
+"""The native span attention (`marlaas.model.kernels`) equals plain attention over each
+query's own columns, for decode steps and prefill chunks (grouped heads, windows,
+soft-capping, padding queries, strided cache and query views), and declines what it
+does not take."""
 
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def test_equals_attention_over_each_rows_own_columns(
     q = torch.randn(R, heads, 1, dim, generator=g)
     plan = AttentionPlan.build(pos_R[:, None], columns, [window])
     start_R, end_R, widest = plan.span(window)
-    out = kernels.decode_attention(q, k, v, start_R, end_R, widest, dim**-0.5, softcap)
+    out = kernels.span_attention(q, k, v, start_R, end_R, widest, dim**-0.5, softcap)
     assert out is not None
     want = reference(q, k, v, pos_R, window, softcap)
     torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=1e-5)
@@ -85,23 +86,69 @@ def test_equals_attention_over_each_rows_own_columns(
     torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
 
 
+def chunk_reference(
+    q: Tensor, k: Tensor, v: Tensor, pos_RN: Tensor, window: int | None, softcap: float | None
+) -> Tensor:
+    """`[R, N, H, D]`: each query token over its own columns (a padding query, position
+    -1, over column 0, as its mask), in float64."""
+    R, H, N, D = q.shape
+    G = H // k.shape[1]
+    out = torch.zeros(R, N, H, D, dtype=torch.float64)
+    for b in range(R):
+        for n in range(N):
+            end = max(int(pos_RN[b, n]) + 1, 1)
+            start = 0 if window is None or pos_RN[b, n] < 0 else max(0, end - window)
+            for h in range(H):
+                keys = k[b, h // G, start:end].double()
+                s = keys @ q[b, h, n].double() * D**-0.5
+                if softcap is not None:
+                    s = torch.tanh(s / softcap) * softcap
+                out[b, n, h] = torch.softmax(s, 0) @ v[b, h // G, start:end].double()
+    return out
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "window", "softcap"),
+    [(4, 2, 32, None, None), (8, 2, 24, 3, None), (2, 1, 64, None, 30.0)],
+)
+def test_a_prefill_chunk_attends_each_tokens_causal_span(
+    heads: int, kv_heads: int, dim: int, window: int | None, softcap: float | None
+) -> None:
+    g = torch.Generator().manual_seed(heads * 10 + dim)
+    N, cap = 5, 24
+    # A left-padded prompt, a full one, and a continued turn's chunk after 9 cached tokens.
+    pos_RN = torch.tensor([[-1, -1, 0, 1, 2], [0, 1, 2, 3, 4], [9, 10, 11, 12, 13]])
+    R, columns = int(pos_RN.shape[0]), int(pos_RN.max()) + 1
+    k = torch.randn(R, kv_heads, cap, dim, generator=g)[:, :, :columns]
+    v = torch.randn(R, kv_heads, cap, dim, generator=g)[:, :, :columns]
+    q = torch.randn(R, N, heads, dim, generator=g).transpose(1, 2)  # as the HF modules pass it
+    plan = AttentionPlan.build(pos_RN, columns, [window])
+    start_Q, end_Q, widest = plan.span(window)
+    out = kernels.span_attention(q, k, v, start_Q, end_Q, widest, dim**-0.5, softcap)
+    assert out is not None
+    want = chunk_reference(q, k, v, pos_RN, window, softcap)
+    torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=1e-5)
+    got = slot_attention(q, k, v, plan, scaling=dim**-0.5, softcap=softcap, window=window)
+    torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
+
+
 def test_declines_what_it_does_not_take() -> None:
     q, k = torch.randn(2, 2, 1, 8), torch.randn(2, 1, 4, 8)
     start, end = torch.tensor([0, 0]), torch.tensor([2, 4])
-    assert kernels.decode_attention(q, k, k, start, end, 4, 1.0, None) is not None
+    assert kernels.span_attention(q, k, k, start, end, 4, 1.0, None) is not None
     assert (
-        kernels.decode_attention(q.double(), k.double(), k.double(), start, end, 4, 1.0, None)
-        is None
+        kernels.span_attention(q.double(), k.double(), k.double(), start, end, 4, 1.0, None) is None
     )
     assert (
-        kernels.decode_attention(q.bfloat16(), k.bfloat16(), k.bfloat16(), start, end, 4, 1.0, None)
+        kernels.span_attention(q.bfloat16(), k.bfloat16(), k.bfloat16(), start, end, 4, 1.0, None)
         is None
     )
-    assert kernels.decode_attention(q, k, k, start, end, 0, 1.0, None) is None  # a row of no column
-    assert kernels.decode_attention(q, k, k, start, end, 5, 1.0, None) is None  # past the columns
-    assert kernels.decode_attention(torch.randn(2, 2, 3, 8), k, k, start, end, 4, 1.0, None) is None
+    assert kernels.span_attention(q, k, k, start, end, 0, 1.0, None) is None  # a row of no column
+    assert kernels.span_attention(q, k, k, start, end, 5, 1.0, None) is None  # past the columns
+    # Spans for another number of queries than the query holds.
+    assert kernels.span_attention(torch.randn(2, 2, 3, 8), k, k, start, end, 4, 1.0, None) is None
     assert (
-        kernels.decode_attention(
+        kernels.span_attention(
             q, k.transpose(2, 3).contiguous().transpose(2, 3), k, start, end, 4, 1.0, None
         )
         is None
@@ -111,9 +158,7 @@ def test_declines_what_it_does_not_take() -> None:
 def test_switched_off_it_declines_everything(torch_path: None) -> None:
     q, k = torch.randn(2, 2, 1, 8), torch.randn(2, 1, 4, 8)
     assert not kernels.native_kernels()
-    out = kernels.decode_attention(
-        q, k, k, torch.tensor([0, 0]), torch.tensor([2, 4]), 4, 1.0, None
-    )
+    out = kernels.span_attention(q, k, k, torch.tensor([0, 0]), torch.tensor([2, 4]), 4, 1.0, None)
     assert out is None
 
 
@@ -127,6 +172,6 @@ def test_builds_in_a_temporary_folder_without_a_writable_cache(
     if os.geteuid() == 0:  # root writes anywhere: make the cache a file instead
         readonly.chmod(0o700)
         (readonly / "sub").write_text("not a folder")
-    built = kernels._build(kernels._source("decode_attention"), shutil.which("cc") or "gcc")
+    built = kernels._build(kernels._source("span_attention"), shutil.which("cc") or "gcc")
     assert built.parent == tmp_path / "tmp" / f"marlaas-kernels-{os.getuid()}"
     assert built.exists()
