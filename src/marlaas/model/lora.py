@@ -13,8 +13,9 @@ over all rows (no loop over tenants):
 How the rows meet their lanes' weights is `marlaas.model.lane_plan`'s `LanePlan`,
 made once per lane batch: blocks of consecutive rows of one lane (the trainer's
 micro-batches: one block per tenant, straight on the stacked weights, no per-row weight
-gather), or, for a decode batch whose rows alternate between tenants, one padded piece
-per lane (Punica's and S-LoRA's segments).
+gather), or, for a decode batch whose rows alternate between tenants, each row on its
+own lane's weights in place (the native CPU kernel, without gradients) or one padded
+piece per lane (Punica's and S-LoRA's segments).
 
 Invariants:
 - The base's parameters are never written and never require grad. Gradients reach only
