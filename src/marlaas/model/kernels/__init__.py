@@ -244,10 +244,8 @@ def lora_rows(
     fan_out = int(y_NTo.shape[-1])
     if (
         kernel is None
-        or not all(
-            t.device.type == "cpu" and t.dtype == torch.float32
-            for t in (x_NTi, y_NTo, A_Lri, B_Lor)
-        )
+        or not (x_NTi.is_cpu and y_NTo.is_cpu and A_Lri.is_cpu and B_Lor.is_cpu)
+        or not (x_NTi.dtype == y_NTo.dtype == A_Lri.dtype == B_Lor.dtype == torch.float32)
         or not (x_NTi.is_contiguous() and y_NTo.is_contiguous())
         or A_Lri.stride(-1) != 1
         or 1 not in (B_Lor.stride(1), B_Lor.stride(2))
@@ -258,8 +256,9 @@ def lora_rows(
         or (scale_L is not None and (scale_L.dtype != torch.float32 or not scale_L.is_contiguous()))
     ):
         return False
-    # B rank-major (`out` contiguous, the adapter bank's layout) is read in place.
-    scratch = torch.empty(1 if B_Lor.stride(1) == 1 else r * fan_out, dtype=torch.float32)
+    # B rank-major (`out` contiguous, the adapter bank's layout) is read in place, with
+    # no scratch (a per-call allocation fewer on the engine's path).
+    scratch = None if B_Lor.stride(1) == 1 else torch.empty(r * fan_out, dtype=torch.float32)
     kernel(
         N,
         T,
@@ -278,6 +277,6 @@ def lora_rows(
         lane_N.data_ptr(),
         order_N.data_ptr(),
         0 if scale_L is None else scale_L.data_ptr(),
-        scratch.data_ptr(),
+        0 if scratch is None else scratch.data_ptr(),
     )
     return True
