@@ -185,8 +185,8 @@ def span_attention(
         or widest < 1
         or widest > int(key.shape[2])
         or H % Hkv
-        or not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (query, key))
-        or value.dtype != torch.float32
+        or not (query.is_cpu and key.is_cpu)
+        or not (query.dtype == key.dtype == value.dtype == torch.float32)
         or key.stride() != value.stride()
         or key.stride(-1) != 1
         or query.stride(-1) != 1
