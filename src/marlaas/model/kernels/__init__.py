@@ -185,7 +185,7 @@ def span_attention(
         or widest < 1
         or widest > int(key.shape[2])
         or H % Hkv
-        or not (query.is_cpu and key.is_cpu)
+        or not (query.is_cpu and key.is_cpu and value.is_cpu)
         or not (query.dtype == key.dtype == value.dtype == torch.float32)
         or key.stride() != value.stride()
         or key.stride(-1) != 1
