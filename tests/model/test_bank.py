@@ -166,6 +166,31 @@ def test_paging_in_clears_the_previous_occupant(
     assert next(iter(lanes.A.values())).shape[1] == 2  # cut to the largest resident rank
 
 
+def test_slot_lanes_follow_every_change_of_the_resident_adapters(
+    model: LoRAModel, make_adapter: MakeAdapter
+) -> None:
+    """`slot_lanes` reuses its views of the buffers only while the residents stand."""
+    bank = AdapterBank(model, num_slots=1)
+    big, small = LoRASpec(rank=8), LoRASpec(rank=2, alpha=2.0, target_modules=("q_proj",))
+    bank.register("small", small, make_adapter(model, small, 1))
+    handle = bank.acquire("small")
+    first = bank.slot_lanes(torch.tensor([1]))
+    assert set(first.A) == {"model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"}
+    again = bank.slot_lanes(torch.tensor([0, 1]))
+    assert again.A is first.A and again.lane_B.tolist() == [0, 1]
+    bank.register("big", big, make_adapter(model, big, 0))  # new buffers, nothing resident
+    assert set(bank.slot_lanes(torch.tensor([1])).A) == set(first.A)
+    bank.release(handle)
+    pinned = bank.acquire("big")  # evicts "small": every module, rank 8
+    lanes = bank.slot_lanes(torch.tensor([1]))
+    assert set(lanes.A) == set(model.module_shapes)
+    assert next(iter(lanes.A.values())).shape[1] == 8
+    bank.remove("big")
+    assert bank.slot_lanes(torch.tensor([0])).A is lanes.A  # pinned: still resident
+    bank.release(pinned)  # freed with its last pin
+    assert not bank.slot_lanes(torch.tensor([0])).A
+
+
 def test_register_checks(model: LoRAModel, make_adapter: MakeAdapter) -> None:
     bank = AdapterBank(model, num_slots=2)
     bank.register("a", SMALL)
