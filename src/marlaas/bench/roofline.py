@@ -19,10 +19,16 @@ Rows:
 
 Times are the least disturbed of several (fastest, or median for the trainer's longer
 calls), as for the machine's limits. Nothing is asserted about them.
+
+Where the native CPU kernels are built (`marlaas.model.kernels`), every engine row is
+also timed on torch's own path (`torch_path`: the kernels decline), alternating with
+the default path iteration by iteration (decode) or prefill by prefill, so that the
+`torch ms` column and its ratio compare the two in the same machine phase.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 import statistics
 import time
@@ -37,6 +43,7 @@ from marlaas.bench.machine import Machine, measure_machine
 from marlaas.config.specs import ALL_LINEAR, GRPOSpec, LoRASpec
 from marlaas.fileio import atomic_write_json
 from marlaas.model.bank import AdapterBank
+from marlaas.model.kernels import native_kernels, torch_path
 from marlaas.model.lora import LoRAModel
 from marlaas.rollout.bench import random_adapters
 from marlaas.rollout.engine import RolloutEngine
@@ -104,56 +111,72 @@ class _Rig:
         ]
 
 
+def _arms(rig: _Rig) -> tuple[bool, ...]:
+    """The engine's paths to time side by side: the default (native kernels where they
+    apply), and torch's own (`kernels.torch_path`) where the kernels are built."""
+    native = rig.model.device.type == "cpu" and native_kernels()
+    return (False, True) if native else (False,)
+
+
+def _path(torch_only: bool) -> contextlib.AbstractContextManager[None]:
+    return torch_path() if torch_only else contextlib.nullcontext()
+
+
 def _prefill_row(rig: _Rig, adapters: int, context: int, repeats: int) -> dict[str, Any]:
     rng = random.Random(context * 1000 + adapters)
-    times: list[float] = []
+    arms = _arms(rig)
+    times: dict[bool, list[float]] = {arm: [] for arm in arms}
     lengths: list[int] = []
-    for attempt in range(repeats + 1):  # the first one warms up
+    for attempt in range(repeats * len(arms) + 1):  # the first one warms up
+        arm = arms[attempt % len(arms)]
         lengths = spread(context, PREFILL_ROWS, rig.max_positions - 1, rng)
         engine = rig.engine(PREFILL_ROWS, sum(lengths))
         for request in rig.requests(lengths, adapters, 1, rng):
             engine.enqueue(request, lambda _: None)
-        start = time.perf_counter()
-        engine.step()
-        _sync(rig.model.device)
-        if attempt:
-            times.append(time.perf_counter() - start)
+        with _path(arm):
+            start = time.perf_counter()
+            engine.step()
+            _sync(rig.model.device)
+            if attempt:
+                times[arm].append(time.perf_counter() - start)
         engine.shutdown()
-    best = min(times)
     used = min(adapters, PREFILL_ROWS)
     flops = sum(rig.cost.prefill_flops(n, rig.lora_flops) for n in lengths)
     nbytes = rig.cost.prefill_bytes(lengths, used * rig.adapter_bytes)
-    return _row("prefill", PREFILL_ROWS, used, context, best, flops, nbytes)
+    return _row("prefill", PREFILL_ROWS, used, context, times, flops, nbytes)
 
 
 def _decode_row(
     rig: _Rig, batch: int, adapters: int, context: int, iterations: int
 ) -> dict[str, Any]:
     rng = random.Random(batch * 7919 + context * 31 + adapters)
-    limit = rig.max_positions - WARMUP - iterations - 2
+    arms = _arms(rig)
+    timed = iterations * len(arms)
+    limit = rig.max_positions - WARMUP - timed - 2
     prompts = spread(context, batch, limit, rng)
     engine = rig.engine(batch, sum(prompts))
-    for request in rig.requests(prompts, adapters, WARMUP + iterations + 2, rng):
+    for request in rig.requests(prompts, adapters, WARMUP + timed + 2, rng):
         engine.enqueue(request, lambda _: None)
     engine.step()  # prefill, and the first decode iteration
     for _ in range(WARMUP):
         engine.step()
-    times: list[float] = []
-    for _ in range(iterations):
-        start = time.perf_counter()
-        engine.step()
-        _sync(rig.model.device)
-        times.append(time.perf_counter() - start)
+    times: dict[bool, list[float]] = {arm: [] for arm in arms}
+    for i in range(timed):  # the paths alternate, iteration by iteration
+        arm = arms[i % len(arms)]
+        with _path(arm):
+            start = time.perf_counter()
+            engine.step()
+            _sync(rig.model.device)
+            times[arm].append(time.perf_counter() - start)
     engine.shutdown()
-    best = min(times)
     # The k-th decode iteration feeds each row's k-th token: it attends to the prompt
     # and the k tokens fed so far. The row reports the middle timed iteration's work.
-    k = 1 + WARMUP + iterations // 2
+    k = 1 + WARMUP + timed // 2
     contexts = [n + k for n in prompts]
     used = min(adapters, batch)
     flops = rig.cost.decode_flops(contexts, rig.lora_flops)
     nbytes = rig.cost.decode_bytes(contexts, used * rig.adapter_bytes)
-    return _row("decode", batch, used, context, best, flops, nbytes)
+    return _row("decode", batch, used, context, times, flops, nbytes)
 
 
 def _train_step(trainer: GRPOTrainer, batches: Sequence[TrainBatch]) -> None:
@@ -196,14 +219,29 @@ def _trainer_row(rig: _Rig, tenants: int, steps: int) -> dict[str, Any]:
 
 
 def _row(
-    kind: str, rows: int, adapters: int, context: int, seconds: float, flops: float, nbytes: float
+    kind: str,
+    rows: int,
+    adapters: int,
+    context: int,
+    seconds: float | dict[bool, list[float]],
+    flops: float,
+    nbytes: float,
 ) -> dict[str, Any]:
+    """A row; `seconds` is the time, or the times of each path (True: torch's own), of
+    which the fastest counts."""
+    torch_s = None
+    if isinstance(seconds, dict):
+        torch_s = min(seconds[True]) if True in seconds else None
+        seconds = min(seconds[False])
     return {
         "kind": kind,
         "rows": rows,
         "adapters": adapters,
         "context": context,
         "seconds": seconds,
+        #: The same work on torch's path (the native kernels declined), timed in
+        #: alternation with `seconds`; None where the kernels are not built or apply.
+        "torch_seconds": torch_s,
         "flops": flops,
         "bytes": nbytes,
     }
@@ -294,7 +332,7 @@ def print_roofline(result: dict[str, Any]) -> None:
     from rich.table import Table
 
     m, b, a = result["machine"], result["machine_before"], result["machine_after"]
-    console = Console(width=max(Console().width, 120))
+    console = Console(width=max(Console().width, 150))
     console.print(
         f"machine: {m['device']} {m['dtype']}, {m['threads']} thread(s): matmul "
         f"{m['model_shape_flops'] / 1e9:.1f} GFLOP/s at the model's shapes ({m['rows']} rows), "
@@ -321,6 +359,8 @@ def print_roofline(result: dict[str, Any]) -> None:
         "roofline ms",
         "bound",
         "efficiency",
+        "torch ms",
+        "torch / this",
     ):
         table.add_column(name, justify="left" if name in ("kind", "bound") else "right")
     for r in result["rows"]:
@@ -336,6 +376,8 @@ def print_roofline(result: dict[str, Any]) -> None:
             f"{r['roofline_s'] * 1e3:.2f}",
             r["bound"],
             f"{r['efficiency']:.3f}",
+            "-" if r["torch_seconds"] is None else f"{r['torch_seconds'] * 1e3:.2f}",
+            "-" if r["torch_seconds"] is None else f"{r['torch_seconds'] / r['seconds']:.2f}x",
         )
     console.print(table)
 

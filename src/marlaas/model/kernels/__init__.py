@@ -30,6 +30,7 @@ None too. The kernel runs in the calling thread (one core, as the engine's defau
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -39,13 +40,14 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["lora_rows", "native_kernels", "span_attention"]
+__all__ = ["lora_rows", "native_kernels", "span_attention", "torch_path"]
 
 _log = logging.getLogger(__name__)
 #: Vectorised exp (glibc's libmvec) needs -ffast-math when compiling; linking stays
@@ -156,6 +158,25 @@ def _library(stem: str) -> Any:
     return fn
 
 
+_switched_off = 0
+
+
+@contextlib.contextmanager
+def torch_path() -> Iterator[None]:
+    """Every kernel declines inside the block (the whole process): how the benchmarks
+    time torch's path against the kernels in one run (`marlaas bench roofline`)."""
+    global _switched_off
+    _switched_off += 1
+    try:
+        yield
+    finally:
+        _switched_off -= 1
+
+
+def _kernel(stem: str) -> Any:
+    return None if _switched_off else _library(stem)
+
+
 def native_kernels() -> bool:
     """Whether every native kernel is built and loaded in this process."""
     return all(_library(stem) is not None for stem in _KERNELS)
@@ -177,7 +198,7 @@ def span_attention(
     apply (see the module doc). `start_Q`/`end_Q` are contiguous int64 CPU tensors of
     `R * N` entries with `0 <= start < end <= S`; `widest` is the largest `end - start`
     (0: some query attends no column, which the kernel does not take)."""
-    kernel = _library("span_attention")
+    kernel = _kernel("span_attention")
     R, H, N, D = query.shape
     Hkv = int(key.shape[1])
     if (
@@ -238,7 +259,7 @@ def lora_rows(
     weights carry their scales. `x_NTi` and `y_NTo` must be contiguous, `B_Lor` either
     contiguous along `r` (PEFT's layout) or along `out` (rank-major, read in place),
     `lane_N` and `order_N` contiguous int64 with lanes in `[0, L)`."""
-    kernel = _library("lora_rows")
+    kernel = _kernel("lora_rows")
     N, T, fan_in = x_NTi.shape
     L, r, _ = A_Lri.shape
     fan_out = int(y_NTo.shape[-1])
