@@ -19,12 +19,20 @@ top of the heap back to the system, so a forward's activations (a prefill of 16 
 on every forward: 3,879 minor faults a forward, 18 with `tune_the_allocator` (5-8% of
 that prefill's CPU time on a 2-core machine). The cost is that freed memory below
 `TRIM_THRESHOLD_BYTES` stays with the process instead of going back to the system.
+
+Tokenizers: Hugging Face's Rust tokenizers run batch calls on a thread pool of every
+core unless `TOKENIZERS_PARALLELISM` says otherwise; here the other cores belong to the
+environments and the event loop (the engine decodes its rows' stop-string tails in one
+batch call each iteration), and a pool used before the sandboxes fork makes every
+child warn and switch it off. `single_threaded_tokenizers` sets it to false unless the
+user set it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 
 #: The interpreter's thread switch interval in a process that runs a device.
@@ -40,6 +48,12 @@ def device_process() -> None:
     """Every setting of a process that runs a device (the module doc)."""
     favour_the_device_thread()
     tune_the_allocator()
+    single_threaded_tokenizers()
+
+
+def single_threaded_tokenizers() -> None:
+    """`TOKENIZERS_PARALLELISM=false` unless already set (the module doc)."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def favour_the_device_thread() -> None:

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
+from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
 from marlaas.rollout.batch import RowBatch
 from marlaas.types import Completion, FinishReason
@@ -37,9 +38,24 @@ class FinishPolicy:
         self.tokenizer = tokenizer
         self.eos_ids = list(eos_ids)
         self._eos_t: Tensor | None = None
+        # A fast tokenizer whose decode is its Rust backend's with nothing around it (no
+        # override, no clean-up) decodes many rows in one call: the same texts, without
+        # the Python of a `decode` per row (1.48 -> 0.41 ms for 200 tails of 12 tokens).
+        plain = (
+            isinstance(tokenizer, TokenizersBackend)
+            and type(tokenizer)._decode is TokenizersBackend._decode
+            and not tokenizer.clean_up_tokenization_spaces
+        )
+        self._decode_batch = tokenizer.backend_tokenizer.decode_batch if plain else None
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+
+    def decode_many(self, seqs: list[list[int]]) -> list[str]:
+        """`decode` of each of `seqs`, in one call where the tokenizer allows it."""
+        if self._decode_batch is None:
+            return [self.decode(ids) for ids in seqs]
+        return [str(text) for text in self._decode_batch(seqs, skip_special_tokens=True)]
 
     @staticmethod
     def window(stop: Sequence[str]) -> int:
@@ -68,8 +84,10 @@ class FinishPolicy:
             row = batch.rows[i]
             row.tail.append(token)
             del row.tail[: -row.stop_window]
+        recents = self.decode_many([batch.rows[i].tail for i in rows])
+        for i, recent in zip(rows, recents, strict=True):
+            row = batch.rows[i]
             stops = row.request.sampling.stop
-            recent = self.decode(row.tail)
             if not any(s in recent for s in stops):
                 continue
             n = int(batch.n_gen_B[i])
