@@ -82,6 +82,14 @@ def test_declines_what_it_does_not_take_and_writes_nothing() -> None:
         ),
         "int32 lanes": (x, y, A, B, lane.int(), order, None),
         "float64 scales": (x, y, A, B, lane, order, torch.ones(3, dtype=torch.float64)),
+        "a rank past the kernel's buffer": (
+            x,
+            y,
+            *weights(3, 65, 8, 8, True, g),
+            lane,
+            order,
+            None,
+        ),
     }
     for case, args in declined.items():
         assert not kernels.lora_rows(*args), case

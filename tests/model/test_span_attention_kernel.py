@@ -29,21 +29,23 @@ def torch_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def reference(
-    q: Tensor, k: Tensor, v: Tensor, pos_R: Tensor, window: int | None, softcap: float | None
+    q: Tensor, k: Tensor, v: Tensor, pos_RN: Tensor, window: int | None, softcap: float | None
 ) -> Tensor:
-    """Row by row, head by head: softmax over the attended columns, in float64."""
-    R, H, _, D = q.shape
+    """`[R, N, H, D]`: each query token over its own columns (a padding query, position
+    -1, over column 0, as its mask), in float64."""
+    R, H, N, D = q.shape
     G = H // k.shape[1]
-    out = torch.zeros(R, 1, H, D, dtype=torch.float64)
+    out = torch.zeros(R, N, H, D, dtype=torch.float64)
     for b in range(R):
-        end = int(pos_R[b]) + 1
-        start = 0 if window is None else max(0, end - window)
-        for h in range(H):
-            keys, values = k[b, h // G, start:end].double(), v[b, h // G, start:end].double()
-            s = keys @ q[b, h, 0].double() * D**-0.5
-            if softcap is not None:
-                s = torch.tanh(s / softcap) * softcap
-            out[b, 0, h] = torch.softmax(s, 0) @ values
+        for n in range(N):
+            end = max(int(pos_RN[b, n]) + 1, 1)
+            start = 0 if window is None or pos_RN[b, n] < 0 else max(0, end - window)
+            for h in range(H):
+                keys = k[b, h // G, start:end].double()
+                s = keys @ q[b, h, n].double() * D**-0.5
+                if softcap is not None:
+                    s = torch.tanh(s / softcap) * softcap
+                out[b, n, h] = torch.softmax(s, 0) @ v[b, h // G, start:end].double()
     return out
 
 
@@ -79,32 +81,11 @@ def test_equals_attention_over_each_rows_own_columns(
     start_R, end_R, widest = plan.span(window)
     out = kernels.span_attention(q, k, v, start_R, end_R, widest, dim**-0.5, softcap)
     assert out is not None
-    want = reference(q, k, v, pos_R, window, softcap)
+    want = reference(q, k, v, pos_R[:, None], window, softcap)
     torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=1e-5)
     # And slot_attention, which routes decode queries to it, gives the same.
     got = slot_attention(q, k, v, plan, scaling=dim**-0.5, softcap=softcap, window=window)
     torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
-
-
-def chunk_reference(
-    q: Tensor, k: Tensor, v: Tensor, pos_RN: Tensor, window: int | None, softcap: float | None
-) -> Tensor:
-    """`[R, N, H, D]`: each query token over its own columns (a padding query, position
-    -1, over column 0, as its mask), in float64."""
-    R, H, N, D = q.shape
-    G = H // k.shape[1]
-    out = torch.zeros(R, N, H, D, dtype=torch.float64)
-    for b in range(R):
-        for n in range(N):
-            end = max(int(pos_RN[b, n]) + 1, 1)
-            start = 0 if window is None or pos_RN[b, n] < 0 else max(0, end - window)
-            for h in range(H):
-                keys = k[b, h // G, start:end].double()
-                s = keys @ q[b, h, n].double() * D**-0.5
-                if softcap is not None:
-                    s = torch.tanh(s / softcap) * softcap
-                out[b, n, h] = torch.softmax(s, 0) @ v[b, h // G, start:end].double()
-    return out
 
 
 @pytest.mark.parametrize(
@@ -126,7 +107,7 @@ def test_a_prefill_chunk_attends_each_tokens_causal_span(
     start_Q, end_Q, widest = plan.span(window)
     out = kernels.span_attention(q, k, v, start_Q, end_Q, widest, dim**-0.5, softcap)
     assert out is not None
-    want = chunk_reference(q, k, v, pos_RN, window, softcap)
+    want = reference(q, k, v, pos_RN, window, softcap)
     torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=1e-5)
     got = slot_attention(q, k, v, plan, scaling=dim**-0.5, softcap=softcap, window=window)
     torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)

@@ -143,7 +143,8 @@ def _prefill_row(rig: _Rig, adapters: int, context: int, repeats: int) -> dict[s
     used = min(adapters, PREFILL_ROWS)
     flops = sum(rig.cost.prefill_flops(n, rig.lora_flops) for n in lengths)
     nbytes = rig.cost.prefill_bytes(lengths, used * rig.adapter_bytes)
-    return _row("prefill", PREFILL_ROWS, used, context, times, flops, nbytes)
+    best, on_torch = _fastest(times)
+    return _row("prefill", PREFILL_ROWS, used, context, best, flops, nbytes, on_torch)
 
 
 def _decode_row(
@@ -176,7 +177,8 @@ def _decode_row(
     used = min(adapters, batch)
     flops = rig.cost.decode_flops(contexts, rig.lora_flops)
     nbytes = rig.cost.decode_bytes(contexts, used * rig.adapter_bytes)
-    return _row("decode", batch, used, context, times, flops, nbytes)
+    best, on_torch = _fastest(times)
+    return _row("decode", batch, used, context, best, flops, nbytes, on_torch)
 
 
 def _train_step(trainer: GRPOTrainer, batches: Sequence[TrainBatch]) -> None:
@@ -218,21 +220,21 @@ def _trainer_row(rig: _Rig, tenants: int, steps: int) -> dict[str, Any]:
     return row
 
 
+def _fastest(times: dict[bool, list[float]]) -> tuple[float, float | None]:
+    """The fastest time of the default path and of torch's own (None: not timed)."""
+    return min(times[False]), (min(times[True]) if True in times else None)
+
+
 def _row(
     kind: str,
     rows: int,
     adapters: int,
     context: int,
-    seconds: float | dict[bool, list[float]],
+    seconds: float,
     flops: float,
     nbytes: float,
+    torch_seconds: float | None = None,
 ) -> dict[str, Any]:
-    """A row; `seconds` is the time, or the times of each path (True: torch's own), of
-    which the fastest counts."""
-    torch_s = None
-    if isinstance(seconds, dict):
-        torch_s = min(seconds[True]) if True in seconds else None
-        seconds = min(seconds[False])
     return {
         "kind": kind,
         "rows": rows,
@@ -241,7 +243,7 @@ def _row(
         "seconds": seconds,
         #: The same work on torch's path (the native kernels declined), timed in
         #: alternation with `seconds`; None where the kernels are not built or apply.
-        "torch_seconds": torch_s,
+        "torch_seconds": torch_seconds,
         "flops": flops,
         "bytes": nbytes,
     }

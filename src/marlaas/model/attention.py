@@ -101,7 +101,7 @@ class AttentionPlan:
         if window not in self.spans:
             self.mask(window)  # the same error for a window the plan was not built for
             pos_Q = self.positions_RN.reshape(-1).to("cpu", torch.int64)
-            end_Q = (pos_Q + 1).clamp_(min=1).contiguous()
+            end_Q = (pos_Q + 1).clamp_(min=1)  # a new, contiguous tensor
             start_Q = (
                 (end_Q - window).clamp_(min=0) if window is not None else torch.zeros_like(end_Q)
             )

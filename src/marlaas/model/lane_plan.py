@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from marlaas.model.kernels import lora_rows
+from marlaas.model.kernels import lora_rows, native_kernels
 
 
 @dataclass(frozen=True)
@@ -111,8 +111,8 @@ class RowLanes:
 
     @staticmethod
     def of(lanes_B: list[int], lane_B: Tensor, scale_L: Tensor | None) -> RowLanes | None:
-        """None off the CPU, where the kernel never applies."""
-        if lane_B.device.type != "cpu":
+        """None where the kernel never applies: off the CPU, or not built."""
+        if lane_B.device.type != "cpu" or not native_kernels():
             return None
         order = sorted(range(len(lanes_B)), key=lanes_B.__getitem__)
         return RowLanes(

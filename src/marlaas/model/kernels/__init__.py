@@ -57,6 +57,8 @@ _LINK = ["-shared", "-lmvec", "-lm"]
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 _F32 = ctypes.c_float
+#: The largest rank `lora_rows` takes (its per-token buffer in `lora_rows.c`).
+LORA_ROWS_MAX_RANK = 64
 #: Every kernel: its source's stem (`<stem>.c`), its function and the function's
 #: argument types, in the order of the C signature.
 _KERNELS: dict[str, tuple[str, list[type]]] = {
@@ -258,7 +260,8 @@ def lora_rows(
     (any order is exact; sorted, each lane's `B` is prepared once); `scale_L` None: the
     weights carry their scales. `x_NTi` and `y_NTo` must be contiguous, `B_Lor` either
     contiguous along `r` (PEFT's layout) or along `out` (rank-major, read in place),
-    `lane_N` and `order_N` contiguous int64 with lanes in `[0, L)`."""
+    `lane_N` and `order_N` contiguous int64 with lanes in `[0, L)`; ranks up to
+    `LORA_ROWS_MAX_RANK`."""
     kernel = _kernel("lora_rows")
     N, T, fan_in = x_NTi.shape
     L, r, _ = A_Lri.shape
@@ -268,6 +271,7 @@ def lora_rows(
         or not (x_NTi.is_cpu and y_NTo.is_cpu and A_Lri.is_cpu and B_Lor.is_cpu)
         or not (x_NTi.dtype == y_NTo.dtype == A_Lri.dtype == B_Lor.dtype == torch.float32)
         or not (x_NTi.is_contiguous() and y_NTo.is_contiguous())
+        or r > LORA_ROWS_MAX_RANK
         or A_Lri.stride(-1) != 1
         or 1 not in (B_Lor.stride(1), B_Lor.stride(2))
         or tuple(B_Lor.shape) != (L, fan_out, r)

@@ -84,8 +84,8 @@ static inline void up(const float *Bt, int64_t bt_sk, int64_t r, const float *h,
     }
 }
 
-/* One lane's run of units: `r` as a compile-time constant for the common ranks (the
- * loops over it unroll). */
+/* The `T` tokens of unit `u`: `r` as a compile-time constant for the common ranks (the
+ * loops over it unroll); r <= 64 (the caller checks). */
 static inline __attribute__((always_inline)) void tokens(
     int64_t T, int64_t in, int64_t out, const int64_t r, const float *x, float *y,
     const float *Al, int64_t a_sr, const float *Bt, int64_t bt_sk, float s, int64_t u) {
