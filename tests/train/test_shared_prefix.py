@@ -119,3 +119,22 @@ def test_sliding_windows_share_prompts_exactly(arch: str, monkeypatch: pytest.Mo
     plain, _ = _train(model, data, 1)
     for name in TENANTS:
         assert _rel_diff(shared.adapter(name), plain.adapter(name)) < 1e-5, name
+
+
+def test_the_prefix_rows_gather_has_index_selects_gradient() -> None:
+    """The suffix pass reads each prefix's cache rows through `_RowGather`: its backward
+    (one `index_add_` on a contiguous copy) must be `index_select`'s, for strided and
+    transposed incoming gradients, repeated and unused source rows."""
+    torch.manual_seed(0)
+    index = torch.tensor([0, 0, 0, 2, 2, 3, 3, 3, 3])  # row 1 unused
+    x = torch.randn(4, 2, 5, 8, dtype=torch.float64, requires_grad=True)
+    for grad in (
+        torch.randn(9, 2, 7, 8, dtype=torch.float64)[:, :, :5],  # a slice of a cat
+        torch.randn(9, 5, 2, 8, dtype=torch.float64).transpose(1, 2),
+    ):
+        got = prefix._RowGather.apply(x, index)
+        assert torch.equal(got, x.index_select(0, index))
+        (g_got,) = torch.autograd.grad(got, x, grad)
+        (g_want,) = torch.autograd.grad(x.index_select(0, index), x, grad)
+        torch.testing.assert_close(g_got, g_want, rtol=0, atol=1e-12)
+        assert not g_got[1].any()
