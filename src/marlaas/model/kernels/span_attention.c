@@ -77,6 +77,18 @@ static inline __attribute__((always_inline)) void attend(int64_t R, int64_t N, i
             const float *vb = v + row * kv_sr + kv * kv_sh + s0 * kv_ss;
             const float *qb = q + row * q_sr + (b % N) * q_sn + kv * G * q_sh;
             float *ob = out + (b * H + kv * G) * D;
+            /* The next block's keys and values (the next kv head, or the next row's
+             * first), prefetched into L2 while this block's values are summed, a column
+             * of it for each column of these: a block is a short run of its own, where
+             * the hardware's stream prefetcher starts cold, and into L1 it would evict
+             * this block's values. 256 rows x 2 kv heads x 110 columns of a slot cache
+             * of 250: 1.27 -> 0.63 ms (11 -> 23 GB/s); 192 columns: 2.3 -> 1.7 ms. The
+             * next token of a prefill row reads the columns this one just did: none. */
+            const int64_t nb = kv + 1 < Hkv ? b : b + 1;
+            const int64_t nkv = kv + 1 < Hkv ? kv + 1 : 0;
+            const int64_t nn = nb < R * N && (nkv || nb / N != row) ? end[nb] - start[nb] : 0;
+            const float *nk = k + (nn ? (nb / N) * kv_sr + nkv * kv_sh + start[nb] * kv_ss : 0);
+            const float *nv = v + (nn ? (nb / N) * kv_sr + nkv * kv_sh + start[nb] * kv_ss : 0);
             int64_t l0 = 0;
             if (D % W == 0)  /* sixteen columns at a time, then the rest one by one */
                 for (; l0 + W <= n; l0 += W)
@@ -111,6 +123,11 @@ static inline __attribute__((always_inline)) void attend(int64_t R, int64_t N, i
                 for (int64_t l = 0; l < n; ++l) {
                     const float w = p[l];
                     const float *vl = vb + l * kv_ss;
+                    if (g == 0 && l < nn)
+                        for (int64_t d = 0; d < D; d += 16) {
+                            __builtin_prefetch(nk + l * kv_ss + d, 0, 2);
+                            __builtin_prefetch(nv + l * kv_ss + d, 0, 2);
+                        }
                     for (int64_t d = 0; d < D; ++d) acc[d] += w * vl[d];
                 }
                 const float inv = 1.0f / sum;
