@@ -118,6 +118,19 @@ void lora_rows_f32(int64_t U, int64_t T, int64_t in, int64_t out, int64_t r,
                     for (int64_t k = 0; k < r; ++k) scratch[k * out + o] = Bl[o * b_so + k * b_sr];
             }
             current = l;
+            /* The next lane's weights into L2 while this lane's rows run (they come from
+             * L3 otherwise, at the first row of each lane): engine decode iteration at
+             * 256 rows x 32 adapters, in-process A/B, 0.945-0.982. */
+            int64_t nj = j + 1;
+            while (nj < U && lane[order[nj]] == l) ++nj;
+            if (nj < U) {
+                const int64_t nl = lane[order[nj]];
+                for (int64_t k = 0; k < r; ++k) {
+                    for (int64_t i = 0; i < in; i += W) __builtin_prefetch(A + nl * a_sl + k * a_sr + i, 0, 2);
+                    if (b_so == 1)
+                        for (int64_t o = 0; o < out; o += W) __builtin_prefetch(B + nl * b_sl + k * b_sr + o, 0, 2);
+                }
+            }
         }
         const float *Al = A + l * a_sl;
         const float s = scale ? scale[l] : 1.0f;
