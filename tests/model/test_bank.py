@@ -17,6 +17,9 @@ from marlaas.model.lora import AdapterTensors, LoRAModel
 
 MakeAdapter = Callable[[LoRAModel, LoRASpec, int], AdapterTensors]
 SMALL = LoRASpec(rank=4, alpha=8.0)
+#: A full-rank adapter of every module, and one of rank 2 on the queries only.
+FULL, QUERIES = LoRASpec(rank=8), LoRASpec(rank=2, alpha=2.0, target_modules=("q_proj",))
+QUERY_PATHS = {"model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"}
 
 
 @pytest.fixture(scope="module")
@@ -154,15 +157,14 @@ def test_paging_in_clears_the_previous_occupant(
     model: LoRAModel, make_adapter: MakeAdapter
 ) -> None:
     bank = AdapterBank(model, num_slots=1)
-    big, small = LoRASpec(rank=8), LoRASpec(rank=2, alpha=2.0, target_modules=("q_proj",))
-    bank.register("big", big, make_adapter(model, big, 0))
-    bank.register("small", small, make_adapter(model, small, 1))
+    bank.register("big", FULL, make_adapter(model, FULL, 0))
+    bank.register("small", QUERIES, make_adapter(model, QUERIES, 1))
     bank.release(bank.acquire("big"))
     handle = bank.acquire("small")
     assert handle.slot == 1 and bank.stats.evictions == 1
     assert _slot_holds(bank, handle, bank.tensors("small"))
     lanes = bank.slot_lanes(torch.tensor([1]))
-    assert set(lanes.A) == {"model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"}
+    assert set(lanes.A) == QUERY_PATHS
     assert next(iter(lanes.A.values())).shape[1] == 2  # cut to the largest resident rank
 
 
@@ -171,14 +173,13 @@ def test_slot_lanes_follow_every_change_of_the_resident_adapters(
 ) -> None:
     """`slot_lanes` reuses its views of the buffers only while the residents stand."""
     bank = AdapterBank(model, num_slots=1)
-    big, small = LoRASpec(rank=8), LoRASpec(rank=2, alpha=2.0, target_modules=("q_proj",))
-    bank.register("small", small, make_adapter(model, small, 1))
+    bank.register("small", QUERIES, make_adapter(model, QUERIES, 1))
     handle = bank.acquire("small")
     first = bank.slot_lanes(torch.tensor([1]))
-    assert set(first.A) == {"model.layers.0.self_attn.q_proj", "model.layers.1.self_attn.q_proj"}
+    assert set(first.A) == QUERY_PATHS
     again = bank.slot_lanes(torch.tensor([0, 1]))
     assert again.A is first.A and again.lane_B.tolist() == [0, 1]
-    bank.register("big", big, make_adapter(model, big, 0))  # new buffers, nothing resident
+    bank.register("big", FULL, make_adapter(model, FULL, 0))  # new buffers, nothing resident
     assert set(bank.slot_lanes(torch.tensor([1])).A) == set(first.A)
     bank.release(handle)
     pinned = bank.acquire("big")  # evicts "small": every module, rank 8

@@ -132,10 +132,9 @@ class AdapterBank:
         self._slots: list[_Version | None] = [None] * S
         self._free: list[int] = list(range(S - 1, 0, -1))  # pop() hands out 1, 2, ...
         self._lru: OrderedDict[int, None] = OrderedDict()  # unpinned resident, oldest first
-        #: Bumped whenever the resident adapters or the buffers change; `slot_lanes`
-        #: reuses its views of the buffers while it stands (one lane batch a forward).
-        self._residency = 0
-        self._views: tuple[int, dict[str, Tensor], dict[str, Tensor]] | None = None
+        #: `slot_lanes`' views of the buffers (A, B), reused while the resident adapters
+        #: and the buffers stand (one lane batch a forward); None after any change.
+        self._views: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None
 
     @property
     def num_lanes(self) -> int:
@@ -292,17 +291,16 @@ class AdapterBank:
         targets are left out (they compute the plain base), so idle capacity costs nothing.
         """
         with self._lock:
-            if self._views is None or self._views[0] != self._residency:
+            if self._views is None:
                 resident = [e for e in self._slots if e is not None]
                 r = max([e.spec.rank for e in resident] + [1])
                 targeted = frozenset().union(*(e.modules for e in resident))
                 paths = [p for p in self._A if p in targeted]
                 self._views = (
-                    self._residency,
                     {p: self._A[p][:, :r] for p in paths},
                     {p: self._B[p][:, :, :r] for p in paths},
                 )
-            _, A, B = self._views
+            A, B = self._views
             return LaneBatch(lane_B=slot_B, A=A, B=B, scale_L=self._scale_S, prescaled=True)
 
     # -- internals -----------------------------------------------------------------------
@@ -312,7 +310,7 @@ class AdapterBank:
         new buffer is zero: no resident adapter targets that module)."""
         S, r, dev = self.num_lanes, self.model.max_rank, self.model.device
         shapes = self.model.module_shapes
-        self._residency += 1
+        self._views = None
         for path in shapes:  # module order
             if path in modules and path not in self._A:
                 fan_in, fan_out = shapes[path]
@@ -394,7 +392,7 @@ class AdapterBank:
         assert evicted is not None
         evicted.slot = None
         self._slots[slot] = None
-        self._residency += 1
+        self._views = None
         self.stats.evictions += 1
         return slot
 
@@ -419,7 +417,7 @@ class AdapterBank:
             torch.mul(pair[1], entry.spec.scaling, out=B_buf[:, :r])
         self._scale_S[slot] = entry.spec.scaling
         self._slots[slot] = entry
-        self._residency += 1
+        self._views = None
         entry.slot = slot
         self.stats.page_ins += 1
 
@@ -428,7 +426,7 @@ class AdapterBank:
         if entry.slot is not None:
             self._lru.pop(entry.slot, None)
             self._slots[entry.slot] = None
-            self._residency += 1
+            self._views = None
             self._scale_S[entry.slot] = 0.0
             self._free.append(entry.slot)
             entry.slot = None

@@ -112,7 +112,7 @@ class RowLanes:
     @staticmethod
     def of(lanes_B: list[int], lane_B: Tensor, scale_L: Tensor | None) -> RowLanes | None:
         """None where the kernel never applies: off the CPU, or not built."""
-        if lane_B.device.type != "cpu" or not native_kernels():
+        if lane_B.device.type != "cpu" or not native_kernels("lora_rows"):
             return None
         order = sorted(range(len(lanes_B)), key=lanes_B.__getitem__)
         return RowLanes(

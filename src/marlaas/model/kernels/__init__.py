@@ -179,9 +179,10 @@ def _kernel(stem: str) -> Any:
     return None if _switched_off else _library(stem)
 
 
-def native_kernels() -> bool:
-    """Whether every native kernel is built and loaded in this process."""
-    return all(_library(stem) is not None for stem in _KERNELS)
+def native_kernels(*stems: str) -> bool:
+    """Whether the named native kernels (every one when none is named) are built and
+    loaded in this process."""
+    return all(_library(stem) is not None for stem in stems or _KERNELS)
 
 
 def span_attention(

@@ -124,11 +124,11 @@ void lora_rows_f32(int64_t U, int64_t T, int64_t in, int64_t out, int64_t r,
             int64_t nj = j + 1;
             while (nj < U && lane[order[nj]] == l) ++nj;
             if (nj < U) {
-                const int64_t nl = lane[order[nj]];
-                for (int64_t k = 0; k < r; ++k) {
-                    for (int64_t i = 0; i < in; i += W) __builtin_prefetch(A + nl * a_sl + k * a_sr + i, 0, 2);
-                    if (b_so == 1)
-                        for (int64_t o = 0; o < out; o += W) __builtin_prefetch(B + nl * b_sl + k * b_sr + o, 0, 2);
+                const float *An = A + lane[order[nj]] * a_sl, *Bn = B + lane[order[nj]] * b_sl;
+                for (int64_t k = 0; k < r; ++k) {  /* a vector: a cache line */
+                    for (int64_t i = 0; i < in; i += W) __builtin_prefetch(An + k * a_sr + i, 0, 2);
+                    if (b_so == 1)  /* rank-major: each rank's row of B is contiguous */
+                        for (int64_t o = 0; o < out; o += W) __builtin_prefetch(Bn + k * b_sr + o, 0, 2);
                 }
             }
         }

@@ -124,7 +124,7 @@ static inline __attribute__((always_inline)) void attend(int64_t R, int64_t N, i
                     const float w = p[l];
                     const float *vl = vb + l * kv_ss;
                     if (g == 0 && l < nn)
-                        for (int64_t d = 0; d < D; d += 16) {
+                        for (int64_t d = 0; d < D; d += W) {  /* a vector: a cache line */
                             __builtin_prefetch(nk + l * kv_ss + d, 0, 2);
                             __builtin_prefetch(nv + l * kv_ss + d, 0, 2);
                         }
