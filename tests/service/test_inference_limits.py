@@ -201,7 +201,8 @@ def test_a_client_that_hangs_up_before_its_answer_has_its_rows_aborted(
     before = len(stepped.aborted)
     kim = stepped.tenant(f"kim-{stream}")
     sock = _hang_up_later(stepped.url, kim, _body(400, n=3, stream=stream))
-    _wait(lambda: engine.has_work(), "the request to reach the engine")
+    # its three rows are submitted one by one: step only once all three wait
+    _wait(lambda: engine.queued == 3, "the request's three rows to reach the engine")
     engine.step()  # admitted: its three rows run
     assert engine.running == 3
     sock.close()
