@@ -20,6 +20,7 @@ from marlaas.model.bank import AdapterBank
 from marlaas.model.lora import LoRAModel
 from marlaas.packing import MIN_FILL, pack_cheapest, pack_longest_first
 from marlaas.rollout import RolloutEngine
+from marlaas.rollout.forward import RowForward
 from marlaas.rollout.prefill import FORWARD_TOKENS, plan_prefill
 from marlaas.types import Completion, RolloutRequest, SamplingParams
 
@@ -79,13 +80,13 @@ def test_short_and_long_prompts_use_separate_forwards(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     widths: list[list[int]] = []
-    real = prefill.prefill_logits
+    real = RowForward.prefill
 
     def spy(*args: Any, **kwargs: Any) -> Any:
-        widths.append([len(t) for t in args[6]])
+        widths.append([len(t) for t in args[4]])  # (self, row0, slot_R, past, new_tokens)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(prefill, "prefill_logits", spy)
+    monkeypatch.setattr(RowForward, "prefill", spy)
     # Forwards of a small fixed price: the short and long prompts do not pad each other.
     monkeypatch.setattr(prefill, "FORWARD_TOKENS", 4)
     long_text = "a much longer prompt that goes on and on"
@@ -103,12 +104,12 @@ def test_short_and_long_prompts_use_separate_forwards(
     assert sorted(len(r.prompt_ids) for r in requests) == sorted(
         n for forward in widths for n in forward
     )
-    monkeypatch.setattr(prefill, "prefill_logits", real)
+    monkeypatch.setattr(RowForward, "prefill", real)
     for request, out in zip(requests, outs, strict=True):
         assert_same_completion(out, _alone(make_engine, request))
     # At a price above the padding (2 x 39 tokens), they share one: same completions.
     monkeypatch.setattr(prefill, "FORWARD_TOKENS", 100)
-    monkeypatch.setattr(prefill, "prefill_logits", spy)
+    monkeypatch.setattr(RowForward, "prefill", spy)
     widths.clear()
     together = make_engine().generate(requests)
     assert len(widths) == 1

@@ -22,8 +22,8 @@ it, a decode step is two batched matmuls over the cache columns and a prefill is
 `scaled_dot_product_attention` with the plan's mask.
 
 Invariants:
-- Only forwards that pass a plan are changed; the plan's masks are built once per
-  forward (`AttentionPlan.build`) and shared by all layers.
+- Only forwards that pass a plan are changed; the plan's masks (and spans) are made
+  once per forward and window, when first asked for, and shared by all layers.
 - Padding queries (left padding of a prefill) attend column 0 of their own row: a
   finite, unused result, so no NaN can reach any value a real token reads.
 """
@@ -52,13 +52,16 @@ _PREFIX = "marlaas:"
 
 @dataclass
 class AttentionPlan:
-    """The masks of one forward over `R` cache rows, `N` new tokens each, `S` columns.
+    """The masks (and spans) of one forward over `R` cache rows, `N` new tokens each, `S`
+    columns.
 
     `positions_RN` is each new token's position (= its column), -1 for padding.
     """
 
     positions_RN: Tensor
     columns: int
+    #: The windows of the model's layers: the masks and spans this plan can make.
+    windows: frozenset[int | None] = frozenset({None})
     #: window (None = full attention) -> mask `[R, 1, N, S]`, True where a query attends.
     masks: dict[int | None, Tensor] = field(default_factory=dict)
     #: (window, dtype) -> the mask as an additive bias `[R, 1, N, S]` (0 or -inf).
@@ -69,15 +72,9 @@ class AttentionPlan:
 
     @staticmethod
     def build(positions_RN: Tensor, columns: int, windows: Iterable[int | None]) -> AttentionPlan:
-        plan = AttentionPlan(positions_RN, columns)
-        col_S = torch.arange(columns, device=positions_RN.device)
-        pos_RN1 = positions_RN.unsqueeze(-1)
-        causal = col_S <= pos_RN1
-        pad = (pos_RN1 < 0) & (col_S == 0)  # padding queries: column 0, finite and unused
-        for window in set(windows):
-            mask = causal if window is None else causal & (col_S > pos_RN1 - window)
-            plan.masks[window] = (mask | pad).unsqueeze(1)
-        return plan
+        """The plan of a forward; its masks and spans are made on first use, once per
+        window (a native kernel needs only the spans, torch's path only the masks)."""
+        return AttentionPlan(positions_RN, columns, windows=frozenset(windows))
 
     @property
     def decode(self) -> bool:
@@ -99,7 +96,8 @@ class AttentionPlan:
         column 0), and the widest span; made once per forward, on the host, for the
         native kernel."""
         if window not in self.spans:
-            self.mask(window)  # the same error for a window the plan was not built for
+            if window not in self.windows:
+                self.mask(window)  # the same error for a window the plan was not built for
             pos_Q = self.positions_RN.reshape(-1).to("cpu", torch.int64)
             end_Q = (pos_Q + 1).clamp_(min=1)  # a new, contiguous tensor
             start_Q = (
@@ -109,14 +107,22 @@ class AttentionPlan:
         return self.spans[window]
 
     def mask(self, window: int | None) -> Tensor:
-        try:
-            return self.masks[window]
-        except KeyError:
-            raise ModelError(
-                f"attention layer with sliding window {window} has no mask in this plan "
-                f"(windows {sorted(map(str, self.masks))}); build the plan with the model's "
-                "layer windows (marlaas.rollout.kv.kv_geometry)"
-            ) from None
+        """The mask of `window` `[R, 1, N, S]`, True where a query attends: each query
+        the columns at or before its position, within the window; a padding query
+        column 0 (finite and unused)."""
+        if window not in self.masks:
+            if window not in self.windows:
+                raise ModelError(
+                    f"attention layer with sliding window {window} has no mask in this "
+                    f"plan (windows {sorted(map(str, self.windows))}); build the plan with "
+                    "the model's layer windows (marlaas.rollout.kv.kv_geometry)"
+                )
+            pos_RN1 = self.positions_RN.unsqueeze(-1)
+            col_S = torch.arange(self.columns, device=pos_RN1.device)
+            causal = col_S <= pos_RN1
+            mask = causal if window is None else causal & (col_S > pos_RN1 - window)
+            self.masks[window] = (mask | ((pos_RN1 < 0) & (col_S == 0))).unsqueeze(1)
+        return self.masks[window]
 
 
 def slot_attention(
@@ -135,12 +141,12 @@ def slot_attention(
     Hkv = int(key.shape[1])
     G = H // Hkv
     scale = scaling if scaling is not None else D**-0.5
-    mask_R1NS = plan.mask(window)
     if query.device.type == "cpu":
         start_Q, end_Q, widest = plan.span(window)
         native = span_attention(query, key, value, start_Q, end_Q, widest, scale, softcap)
         if native is not None:
             return native
+    mask_R1NS = plan.mask(window)
     if N > 1 and softcap is None:
         out = F.scaled_dot_product_attention(
             query, key, value, attn_mask=mask_R1NS, scale=scale, enable_gqa=G > 1

@@ -114,6 +114,35 @@ class _LaneContext:
             )
         return self.batch, self.plan
 
+    def add_update(self, path: str, x: Tensor, y: Tensor) -> Tensor:
+        """`y` (the base layer's output for input `x`) plus the LoRA update of module
+        `path` under the lane batch this thread set; `y` itself outside a lane context
+        or for a module the batch leaves out."""
+        if self.owner != threading.get_ident() or self.batch is None:
+            return y  # no lane batch in this thread: the plain base
+        A_Lri = self.batch.A.get(path)
+        if A_Lri is None:
+            return y
+        # The input's shape, in this one place: every row owns a contiguous run of the
+        # flattened leading axes ([B, T] rows of T tokens, [B * T] the same, and one lane
+        # per token when the counts are equal), seen as `[rows, T, features]`.
+        rows = self.batch.lane_B.shape[0]
+        tokens = x.shape[:-1].numel()
+        if x.dim() < 2 or rows == 0 or tokens % rows:
+            raise ModelError(
+                f"{path}: input of shape {tuple(x.shape)} does not match a lane batch "
+                f"of {rows} entries; give one lane per row (first axis) or per token"
+            )
+        current = self.current(tokens // rows, int(A_Lri.shape[1]))
+        assert current is not None
+        batch, plan = current
+        x_BTi = x.reshape(rows, tokens // rows, x.shape[-1])
+        if x_BTi.dtype != A_Lri.dtype:
+            x_BTi = x_BTi.to(A_Lri.dtype)
+        y_BTo = y.reshape(rows, tokens // rows, y.shape[-1])
+        out = plan.apply(x_BTi, A_Lri, batch.B[path], y_BTo)
+        return y if out is y_BTo else out.reshape(y.shape)  # in place: y is the result
+
 
 class MultiLoRALinear(nn.Module):
     """A frozen linear layer (`nn.Linear`, or GPT-2's `Conv1D`) plus the per-row LoRA
@@ -135,29 +164,7 @@ class MultiLoRALinear(nn.Module):
         self._context = context
 
     def forward(self, x: Tensor) -> Tensor:
-        y = self.base_layer(x)
-        context = self._context
-        if context.owner != threading.get_ident() or context.batch is None:
-            return y  # no lane batch in this thread: the plain base
-        A_Lri = context.batch.A.get(self.path)
-        if A_Lri is None:
-            return y
-        # The input's shape, in this one place: every row owns a contiguous run of the
-        # flattened leading axes ([B, T] rows of T tokens, [B * T] the same, and one lane
-        # per token when the counts are equal), seen as `[rows, T, features]`.
-        rows = context.batch.lane_B.shape[0]
-        tokens = x.shape[:-1].numel()
-        if x.dim() < 2 or rows == 0 or tokens % rows:
-            raise ModelError(
-                f"{self.path}: input of shape {tuple(x.shape)} does not match a lane batch "
-                f"of {rows} entries; give one lane per row (first axis) or per token"
-            )
-        current = context.current(tokens // rows, int(A_Lri.shape[1]))
-        assert current is not None
-        batch, plan = current
-        x_BTi = x.reshape(rows, tokens // rows, x.shape[-1]).to(A_Lri.dtype)
-        y_BTo = y.reshape(rows, tokens // rows, y.shape[-1])
-        return plan.apply(x_BTi, A_Lri, batch.B[self.path], y_BTo).reshape(y.shape)
+        return self._context.add_update(self.path, x, self.base_layer(x))
 
     def extra_repr(self) -> str:
         return (
@@ -194,6 +201,9 @@ class LoRAModel:
         self.max_rank = max_rank
         self._context = _LaneContext()
         self._lock = threading.Lock()
+        #: The weights of the last lane batch checked, by identity: the adapter bank hands
+        #: the same slot views to every forward while its residents stand.
+        self._checked: tuple[Mapping[str, Tensor], Mapping[str, Tensor], int] | None = None
         base.requires_grad_(False)
 
         layers = adaptable_layers(base)
@@ -361,20 +371,39 @@ class LoRAModel:
 
     # -- forward context ---------------------------------------------------------------
 
+    def add_lora(self, path: str, x: Tensor, y: Tensor) -> Tensor:
+        """`y` plus module `path`'s LoRA update for input `x` under the lane batch of the
+        current `lanes()` context, exactly what the injected layer adds: for forwards
+        that run the base's layers themselves (`marlaas.rollout.decoder`). `y` may be
+        written in place."""
+        return self._context.add_update(path, x, y)
+
     def _check_lane_batch(self, batch: LaneBatch) -> None:
         if batch.lane_B.dim() != 1 or batch.lane_B.dtype != torch.long:
             raise ModelError("lane_B must be a 1-D LongTensor (one lane index per row)")
         if batch.scale_L.dim() != 1:
             raise ModelError("scale_L must be 1-D (one scale per lane)")
-        if set(batch.A) != set(batch.B):
-            raise ModelError("a lane batch needs the same module paths in A and B")
         L = batch.num_lanes
-        for path, A_Lri in batch.A.items():
+        checked = self._checked
+        if checked is None or not (
+            checked[0] is batch.A and checked[1] is batch.B and checked[2] == L
+        ):  # not the same weights as the last batch (the adapter bank's slot views)
+            self._check_weights(batch.A, batch.B, L)
+            self._checked = (batch.A, batch.B, L)
+        if batch.lane_B.device.type == "cpu" and batch.lane_B.numel() > 0:
+            lo, hi = (int(v) for v in torch.aminmax(batch.lane_B))
+            if lo < 0 or hi >= L:
+                raise ModelError(f"lane_B holds lane {lo if lo < 0 else hi}, outside [0, {L})")
+
+    def _check_weights(self, A: Mapping[str, Tensor], B: Mapping[str, Tensor], L: int) -> None:
+        if set(A) != set(B):
+            raise ModelError("a lane batch needs the same module paths in A and B")
+        for path, A_Lri in A.items():
             shape = self._shapes.get(path)
             if shape is None:
                 raise ModelError(f"lane batch names module {path!r}, which was not injected")
             fan_in, fan_out = shape
-            B_Lor = batch.B[path]
+            B_Lor = B[path]
             if (
                 A_Lri.dim() != 3
                 or B_Lor.dim() != 3
@@ -386,10 +415,6 @@ class LoRAModel:
                     f"{path}: expected A [{L}, r, {fan_in}] and B [{L}, {fan_out}, r], got "
                     f"A {list(A_Lri.shape)} and B {list(B_Lor.shape)}"
                 )
-        if batch.lane_B.device.type == "cpu" and batch.lane_B.numel() > 0:
-            lo, hi = int(batch.lane_B.min()), int(batch.lane_B.max())
-            if lo < 0 or hi >= L:
-                raise ModelError(f"lane_B holds lane {lo if lo < 0 else hi}, outside [0, {L})")
 
     @contextmanager
     def lanes(self, batch: LaneBatch) -> Iterator[None]:

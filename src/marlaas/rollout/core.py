@@ -40,12 +40,11 @@ from transformers import PreTrainedTokenizerBase
 
 from marlaas.errors import CapacityError, InvalidRequest, MarlaasError
 from marlaas.model.arch import context_length
-from marlaas.model.attention import install_attention
 from marlaas.model.bank import AdapterBank
 from marlaas.model.lora import LoRAModel
 from marlaas.rollout.batch import Deliver, Row, RowBatch, TokenListener
 from marlaas.rollout.finish import FinishPolicy
-from marlaas.rollout.forward import decode_logits
+from marlaas.rollout.forward import RowForward
 from marlaas.rollout.kv import SlotKV, kv_geometry
 from marlaas.rollout.prefill import Admitted, run_prefill
 from marlaas.rollout.prompts import PromptCache
@@ -113,10 +112,10 @@ class DecodeScheduler:
         self.stats = EngineStats()
         config = model.base.config
         geometry = kv_geometry(config)
-        install_attention(model.base)
         self._vocab = int(config.get_text_config(decoder=True).vocab_size)
         self._max_positions = context_length(config)
         self.kv = SlotKV(geometry, model.dtype, model.device, max_batch_size, self._max_positions)
+        self.forward = RowForward(model, bank, self.kv)
         self.batch = self._empty_batch()
         pad = tokenizer.pad_token_id
         self._pad_id = int(pad) if isinstance(pad, int) else 0
@@ -230,9 +229,7 @@ class DecodeScheduler:
         (`marlaas.rollout.prefill`) and sample their first tokens; a failed forward
         fails its rows only."""
         B0 = self.batch.size
-        result = run_prefill(
-            self.model, self.bank, self.kv, self.prompts, admitted, B0, self._pad_id
-        )
+        result = run_prefill(self.forward, self.prompts, admitted, B0, self._pad_id)
         for a, exc in result.failed:
             self._release(a.row)
             self.fail(a.row.deliver, exc)
@@ -261,7 +258,7 @@ class DecodeScheduler:
     def _decode(self) -> int:
         batch = self.batch
         try:
-            logits_BV = decode_logits(self.model, self.bank, self.kv, batch)
+            logits_BV = self.forward.decode(batch)
         except Exception as exc:
             self.fail_all(exc)
             return 0

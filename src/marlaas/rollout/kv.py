@@ -26,6 +26,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,27 @@ class KVGeometry:
     head_dim: int
     #: Per layer: its sliding window (None = full attention).
     windows: tuple[int | None, ...]
+
+
+@dataclass
+class SlotWrites:
+    """Where one forward's `T = R * N` new tokens go in the cache buffers: token `t`
+    (row-major over the forward's rows and tokens) into buffer row `row_T[t]`, column
+    `col_T[t]`."""
+
+    row_T: Tensor
+    col_T: Tensor
+    kv_heads: int
+    #: Columns of the buffers.
+    capacity: int
+
+    @functools.cached_property
+    def flat(self) -> Tensor:
+        """Each (token, kv head)'s index in a buffer seen as `[rows * H * columns, D]`,
+        `[T * H]` in (token, head) order: the order the projections lay them out."""
+        head_H = torch.arange(self.kv_heads, device=self.row_T.device)
+        index_TH = (self.row_T[:, None] * self.kv_heads + head_H) * self.capacity
+        return (index_TH + self.col_T[:, None]).reshape(-1)
 
 
 def kv_geometry(config: object) -> KVGeometry:
@@ -151,22 +173,39 @@ class SlotKV:
             self.keys, self.values = [], []
             self._alloc(0, 0)
 
+    def writes(self, row0: int, positions_RN: Tensor) -> SlotWrites:
+        """Where the new tokens of a forward over rows `row0 ..` at `positions_RN` (-1:
+        padding, written to the scratch column) go."""
+        R, N = (int(n) for n in positions_RN.shape)
+        cap = int(self.keys[0].shape[2])
+        col_T = torch.where(positions_RN >= 0, positions_RN, cap - 1).reshape(-1)
+        row_T = torch.arange(row0, row0 + R, device=positions_RN.device).repeat_interleave(N)
+        return SlotWrites(row_T, col_T, self.geometry.kv_heads, cap)
+
     def cache(self, row0: int, positions_RN: Tensor, columns: int) -> SlotCache:
         """The `SlotCache` of a forward over rows `row0 ..` with new tokens at
         `positions_RN` (-1: padding, written to the scratch column), reading `columns`."""
         R = int(positions_RN.shape[0])
-        H, cap = self.geometry.kv_heads, int(self.keys[0].shape[2])
-        col_RN = torch.where(positions_RN >= 0, positions_RN, cap - 1)
-        row_R = torch.arange(row0, row0 + R, device=positions_RN.device)
-        head_H = torch.arange(H, device=positions_RN.device)
-        # Flat index of (row, token, head) in a buffer viewed as [rows * H * cap, D].
-        index = (row_R[:, None, None] * H + head_H) * cap + col_RN[:, :, None]
-        flat = index.reshape(-1)
+        flat = self.writes(row0, positions_RN).flat
         return SlotCache(
             [
                 SlotLayer(k, v, flat, row0, R, columns)
                 for k, v in zip(self.keys, self.values, strict=True)
             ]
+        )
+
+    def store(self, layer: int, writes: SlotWrites, k_THD: Tensor, v_THD: Tensor) -> None:
+        """Write new keys and values `[T, Hkv, D]` (tokens in `writes` order) into
+        `layer`'s buffers."""
+        D = self.geometry.head_dim
+        self.keys[layer].view(-1, D).index_copy_(0, writes.flat, k_THD.reshape(-1, D))
+        self.values[layer].view(-1, D).index_copy_(0, writes.flat, v_THD.reshape(-1, D))
+
+    def views(self, layer: int, row0: int, rows: int, columns: int) -> tuple[Tensor, Tensor]:
+        """`layer`'s keys and values of rows `row0 ..`, their first `columns` columns."""
+        return (
+            self.keys[layer][row0 : row0 + rows, :, :columns],
+            self.values[layer][row0 : row0 + rows, :, :columns],
         )
 
     def move_rows(self, dst: Sequence[int], src: Sequence[int], columns: int) -> None:

@@ -31,12 +31,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from marlaas.model.bank import AdapterBank
-from marlaas.model.lora import LoRAModel
 from marlaas.packing import pack_cheapest
 from marlaas.rollout.batch import Row
-from marlaas.rollout.forward import prefill_logits
-from marlaas.rollout.kv import RowKV, SlotKV
+from marlaas.rollout.forward import RowForward
+from marlaas.rollout.kv import RowKV
 from marlaas.rollout.prompts import PromptCache, PromptEntry
 
 #: A prefill forward's fixed cost, in padded tokens of prefill (module doc).
@@ -99,15 +97,14 @@ def plan_prefill(
 
 
 def run_prefill(
-    model: LoRAModel,
-    bank: AdapterBank,
-    kv: SlotKV,
+    forward: RowForward,
     prompts: PromptCache,
     admitted: Sequence[Admitted],
     row0: int,
     pad_id: int,
 ) -> PrefillResult:
     """Prefill `admitted` into cache rows `row0 ..` (see the module doc)."""
+    kv = forward.kv
     hits: dict[int, PromptEntry] = {}
     for i, a in enumerate(admitted):
         if a.past is None and not a.wants_prompt_logprobs:
@@ -134,16 +131,13 @@ def run_prefill(
 
     result = PrefillResult(ok=[], logits_RV=None)
     logits_of: dict[int, Tensor] = {i: hits[i].logits_V for i in cached}
-    for forward in forwards:
-        firsts = [admitted[i] for i in forward]
+    for group in forwards:
+        firsts = [admitted[i] for i in group]
         slot_R = torch.tensor([a.row.handle.slot for a in firsts], device=kv.device)
         all_logits = any(a.wants_prompt_logprobs for a in firsts)
         try:
-            logits_RNV = prefill_logits(
-                model,
-                bank,
-                kv,
-                row_of[forward[0]],
+            logits_RNV = forward.prefill(
+                row_of[group[0]],
                 slot_R,
                 [a.row.reused for a in firsts],
                 [a.new_tokens for a in firsts],
@@ -151,10 +145,10 @@ def run_prefill(
                 all_logits=all_logits,
             )
         except Exception as exc:  # this forward's rows and their sharers fail, no others
-            members = set(forward)
+            members = set(group)
             result.failed += [(a, exc) for k, a in enumerate(admitted) if source[k] in members]
             continue
-        for j, (i, a) in enumerate(zip(forward, firsts, strict=True)):
+        for j, (i, a) in enumerate(zip(group, firsts, strict=True)):
             logits_of[i] = logits_RNV[j, -1]
             if a.wants_prompt_logprobs:
                 a.row.prompt_logprobs = _prompt_logprobs(logits_RNV[j], a.new_tokens)

@@ -14,6 +14,11 @@
   (`lora_rows.c`). torch's way is a gather of the rows into per-lane pieces, two
   batched matmuls of `lanes` tiny matrices (`[rows per lane, in] x [in, r]`), a scatter
   back and an add: five ops per layer whose per-matrix overhead again sets the time.
+- `add_rms_norm` adds a residual and takes the RMS norm of the sum in one pass per
+  token (`rms_norm.c`): torch's `rms_norm` on the CPU is six ops, plus the add.
+- `rope_store` applies the rotary embedding to a forward's new queries (in place) and
+  keys and writes the keys and values into their cache columns (`rope_store.c`): about
+  a dozen element-wise ops, a transpose and two indexed copies per layer in torch.
 
 Build: each C source is compiled with the system's C compiler (`cc`, or `$CC`) into a
 shared library in the user's cache (`$XDG_CACHE_HOME/marlaas/kernels`, else a private
@@ -47,7 +52,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["lora_rows", "native_kernels", "span_attention", "torch_path"]
+__all__ = [
+    "add_rms_norm",
+    "lora_rows",
+    "native_kernels",
+    "rope_store",
+    "span_attention",
+    "torch_path",
+    "torch_path_on",
+]
 
 _log = logging.getLogger(__name__)
 #: Vectorised exp (glibc's libmvec) needs -ffast-math when compiling; linking stays
@@ -79,6 +92,16 @@ _KERNELS: dict[str, tuple[str, list[type]]] = {
             *(_PTR, _I64, _I64),
             *(_PTR, _I64, _I64, _I64),
             *(_PTR, _PTR, _PTR, _PTR),
+        ],
+    ),
+    "rms_norm": ("add_rms_norm_f32", [_I64, _I64, _PTR, _PTR, _PTR, _F32, _PTR]),
+    "rope_store": (
+        "rope_store_f32",
+        [
+            *(_I64, _I64, _I64, _I64, _I64),
+            *(_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR),
+            *(_PTR, _PTR, _I64, _I64, _I64),
+            *(_PTR, _PTR),
         ],
     ),
 }
@@ -173,6 +196,12 @@ def torch_path() -> Iterator[None]:
         yield
     finally:
         _switched_off -= 1
+
+
+def torch_path_on() -> bool:
+    """Whether a `torch_path()` block is active (the fast paths built on the kernels,
+    such as the engine's compact decoder, step aside too)."""
+    return _switched_off > 0
 
 
 def _kernel(stem: str) -> Any:
@@ -306,3 +335,108 @@ def lora_rows(
         0 if scratch is None else scratch.data_ptr(),
     )
     return True
+
+
+def rope_store(
+    q_THD: Tensor,
+    k_THD: Tensor,
+    v_THD: Tensor,
+    cos_TR: Tensor,
+    sin_TR: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    row_T: Tensor,
+    col_T: Tensor,
+) -> bool:
+    """Rotate the queries `q_THD` in place and write the rotated keys `k_THD` and the
+    values `v_THD` of token `t` into cache row `row_T[t]`, column `col_T[t]` of `keys` /
+    `values [rows, Hkv, S, D]`; False (nothing written) where the kernel does not apply
+    (see the module doc). The rotation is Hugging Face's `x * cos + rotate_half(x) * sin`
+    on the first `rot` features (`cos_TR`/`sin_TR [T, rot]`, contiguous, `rot` even and
+    at most `D`). Queries, keys and values have their heads and features contiguous (any
+    token stride); `row_T`/`col_T` are contiguous int64 and inside the buffers (the
+    caller's guarantee: the kernel writes there unchecked)."""
+    kernel = _kernel("rope_store")
+    T, H, D = q_THD.shape
+    Hkv = int(k_THD.shape[1])
+    rot = int(cos_TR.shape[-1])
+    tensors = (q_THD, k_THD, v_THD, cos_TR, sin_TR, keys, values)
+    if (
+        kernel is None
+        or not all(t.is_cpu and t.dtype == torch.float32 for t in tensors)
+        or any(t.stride(-1) != 1 or t.stride(-2) != D for t in (q_THD, k_THD, v_THD))
+        or tuple(v_THD.shape) != tuple(k_THD.shape)
+        or int(k_THD.shape[0]) != T
+        or int(keys.shape[1]) != Hkv
+        or int(keys.shape[-1]) != D
+        or keys.stride() != values.stride()
+        or keys.stride(-1) != 1
+        or rot % 2
+        or rot > D
+        or tuple(cos_TR.shape) != (T, rot)
+        or not (cos_TR.is_contiguous() and sin_TR.is_contiguous())
+        or not all(t.dtype == torch.int64 and t.is_contiguous() for t in (row_T, col_T))
+        or int(row_T.shape[0]) != T
+        or int(col_T.shape[0]) != T
+    ):
+        return False
+    kernel(
+        T,
+        H,
+        Hkv,
+        D,
+        rot,
+        q_THD.data_ptr(),
+        q_THD.stride(0),
+        k_THD.data_ptr(),
+        k_THD.stride(0),
+        v_THD.data_ptr(),
+        v_THD.stride(0),
+        cos_TR.data_ptr(),
+        sin_TR.data_ptr(),
+        keys.data_ptr(),
+        values.data_ptr(),
+        keys.stride(0),
+        keys.stride(1),
+        keys.stride(2),
+        row_T.data_ptr(),
+        col_T.data_ptr(),
+    )
+    return True
+
+
+def add_rms_norm(
+    h_TE: Tensor, delta_TE: Tensor | None, weight_E: Tensor, eps: float
+) -> Tensor | None:
+    """`h_TE += delta_TE` in place (when given), then `weight_E * h / sqrt(mean(h^2) +
+    eps)` per token as a new tensor (Llama's RMS norm); None (nothing written) where the
+    kernel does not apply (see the module doc): float32 CPU tensors, contiguous."""
+    kernel = _kernel("rms_norm")
+    T, E = h_TE.shape
+    if (
+        kernel is None
+        or not (h_TE.is_cpu and weight_E.is_cpu and h_TE.dtype == weight_E.dtype == torch.float32)
+        or not (h_TE.is_contiguous() and weight_E.is_contiguous())
+        or tuple(weight_E.shape) != (E,)
+        or (
+            delta_TE is not None
+            and (
+                not delta_TE.is_cpu
+                or delta_TE.dtype != torch.float32
+                or not delta_TE.is_contiguous()
+                or tuple(delta_TE.shape) != (T, E)
+            )
+        )
+    ):
+        return None
+    out = torch.empty((T, E), dtype=torch.float32)
+    kernel(
+        T,
+        E,
+        h_TE.data_ptr(),
+        0 if delta_TE is None else delta_TE.data_ptr(),
+        weight_E.data_ptr(),
+        float(eps),
+        out.data_ptr(),
+    )
+    return out

@@ -1,0 +1,36 @@
+/* A residual add and the RMS norm after it, in one pass per token (Llama's pre-norm
+ * decoder: h = h + delta; x = weight * h / rms(h)):
+ *
+ *     h[t] += delta[t]                                       (when delta is given)
+ *     out[t] = weight * (h[t] * 1 / sqrt(mean(h[t]^2) + eps))
+ *
+ * torch's `rms_norm` on the CPU is a composite of six element-wise and reduction ops
+ * (the square, the mean, the add, the reciprocal square root, two multiplies), plus the
+ * add before it: seven dispatches and passes over the activations per norm, eighteen
+ * per decoder layer-pair.
+ *
+ * Layouts (float32, contiguous): h, delta and out [T, E]; weight [E].
+ */
+#include <math.h>
+#include <stdint.h>
+
+void add_rms_norm_f32(int64_t T, int64_t E, float *h, const float *delta, const float *weight,
+                      float eps, float *out) {
+    for (int64_t t = 0; t < T; ++t) {
+        float *ht = h + t * E;
+        float *ot = out + t * E;
+        float sum = 0.0f;
+        if (delta) {
+            const float *dt = delta + t * E;
+            for (int64_t i = 0; i < E; ++i) {
+                const float x = ht[i] + dt[i];
+                ht[i] = x;
+                sum += x * x;
+            }
+        } else {
+            for (int64_t i = 0; i < E; ++i) sum += ht[i] * ht[i];
+        }
+        const float inv = 1.0f / sqrtf(sum / (float)E + eps);
+        for (int64_t i = 0; i < E; ++i) ot[i] = weight[i] * (ht[i] * inv);
+    }
+}

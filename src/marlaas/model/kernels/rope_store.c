@@ -1,0 +1,53 @@
+/* Rotary position embedding of a forward's new queries and keys, and the keys and values
+ * stored into the engine's slot cache, in one pass over the projections' outputs:
+ *
+ *     q[t, h]            = rotate(q[t, h], cos[t], sin[t])           (in place)
+ *     keys[row[t], h, col[t]]   = rotate(k[t, h], cos[t], sin[t])
+ *     values[row[t], h, col[t]] = v[t, h]
+ *
+ * for every new token t. `rotate` is Hugging Face's `x * cos + rotate_half(x) * sin` on
+ * the first `rot` features (the halves [0, rot/2) and [rot/2, rot)), the rest passed
+ * through (partial rotary). torch's way is about a dozen element-wise ops over the
+ * queries and keys (multiplies, the halves' negation and concatenation) plus a
+ * transpose and an indexed copy per buffer, each a pass over memory and a dispatch.
+ *
+ * Layouts (float32): q [T, H, D] with token stride q_st (heads contiguous); k and v
+ * [T, Hkv, D] with token strides k_st and v_st; cos and sin [T, rot] contiguous; the
+ * cache buffers [rows, Hkv, S, D] with strides c_sr, c_sh, c_ss (the last axis
+ * contiguous), written at row row[t], column col[t].
+ */
+#include <stdint.h>
+
+static inline void rotate(float *restrict dst, const float *restrict x, const float *c,
+                          const float *s, int64_t D, int64_t rot) {
+    const int64_t half = rot / 2;
+    for (int64_t i = 0; i < half; ++i) {
+        const float a = x[i], b = x[i + half];
+        dst[i] = a * c[i] - b * s[i];
+        dst[i + half] = b * c[i + half] + a * s[i + half];
+    }
+    for (int64_t i = rot; i < D; ++i) dst[i] = x[i];
+}
+
+void rope_store_f32(int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t rot,
+                    float *q, int64_t q_st, const float *k, int64_t k_st,
+                    const float *v, int64_t v_st, const float *cos, const float *sin,
+                    float *keys, float *values, int64_t c_sr, int64_t c_sh, int64_t c_ss,
+                    const int64_t *row, const int64_t *col) {
+    for (int64_t t = 0; t < T; ++t) {
+        const float *c = cos + t * rot, *s = sin + t * rot;
+        float *qt = q + t * q_st;
+        for (int64_t h = 0; h < H; ++h) {  /* in place: from a copy, so the loop vectorises */
+            float x[D];
+            for (int64_t i = 0; i < D; ++i) x[i] = qt[h * D + i];
+            rotate(qt + h * D, x, c, s, D, rot);
+        }
+        const int64_t at = row[t] * c_sr + col[t] * c_ss;
+        for (int64_t h = 0; h < Hkv; ++h) {
+            rotate(keys + at + h * c_sh, k + t * k_st + h * D, c, s, D, rot);
+            const float *src = v + t * v_st + h * D;
+            float *dst = values + at + h * c_sh;
+            for (int64_t i = 0; i < D; ++i) dst[i] = src[i];
+        }
+    }
+}

@@ -1,0 +1,135 @@
+"""The engine's compact decoder (`marlaas.rollout.decoder`) computes what the Hugging Face
+modules compute: the same logits and the same keys and values in the slot cache, for
+every architecture it covers (grouped heads, sliding windows, biases, Qwen3's per-head
+norms), through prefill with left padding, a continued turn and decode steps, each row
+with its own adapter; with the native kernels and with torch's ops (what other devices
+run), in float32 and bfloat16. Architectures it does not cover are left to the modules."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from rollout_support import random_adapter
+from torch import Tensor
+
+from helpers.tiny_archs import ARCHS, tiny_model
+from marlaas.config.specs import LoRASpec
+from marlaas.model import kernels
+from marlaas.model.bank import AdapterBank
+from marlaas.model.lora import LoRAModel
+from marlaas.model.tokenizer import build_tokenizer
+from marlaas.rollout.decoder import MODEL_TYPES, CompactDecoder
+from marlaas.rollout.forward import RowForward
+from marlaas.rollout.kv import SlotKV, kv_geometry
+
+VOCAB = len(build_tokenizer())
+SPEC = LoRASpec(rank=4, alpha=8.0)  # every linear layer: each projection's update runs
+
+
+@pytest.fixture
+def no_kernels(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The native kernels off (the compact decoder then runs torch's ops)."""
+    monkeypatch.setenv("MARLAAS_NATIVE_KERNELS", "0")
+    kernels._library.cache_clear()
+    yield
+    monkeypatch.delenv("MARLAAS_NATIVE_KERNELS")
+    kernels._library.cache_clear()
+
+
+def _model(arch: str, dtype: torch.dtype) -> tuple[LoRAModel, AdapterBank]:
+    model = LoRAModel(tiny_model(arch, VOCAB).to(dtype), max_rank=4)
+    spec = model.resolve(SPEC)
+    bank = AdapterBank(model, num_slots=4, dtype=torch.float32)
+    for i in range(3):
+        bank.register(f"t{i}", spec, tensors=random_adapter(model, 20 + i, spec))
+    return model, bank
+
+
+def _run(model: LoRAModel, bank: AdapterBank) -> tuple[list[Tensor], SlotKV, list[int]]:
+    """Prefill three rows (left-padded, each its own adapter), continue two of them with
+    a second turn, then decode all three for three steps; every forward's logits, the
+    cache, and the rows' lengths."""
+    kv = SlotKV(kv_geometry(model.base.config), model.dtype, model.device, 4, 128)
+    forward = RowForward(model, bank, kv)
+    slot_R = torch.tensor([bank.acquire(f"t{i}").slot for i in range(3)])
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(4, VOCAB, (n,), generator=gen).tolist() for n in (5, 13, 9)]
+    logits = [forward.prefill(0, slot_R, [0, 0, 0], prompts, 0, all_logits=True)]
+    lengths = [len(p) for p in prompts]
+    turn = [torch.randint(4, VOCAB, (n,), generator=gen).tolist() for n in (4, 2)]
+    logits.append(forward.prefill(0, slot_R[:2], lengths[:2], turn, 0, all_logits=True))
+    lengths = [lengths[0] + 4, lengths[1] + 2, lengths[2]]
+    for _ in range(3):
+        ids = torch.randint(4, VOCAB, (3, 1), generator=gen)
+        pos = torch.tensor(lengths)[:, None]
+        kv.reserve(3, max(lengths) + 1)
+        logits.append(forward.rows(0, slot_R, ids, pos, max(lengths) + 1))
+        lengths = [n + 1 for n in lengths]
+    return logits, kv, lengths
+
+
+def _compare(
+    got: tuple[list[Tensor], SlotKV, list[int]],
+    want: tuple[list[Tensor], SlotKV, list[int]],
+    atol: float,
+) -> None:
+    (logits, kv, lengths), (ref_logits, ref_kv, _) = got, want
+    for a, b in zip(logits, ref_logits, strict=True):
+        torch.testing.assert_close(a.float(), b.float(), atol=atol, rtol=0)
+    for layer in range(len(kv.keys)):
+        for row, n in enumerate(lengths):
+            for buffers, ref in ((kv.keys, ref_kv.keys), (kv.values, ref_kv.values)):
+                torch.testing.assert_close(
+                    buffers[layer][row, :, :n].float(),
+                    ref[layer][row, :, :n].float(),
+                    atol=atol,
+                    rtol=0,
+                )
+
+
+def _modules_path(model: LoRAModel, bank: AdapterBank) -> tuple[list[Tensor], SlotKV, list[int]]:
+    with kernels.torch_path():
+        return _run(model, bank)
+
+
+@pytest.mark.parametrize("arch", MODEL_TYPES)
+def test_logits_and_cache_equal_the_modules_with_the_native_kernels(arch: str) -> None:
+    model, bank = _model(arch, torch.float32)
+    assert CompactDecoder.of(model) is not None
+    assert kernels.native_kernels()
+    _compare(_run(model, bank), _modules_path(model, bank), atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", MODEL_TYPES)
+def test_logits_and_cache_equal_the_modules_with_torchs_ops(arch: str, no_kernels: Any) -> None:
+    model, bank = _model(arch, torch.float32)
+    assert not kernels.native_kernels()
+    _compare(_run(model, bank), _modules_path(model, bank), atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_a_bfloat16_base_gives_the_modules_logits(arch: str) -> None:
+    model, bank = _model(arch, torch.bfloat16)
+    assert model.dtype == torch.bfloat16
+    _compare(_run(model, bank), _modules_path(model, bank), atol=2e-2)
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a not in MODEL_TYPES])
+def test_other_architectures_are_left_to_the_modules(arch: str) -> None:
+    model = LoRAModel(tiny_model(arch, VOCAB), max_rank=4)
+    assert CompactDecoder.of(model) is None
+
+
+def test_a_model_with_a_replaced_module_is_left_to_the_modules() -> None:
+    base = tiny_model("llama", VOCAB)
+    mlp = base.model.layers[1].mlp
+
+    class ScaledMLP(type(mlp)):  # type: ignore[misc]
+        def forward(self, x: Tensor) -> Tensor:
+            return 2.0 * super().forward(x)
+
+    mlp.__class__ = ScaledMLP
+    assert CompactDecoder.of(LoRAModel(base, max_rank=4)) is None
