@@ -80,7 +80,7 @@ def test_rope_store_declines_what_it_does_not_take() -> None:
 
 @pytest.mark.parametrize("with_delta", [False, True])
 def test_add_rms_norm_adds_in_place_and_normalises(with_delta: bool) -> None:
-    assert kernels.native_kernels("rms_norm")
+    assert kernels.native_kernels("add_rms_norm")
     g = torch.Generator().manual_seed(1)
     h = torch.randn(9, 40, generator=g) * 3.0
     delta = torch.randn(9, 40, generator=g) if with_delta else None

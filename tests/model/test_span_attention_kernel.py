@@ -16,6 +16,7 @@ from torch import Tensor
 
 from marlaas.model import kernels
 from marlaas.model.attention import AttentionPlan, slot_attention
+from marlaas.model.kernels import build
 
 
 @pytest.fixture
@@ -149,10 +150,10 @@ def test_builds_in_a_temporary_folder_without_a_writable_cache(
     readonly = tmp_path / "cache"
     readonly.mkdir(mode=0o500)
     monkeypatch.setenv("XDG_CACHE_HOME", str(readonly / "sub"))
-    monkeypatch.setattr(kernels.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    monkeypatch.setattr(build.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
     if os.geteuid() == 0:  # root writes anywhere: make the cache a file instead
         readonly.chmod(0o700)
         (readonly / "sub").write_text("not a folder")
-    built = kernels._build(kernels._source("span_attention"), shutil.which("cc") or "gcc")
+    built = build._build(build._source("span_attention"), shutil.which("cc") or "gcc")
     assert built.parent == tmp_path / "tmp" / f"marlaas-kernels-{os.getuid()}"
     assert built.exists()

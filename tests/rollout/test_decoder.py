@@ -19,9 +19,10 @@ from helpers.tiny_archs import ARCHS, tiny_model
 from marlaas.config.specs import LoRASpec
 from marlaas.model import kernels
 from marlaas.model.bank import AdapterBank
+from marlaas.model.decoder import MODEL_TYPES
 from marlaas.model.lora import LoRAModel
 from marlaas.model.tokenizer import build_tokenizer
-from marlaas.rollout.decoder import MODEL_TYPES, CompactDecoder
+from marlaas.rollout.decoder import CompactDecoder
 from marlaas.rollout.forward import RowForward
 from marlaas.rollout.kv import SlotKV, kv_geometry
 

@@ -1,0 +1,263 @@
+"""The decoder stack of a Llama-family base, read from its Hugging Face modules once: what
+the compact forwards of the engine (`marlaas.rollout.decoder`) and of the trainer
+(`marlaas.train.decoder`) compute with, instead of calling the modules.
+
+Each decoder layer is
+
+    x = rms_norm(h)
+    q, k, v = x W_q^T (+ b), x W_k^T (+ b), x W_v^T (+ b)     each plus its LoRA update
+    [Qwen3: q, k = rms_norm over each head]
+    q, k = rotary(q, k)
+    h = h + attention(q, k, v) W_o^T (+ b)                      plus LoRA
+    x = rms_norm(h)
+    h = h + (act(x W_gate^T) * (x W_up^T)) W_down^T             each plus LoRA
+
+and the model `logits = rms_norm(h) W_head^T` after `h = embed(ids)`: the forwards of
+Llama, Mistral, Qwen2 and Qwen3 (`MODEL_TYPES`), with biases, sliding windows, grouped
+heads and Qwen3's per-head norms. `DecoderStack.of` reads a base whose modules are of
+exactly those Hugging Face classes (their forwards are what the compact forwards
+reproduce) and returns None for any other, which keeps running its modules.
+
+Invariants:
+- Parameters are the modules' own tensors (nothing copied); the LoRA updates are the
+  injected layers' own (`LoRAModel.add_lora`, the same lane plan and kernels).
+- The rotary tables come from the model's rotary module (every RoPE scaling it
+  implements); the rotary covers every feature of a head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from marlaas.model.lora import LoRAModel, MultiLoRALinear
+
+#: `config.model_type`s whose decoder layers the compact forwards reproduce (`_classes`;
+#: each checked against the Hugging Face forward by the tests).
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class Linear:
+    """One projection: the base weight and bias, and the module path its LoRA update is
+    found under (None: not injected, the base alone)."""
+
+    weight: Tensor
+    bias: Tensor | None
+    path: str | None
+
+    @staticmethod
+    def of(module: nn.Module) -> Linear | None:
+        if isinstance(module, MultiLoRALinear):
+            path: str | None = module.path
+            module = module.base_layer
+        else:
+            path = None
+        if type(module) is not nn.Linear:
+            return None
+        return Linear(module.weight, module.bias, path)
+
+
+@dataclass(frozen=True)
+class Norm:
+    """An RMSNorm of Llama's form: `weight * (x / rms(x))`, normalised in float32."""
+
+    weight: Tensor
+    eps: float
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # Hugging Face's order of roundings: normalised in float32, cast, then scaled.
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One decoder layer's parameters (see the module doc)."""
+
+    input_norm: Norm
+    q: Linear
+    k: Linear
+    v: Linear
+    o: Linear
+    #: Qwen3's per-head norms of the queries and keys (None: none).
+    q_norm: Norm | None
+    k_norm: Norm | None
+    scaling: float
+    post_norm: Norm
+    gate: Linear
+    up: Linear
+    down: Linear
+    act: nn.Module
+
+
+class DecoderStack:
+    """A Llama-family base's parameters, layer by layer (see the module doc)."""
+
+    def __init__(
+        self,
+        model: LoRAModel,
+        layers: list[Layer],
+        embed: Tensor,
+        norm: Norm,
+        head: Linear,
+        rotary: nn.Module,
+        shape: tuple[int, int, int],
+        silu: bool,
+    ) -> None:
+        self.model = model
+        self.layers = layers
+        self.embed = embed
+        self.norm = norm
+        self.head = head
+        self.rotary = rotary
+        self.heads, self.kv_heads, self.head_dim = shape
+        #: The MLP's activation is SiLU (SwiGLU: the fused kernels apply).
+        self.silu = silu
+
+    @staticmethod
+    def of(model: LoRAModel) -> DecoderStack | None:
+        """The stack of `model`'s base, or None where the compact forwards would not
+        reproduce its own (another architecture, or modules of other classes)."""
+        base: Any = model.base
+        config = base.config
+        inner = getattr(base, "model", None)
+        classes = _classes(str(getattr(config, "model_type", "")))
+        if classes is None or inner is None:
+            return None
+        heads = int(config.num_attention_heads)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        rotary: Any = getattr(inner, "rotary_emb", None)
+        inv_freq = getattr(rotary, "inv_freq", None)
+        embed = getattr(inner, "embed_tokens", None)
+        norm: Any = getattr(inner, "norm", None)
+        head = Linear.of(base.get_output_embeddings())
+        if (
+            not isinstance(inv_freq, Tensor)
+            or 2 * int(inv_freq.numel()) != head_dim  # the rotary covers every feature
+            or type(embed) is not nn.Embedding
+            or type(norm) is not classes.norm
+            or head is None
+            or head.path is not None
+        ):
+            return None
+        layers = [_layer(layer, classes) for layer in inner.layers]
+        if not layers or any(layer is None for layer in layers):
+            return None
+        return DecoderStack(
+            model,
+            [layer for layer in layers if layer is not None],
+            embed.weight,
+            Norm(norm.weight, float(norm.variance_epsilon)),
+            head,
+            rotary,
+            (heads, kv_heads, head_dim),
+            silu=str(getattr(config, "hidden_act", "")) in ("silu", "swish"),
+        )
+
+    def linear(self, x: Tensor, lin: Linear) -> Tensor:
+        """`x W^T (+ b)` plus the LoRA update of the rows' adapters (the lane batch of the
+        current `lanes()` context)."""
+        y = F.linear(x, lin.weight, lin.bias)
+        return y if lin.path is None else self.model.add_lora(lin.path, x, y)
+
+    def logits(self, h: Tensor) -> Tensor:
+        """The output head over the final norm of the residual stream `h`."""
+        return F.linear(self.norm(h), self.head.weight, self.head.bias)
+
+
+@dataclass(frozen=True)
+class _Classes:
+    """The Hugging Face classes of one covered model type."""
+
+    layer: type[Any]
+    attention: type[Any]
+    mlp: type[Any]
+    norm: type[Any]
+    #: The attention normalises queries and keys per head before the rotary (Qwen3).
+    qk_norm: bool = False
+
+
+def _layer(layer: nn.Module, classes: _Classes) -> Layer | None:
+    """The parts of one decoder layer, or None unless it is of exactly the covered
+    classes (their forwards are what the compact forwards reproduce)."""
+    attn: Any = getattr(layer, "self_attn", None)
+    mlp: Any = getattr(layer, "mlp", None)
+    norms: list[Any] = [
+        getattr(layer, "input_layernorm", None),
+        getattr(layer, "post_attention_layernorm", None),
+    ]
+    if classes.qk_norm:
+        norms += [getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)]
+    if (
+        type(layer) is not classes.layer
+        or type(attn) is not classes.attention
+        or type(mlp) is not classes.mlp
+        or any(type(norm) is not classes.norm for norm in norms)
+    ):
+        return None
+    q, k, v, o, gate, up, down = (
+        Linear.of(module)
+        for module in (
+            attn.q_proj,
+            attn.k_proj,
+            attn.v_proj,
+            attn.o_proj,
+            mlp.gate_proj,
+            mlp.up_proj,
+            mlp.down_proj,
+        )
+    )
+    if None in (q, k, v, o, gate, up, down):
+        return None
+    assert q and k and v and o and gate and up and down
+    input_norm, post_norm, *qk = (Norm(norm.weight, float(norm.variance_epsilon)) for norm in norms)
+    q_norm, k_norm = qk if qk else (None, None)
+    return Layer(
+        input_norm=input_norm,
+        q=q,
+        k=k,
+        v=v,
+        o=o,
+        q_norm=q_norm,
+        k_norm=k_norm,
+        scaling=float(attn.scaling),
+        post_norm=post_norm,
+        gate=gate,
+        up=up,
+        down=down,
+        act=mlp.act_fn,
+    )
+
+
+def _classes(model_type: str) -> _Classes | None:
+    """The classes whose forwards the compact forwards reproduce, for `model_type`."""
+    if model_type == "llama":
+        from transformers.models.llama import modeling_llama as m
+
+        return _Classes(m.LlamaDecoderLayer, m.LlamaAttention, m.LlamaMLP, m.LlamaRMSNorm)
+    if model_type == "mistral":
+        from transformers.models.mistral import modeling_mistral as mi
+
+        return _Classes(
+            mi.MistralDecoderLayer, mi.MistralAttention, mi.MistralMLP, mi.MistralRMSNorm
+        )
+    if model_type == "qwen2":
+        from transformers.models.qwen2 import modeling_qwen2 as q2
+
+        return _Classes(q2.Qwen2DecoderLayer, q2.Qwen2Attention, q2.Qwen2MLP, q2.Qwen2RMSNorm)
+    if model_type == "qwen3":
+        from transformers.models.qwen3 import modeling_qwen3 as q3
+
+        return _Classes(
+            q3.Qwen3DecoderLayer, q3.Qwen3Attention, q3.Qwen3MLP, q3.Qwen3RMSNorm, qk_norm=True
+        )
+    return None

@@ -1,0 +1,171 @@
+"""Building and loading the native kernels (see `marlaas.model.kernels`): the registry of
+C functions, the compiler run, the per-user cache, and the switch to torch's path."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+_log = logging.getLogger(__name__)
+#: Vectorised exp (glibc's libmvec) needs -ffast-math when compiling; linking stays
+#: plain, so the library does not switch the process's float mode (crtfastmath).
+_COMPILE = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-std=c11"]
+_LINK = ["-shared", "-lmvec", "-lm"]
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+_F32 = ctypes.c_float
+#: Every kernel: the stem of its C source (`<stem>.c`), its function and the
+#: function's argument types, in the order of the C signature.
+KERNELS: dict[str, tuple[str, str, list[type]]] = {
+    "span_attention": (
+        "span_attention",
+        "span_attention_f32",
+        [
+            *(_I64, _I64, _I64, _I64, _I64),
+            *(_PTR, _I64, _I64, _I64, _PTR, _PTR),
+            *(_I64, _I64, _I64),
+            *(_PTR, _PTR, _F32, _F32, _PTR, _PTR),
+        ],
+    ),
+    "lora_rows": (
+        "lora_rows",
+        "lora_rows_f32",
+        [
+            *(_I64, _I64, _I64, _I64, _I64),
+            *(_PTR, _PTR),
+            *(_PTR, _I64, _I64),
+            *(_PTR, _I64, _I64, _I64),
+            *(_PTR, _PTR, _PTR, _PTR),
+        ],
+    ),
+    "add_rms_norm": ("rms_norm", "add_rms_norm_f32", [_I64, _I64, _PTR, _PTR, _PTR, _F32, _PTR]),
+    "rope_store": (
+        "rope_store",
+        "rope_store_f32",
+        [
+            *(_I64, _I64, _I64, _I64, _I64),
+            *(_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR),
+            *(_PTR, _PTR, _I64, _I64, _I64),
+            *(_PTR, _PTR),
+        ],
+    ),
+}
+
+
+def _kernel_dir() -> Path:
+    """The user cache's kernel folder, else (a read-only home) a private temporary one."""
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    folder = Path(root) / "marlaas" / "kernels"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not os.access(folder, os.W_OK):
+            raise PermissionError(folder)
+    except OSError:
+        folder = Path(tempfile.gettempdir()) / f"marlaas-kernels-{os.getuid()}"
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return folder
+
+
+def _cpu() -> str:
+    """What `-march=native` compiles for: the machine and its CPU's feature flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + " " + flags.strip()
+
+
+def _source(stem: str) -> Path:
+    return Path(__file__).with_name(f"{stem}.c")
+
+
+def _build(source: Path, cc: str) -> Path:
+    """The shared library of `source`, compiled unless the cache has it."""
+    # -march=native: a cache shared by machines of other CPUs must not hand them this one.
+    digest = hashlib.sha256(
+        source.read_bytes() + " ".join([cc, *_COMPILE, *_LINK, _cpu()]).encode()
+    ).hexdigest()[:16]
+    target = _kernel_dir() / f"{source.stem}-{digest}.so"
+    if target.exists():
+        return target
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        obj, lib = Path(tmp) / "kernel.o", Path(tmp) / "kernel.so"
+        for argv in (
+            [cc, *_COMPILE, "-c", str(source), "-o", str(obj)],
+            [cc, str(obj), "-o", str(lib), *_LINK],
+        ):
+            subprocess.run(argv, check=True, capture_output=True, timeout=120)
+        os.replace(lib, target)
+    return target
+
+
+@functools.cache
+def _library(name: str) -> Any:
+    """Kernel `name`'s C function, built and loaded on first use; None where it cannot
+    be (see `marlaas.model.kernels`)."""
+    if os.environ.get("MARLAAS_NATIVE_KERNELS", "1") == "0":
+        return None
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        _log.warning("no C compiler: the native kernels are off, torch's path is used")
+        return None
+    stem, function, argtypes = KERNELS[name]
+    try:
+        lib = ctypes.CDLL(str(_build(_source(stem), cc)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", b"") or b""
+        _log.warning(
+            "could not build the native kernel %s (%s %s); torch's path is used",
+            stem,
+            exc,
+            detail.decode(errors="replace")[-500:],
+        )
+        return None
+    fn = getattr(lib, function)
+    fn.restype = None
+    fn.argtypes = argtypes
+    return fn
+
+
+_switched_off = 0
+
+
+@contextlib.contextmanager
+def torch_path() -> Iterator[None]:
+    """Every kernel declines inside the block (the whole process): how the benchmarks
+    time torch's path against the kernels in one run (`marlaas bench roofline`)."""
+    global _switched_off
+    _switched_off += 1
+    try:
+        yield
+    finally:
+        _switched_off -= 1
+
+
+def torch_path_on() -> bool:
+    """Whether a `torch_path()` block is active (the fast paths built on the kernels,
+    such as the engine's compact decoder, step aside too)."""
+    return _switched_off > 0
+
+
+def kernel(name: str) -> Any:
+    """Kernel `name`'s C function, or None (not built here, or inside `torch_path()`)."""
+    return None if _switched_off else _library(name)
+
+
+def native_kernels(*names: str) -> bool:
+    """Whether the named native kernels (every one when none is named) are built and
+    loaded in this process."""
+    return all(_library(name) is not None for name in names or KERNELS)

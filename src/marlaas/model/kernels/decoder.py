@@ -1,0 +1,115 @@
+"""The engine decoder's element-wise kernels' wrappers: rotary with the cache write
+(`rope_store.c`) and the residual add with the RMS norm (`rms_norm.c`); see
+`marlaas.model.kernels`."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from marlaas.model.kernels.build import kernel as load
+
+
+def rope_store(
+    q_THD: Tensor,
+    k_THD: Tensor,
+    v_THD: Tensor,
+    cos_TR: Tensor,
+    sin_TR: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    row_T: Tensor,
+    col_T: Tensor,
+) -> bool:
+    """Rotate the queries `q_THD` in place and write the rotated keys `k_THD` and the
+    values `v_THD` of token `t` into cache row `row_T[t]`, column `col_T[t]` of `keys` /
+    `values [rows, Hkv, S, D]`; False (nothing written) where the kernel does not apply
+    (see the module doc). The rotation is Hugging Face's `x * cos + rotate_half(x) * sin`
+    on the first `rot` features (`cos_TR`/`sin_TR [T, rot]`, contiguous, `rot` even and
+    at most `D`). Queries, keys and values have their heads and features contiguous (any
+    token stride); `row_T`/`col_T` are contiguous int64 and inside the buffers (the
+    caller's guarantee: the kernel writes there unchecked)."""
+    kernel = load("rope_store")
+    T, H, D = q_THD.shape
+    Hkv = int(k_THD.shape[1])
+    rot = int(cos_TR.shape[-1])
+    tensors = (q_THD, k_THD, v_THD, cos_TR, sin_TR, keys, values)
+    if (
+        kernel is None
+        or not all(t.is_cpu and t.dtype == torch.float32 for t in tensors)
+        or any(t.stride(-1) != 1 or t.stride(-2) != D for t in (q_THD, k_THD, v_THD))
+        or tuple(v_THD.shape) != tuple(k_THD.shape)
+        or int(k_THD.shape[0]) != T
+        or int(keys.shape[1]) != Hkv
+        or int(keys.shape[-1]) != D
+        or keys.stride() != values.stride()
+        or keys.stride(-1) != 1
+        or rot % 2
+        or rot > D
+        or tuple(cos_TR.shape) != (T, rot)
+        or not (cos_TR.is_contiguous() and sin_TR.is_contiguous())
+        or not all(t.dtype == torch.int64 and t.is_contiguous() for t in (row_T, col_T))
+        or int(row_T.shape[0]) != T
+        or int(col_T.shape[0]) != T
+    ):
+        return False
+    kernel(
+        T,
+        H,
+        Hkv,
+        D,
+        rot,
+        q_THD.data_ptr(),
+        q_THD.stride(0),
+        k_THD.data_ptr(),
+        k_THD.stride(0),
+        v_THD.data_ptr(),
+        v_THD.stride(0),
+        cos_TR.data_ptr(),
+        sin_TR.data_ptr(),
+        keys.data_ptr(),
+        values.data_ptr(),
+        keys.stride(0),
+        keys.stride(1),
+        keys.stride(2),
+        row_T.data_ptr(),
+        col_T.data_ptr(),
+    )
+    return True
+
+
+def add_rms_norm(
+    h_TE: Tensor, delta_TE: Tensor | None, weight_E: Tensor, eps: float
+) -> Tensor | None:
+    """`h_TE += delta_TE` in place (when given), then `weight_E * h / sqrt(mean(h^2) +
+    eps)` per token as a new tensor (Llama's RMS norm); None (nothing written) where the
+    kernel does not apply (see the module doc): float32 CPU tensors, contiguous."""
+    kernel = load("add_rms_norm")
+    T, E = h_TE.shape
+    if (
+        kernel is None
+        or not (h_TE.is_cpu and weight_E.is_cpu and h_TE.dtype == weight_E.dtype == torch.float32)
+        or not (h_TE.is_contiguous() and weight_E.is_contiguous())
+        or tuple(weight_E.shape) != (E,)
+        or (
+            delta_TE is not None
+            and (
+                not delta_TE.is_cpu
+                or delta_TE.dtype != torch.float32
+                or not delta_TE.is_contiguous()
+                or tuple(delta_TE.shape) != (T, E)
+            )
+        )
+    ):
+        return None
+    out = torch.empty((T, E), dtype=torch.float32)
+    kernel(
+        T,
+        E,
+        h_TE.data_ptr(),
+        0 if delta_TE is None else delta_TE.data_ptr(),
+        weight_E.data_ptr(),
+        float(eps),
+        out.data_ptr(),
+    )
+    return out

@@ -1,0 +1,73 @@
+"""The per-row LoRA kernel's wrapper (`lora_rows.c`; see `marlaas.model.kernels`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from marlaas.model.kernels.build import kernel as load
+
+#: The largest rank `lora_rows` takes (its per-token buffer in `lora_rows.c`).
+LORA_ROWS_MAX_RANK = 64
+
+
+def lora_rows(
+    x_NTi: Tensor,
+    y_NTo: Tensor,
+    A_Lri: Tensor,
+    B_Lor: Tensor,
+    lane_N: Tensor,
+    order_N: Tensor,
+    scale_L: Tensor | None,
+) -> bool:
+    """Add `scale_L[l] * (x A_L[l]^T) B_L[l]^T` to the `T` tokens of every row `n` of
+    `y_NTo [N, T, out]`, `l = lane_N[n]`, in place; False (nothing written) where the
+    kernel does not apply (see the module doc). `order_N` is the rows sorted by lane
+    (any order is exact; sorted, each lane's `B` is prepared once); `scale_L` None: the
+    weights carry their scales. `x_NTi` and `y_NTo` must be contiguous, `B_Lor` either
+    contiguous along `r` (PEFT's layout) or along `out` (rank-major, read in place),
+    `lane_N` and `order_N` contiguous int64 with lanes in `[0, L)`; ranks up to
+    `LORA_ROWS_MAX_RANK`."""
+    kernel = load("lora_rows")
+    N, T, fan_in = x_NTi.shape
+    L, r, _ = A_Lri.shape
+    fan_out = int(y_NTo.shape[-1])
+    if (
+        kernel is None
+        or not (x_NTi.is_cpu and y_NTo.is_cpu and A_Lri.is_cpu and B_Lor.is_cpu)
+        or not (x_NTi.dtype == y_NTo.dtype == A_Lri.dtype == B_Lor.dtype == torch.float32)
+        or not (x_NTi.is_contiguous() and y_NTo.is_contiguous())
+        or r > LORA_ROWS_MAX_RANK
+        or A_Lri.stride(-1) != 1
+        or 1 not in (B_Lor.stride(1), B_Lor.stride(2))
+        or tuple(B_Lor.shape) != (L, fan_out, r)
+        or tuple(y_NTo.shape[:2]) != (N, T)
+        or lane_N.dtype != torch.int64
+        or not (lane_N.is_contiguous() and order_N.is_contiguous())
+        or (scale_L is not None and (scale_L.dtype != torch.float32 or not scale_L.is_contiguous()))
+    ):
+        return False
+    # B rank-major (`out` contiguous, the adapter bank's layout) is read in place, with
+    # no scratch (a per-call allocation fewer on the engine's path).
+    scratch = None if B_Lor.stride(1) == 1 else torch.empty(r * fan_out, dtype=torch.float32)
+    kernel(
+        N,
+        T,
+        fan_in,
+        fan_out,
+        r,
+        x_NTi.data_ptr(),
+        y_NTo.data_ptr(),
+        A_Lri.data_ptr(),
+        A_Lri.stride(0),
+        A_Lri.stride(1),
+        B_Lor.data_ptr(),
+        B_Lor.stride(0),
+        B_Lor.stride(1),
+        B_Lor.stride(2),
+        lane_N.data_ptr(),
+        order_N.data_ptr(),
+        0 if scale_L is None else scale_L.data_ptr(),
+        0 if scratch is None else scratch.data_ptr(),
+    )
+    return True
