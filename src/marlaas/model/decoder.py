@@ -91,6 +91,8 @@ class Layer:
     q_norm: Norm | None
     k_norm: Norm | None
     scaling: float
+    #: The attention's sliding window (None: full attention).
+    window: int | None
     post_norm: Norm
     gate: Linear
     up: Linear
@@ -149,7 +151,7 @@ class DecoderStack:
             or head.path is not None
         ):
             return None
-        layers = [_layer(layer, classes) for layer in inner.layers]
+        layers = [_layer(layer, classes, config) for layer in inner.layers]
         if not layers or any(layer is None for layer in layers):
             return None
         return DecoderStack(
@@ -182,11 +184,14 @@ class _Classes:
     attention: type[Any]
     mlp: type[Any]
     norm: type[Any]
+    #: Where the attention's sliding window comes from: "module" (its `sliding_window`,
+    #: per layer), "config" (the config's, every layer) or "none".
+    window: str
     #: The attention normalises queries and keys per head before the rotary (Qwen3).
     qk_norm: bool = False
 
 
-def _layer(layer: nn.Module, classes: _Classes) -> Layer | None:
+def _layer(layer: nn.Module, classes: _Classes, config: Any) -> Layer | None:
     """The parts of one decoder layer, or None unless it is of exactly the covered
     classes (their forwards are what the compact forwards reproduce)."""
     attn: Any = getattr(layer, "self_attn", None)
@@ -221,6 +226,8 @@ def _layer(layer: nn.Module, classes: _Classes) -> Layer | None:
     assert q and k and v and o and gate and up and down
     input_norm, post_norm, *qk = (Norm(norm.weight, float(norm.variance_epsilon)) for norm in norms)
     q_norm, k_norm = qk if qk else (None, None)
+    source = {"module": attn, "config": config}.get(classes.window)
+    window = getattr(source, "sliding_window", None) if source is not None else None
     return Layer(
         input_norm=input_norm,
         q=q,
@@ -230,6 +237,7 @@ def _layer(layer: nn.Module, classes: _Classes) -> Layer | None:
         q_norm=q_norm,
         k_norm=k_norm,
         scaling=float(attn.scaling),
+        window=int(window) if window else None,
         post_norm=post_norm,
         gate=gate,
         up=up,
@@ -243,21 +251,28 @@ def _classes(model_type: str) -> _Classes | None:
     if model_type == "llama":
         from transformers.models.llama import modeling_llama as m
 
-        return _Classes(m.LlamaDecoderLayer, m.LlamaAttention, m.LlamaMLP, m.LlamaRMSNorm)
+        return _Classes(m.LlamaDecoderLayer, m.LlamaAttention, m.LlamaMLP, m.LlamaRMSNorm, "none")
     if model_type == "mistral":
         from transformers.models.mistral import modeling_mistral as mi
 
         return _Classes(
-            mi.MistralDecoderLayer, mi.MistralAttention, mi.MistralMLP, mi.MistralRMSNorm
+            mi.MistralDecoderLayer, mi.MistralAttention, mi.MistralMLP, mi.MistralRMSNorm, "config"
         )
     if model_type == "qwen2":
         from transformers.models.qwen2 import modeling_qwen2 as q2
 
-        return _Classes(q2.Qwen2DecoderLayer, q2.Qwen2Attention, q2.Qwen2MLP, q2.Qwen2RMSNorm)
+        return _Classes(
+            q2.Qwen2DecoderLayer, q2.Qwen2Attention, q2.Qwen2MLP, q2.Qwen2RMSNorm, "module"
+        )
     if model_type == "qwen3":
         from transformers.models.qwen3 import modeling_qwen3 as q3
 
         return _Classes(
-            q3.Qwen3DecoderLayer, q3.Qwen3Attention, q3.Qwen3MLP, q3.Qwen3RMSNorm, qk_norm=True
+            q3.Qwen3DecoderLayer,
+            q3.Qwen3Attention,
+            q3.Qwen3MLP,
+            q3.Qwen3RMSNorm,
+            "module",
+            qk_norm=True,
         )
     return None

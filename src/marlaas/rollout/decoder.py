@@ -19,7 +19,7 @@ Hugging Face classes); any other runs through the Hugging Face modules.
 
 Invariants:
 - Logits, keys and values equal the Hugging Face forward's over the same cache, up to
-  float rounding (`tests/rollout/test_decoder.py`, every covered architecture, decode
+  float rounding (`tests/rollout/test_engine_decoder.py`, every covered architecture, decode
   and prefill, float32 and bfloat16).
 - It reads the base's parameters where they lie (nothing copied) and writes only the
   cache columns of its new tokens (padding: the scratch column).

@@ -43,6 +43,7 @@ from torch import Tensor
 from marlaas.model.cache import cache_tensors, empty_cache, wrap_cache
 from marlaas.model.lora import LaneBatch, LoRAModel
 from marlaas.train.batch import MicroBatch, Rows
+from marlaas.train.decoder import TrainDecoder
 
 #: Largest cost of the shared forward, relative to the plain one, for it to be used.
 MAX_COST = 0.85
@@ -113,36 +114,52 @@ class SharedPrefix:
         out_BS = x_BT.gather(1, col_BS.to(x_BT.device))
         return torch.where(self.valid_BS.to(x_BT.device), out_BS, torch.zeros_like(out_BS))
 
-    def logits(self, model: LoRAModel, lanes: LaneBatch, ids_BS: Tensor) -> Tensor:
+    def logits(
+        self,
+        model: LoRAModel,
+        lanes: LaneBatch,
+        ids_BS: Tensor,
+        decoder: TrainDecoder | None = None,
+    ) -> Tensor:
         """Logits `[B, S, V]` of the suffix tokens `ids_BS`, each row under its lane in
-        `lanes`, after its prefix (the two passes of the module doc)."""
+        `lanes`, after its prefix (the two passes of the module doc); through the
+        compact `decoder` where given, else the model's modules."""
         dev = ids_BS.device
         prefix_lanes = dataclasses.replace(lanes, lane_B=self.lane_G.to(dev))
+        ids_GP, attn_GP, pos_GP = (x.to(dev) for x in (self.ids_GP, self.attn_GP, self.pos_GP))
         with model.lanes(prefix_lanes):
-            out = model.base(
-                input_ids=self.ids_GP.to(dev),
-                attention_mask=self.attn_GP.to(dev),
-                position_ids=self.pos_GP.to(dev),
-                past_key_values=empty_cache(),  # sliding-window layers keep every token too
-                use_cache=True,
-                logits_to_keep=1,
-            )
-        keys, values = cache_tensors(out.past_key_values)
+            if decoder is not None:
+                _, prefix = decoder.forward(
+                    ids_GP, attn_GP, pos_GP, keep_cache=True, last_only=True
+                )
+                keys, values = [k for k, _ in prefix], [v for _, v in prefix]
+            else:
+                out = model.base(
+                    input_ids=ids_GP,
+                    attention_mask=attn_GP,
+                    position_ids=pos_GP,
+                    past_key_values=empty_cache(),  # sliding-window layers keep every token
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+                keys, values = cache_tensors(out.past_key_values)
         group_B = self.group_B.to(dev)
-        cache = wrap_cache(
-            [_RowGather.apply(k, group_B) for k in keys],
-            [_RowGather.apply(v, group_B) for v in values],
-        )
-        attn_BPS = torch.cat([self.attn_GP.to(dev)[group_B], self.valid_BS.long().to(dev)], 1)
+        keys = [_RowGather.apply(k, group_B) for k in keys]
+        values = [_RowGather.apply(v, group_B) for v in values]
+        attn_BPS = torch.cat([attn_GP[group_B], self.valid_BS.long().to(dev)], 1)
         pos_BS = self.start_B.to(dev)[:, None] + torch.arange(self.length, device=dev)
         with model.lanes(lanes):
-            return model.base(
+            if decoder is not None:
+                past = list(zip(keys, values, strict=True))
+                return decoder.forward(ids_BS, attn_BPS, pos_BS, past=past)[0]
+            logits: Tensor = model.base(
                 input_ids=ids_BS,
                 attention_mask=attn_BPS,
                 position_ids=pos_BS,
-                past_key_values=cache,
+                past_key_values=wrap_cache(keys, values),
                 use_cache=True,
             ).logits
+            return logits
 
 
 class _RowGather(torch.autograd.Function):

@@ -49,6 +49,7 @@ from torch import Tensor, nn
 from marlaas.config.specs import LoRASpec
 from marlaas.errors import ConfigError, ModelError, TenantNotFound
 from marlaas.model.attention import install_attention
+from marlaas.model.kernels import torch_path_on
 from marlaas.model.lora import AdapterTensors, LoRAModel
 from marlaas.train.batch import (
     MicroBatch,
@@ -58,6 +59,7 @@ from marlaas.train.batch import (
     plan_microbatches,
     tensorise_data,
 )
+from marlaas.train.decoder import TrainDecoder
 from marlaas.train.lanes import MicroLanes
 from marlaas.train.losses import token_logprobs
 from marlaas.train.objectives import LossInputs
@@ -117,6 +119,8 @@ class MultiLaneTrainer:
         if model.base._can_set_attn_implementation():
             install_attention(model.base)
         self.max_tokens_per_microbatch = max_tokens_per_microbatch
+        #: The compact forward where it covers the base (`marlaas.train.decoder`).
+        self.decoder = TrainDecoder.of(model)
         self.stats = TrainerStats()
         self._tenants: dict[str, _Tenant] = {}
         self._vocab = vocab_size(model)
@@ -309,7 +313,17 @@ class MultiLaneTrainer:
         return out
 
     def _logits(self, ids_BT: Tensor, attn_BT: Tensor) -> Tensor:
-        return self.model.base(input_ids=ids_BT, attention_mask=attn_BT, use_cache=False).logits
+        """Logits of right-padded rows (`attn_BT`: the valid tokens)."""
+        decoder = self._compact()
+        if decoder is None:
+            out = self.model.base(input_ids=ids_BT, attention_mask=attn_BT, use_cache=False)
+            return out.logits  # type: ignore[no-any-return]
+        pos_BT = torch.arange(ids_BT.shape[1], device=ids_BT.device).expand_as(ids_BT)
+        return decoder.forward(ids_BT, attn_BT, pos_BT)[0]
+
+    def _compact(self) -> TrainDecoder | None:
+        """The compact forward, unless `kernels.torch_path()` asks for the modules."""
+        return None if torch_path_on() else self.decoder
 
     def _run_microbatch(
         self,
@@ -367,7 +381,7 @@ class MultiLaneTrainer:
                 shared.suffix(x) for x in (ids_BT, tgt_BT, beh_BT, w_BT, adv_BT)
             )
             ref_BT = None if ref_BT is None else shared.suffix(ref_BT)
-            logits_BTV = shared.logits(self.model, lane_batch, ids_BT)
+            logits_BTV = shared.logits(self.model, lane_batch, ids_BT, self._compact())
         # The backward needs no lane context: autograd keeps the lane tensors it used.
         z_BTV = _scaled(logits_BTV, temp_B)
         lp_BT = token_logprobs(z_BTV, tgt_BT)

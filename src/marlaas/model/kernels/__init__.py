@@ -16,6 +16,9 @@
   back and an add: five ops per layer whose per-matrix overhead again sets the time.
 - `add_rms_norm` adds a residual and takes the RMS norm of the sum in one pass per
   token (`rms_norm.c`): torch's `rms_norm` on the CPU is six ops, plus the add.
+- `swiglu` / `swiglu_backward` and `rotary` (with its transpose, the backward) are the
+  trainer's element-wise steps of a decoder layer, one pass each instead of torch's
+  several (`fused.c`).
 - `rope_store` applies the rotary embedding to a forward's new queries (in place) and
   keys and writes the keys and values into their cache columns (`rope_store.c`): about
   a dozen element-wise ops, a transpose and two indexed copies per layer in torch.
@@ -36,6 +39,13 @@ None too. The kernel runs in the calling thread (one core, as the engine's defau
 from marlaas.model.kernels.attention import span_attention
 from marlaas.model.kernels.build import _library, native_kernels, torch_path, torch_path_on
 from marlaas.model.kernels.decoder import add_rms_norm, rope_store
+from marlaas.model.kernels.fused import (
+    rotary,
+    rotary_applies,
+    swiglu,
+    swiglu_applies,
+    swiglu_backward,
+)
 from marlaas.model.kernels.lora import LORA_ROWS_MAX_RANK, lora_rows
 
 __all__ = [
@@ -45,7 +55,12 @@ __all__ = [
     "lora_rows",
     "native_kernels",
     "rope_store",
+    "rotary",
+    "rotary_applies",
     "span_attention",
+    "swiglu",
+    "swiglu_applies",
+    "swiglu_backward",
     "torch_path",
     "torch_path_on",
 ]

@@ -50,6 +50,9 @@ KERNELS: dict[str, tuple[str, str, list[type]]] = {
         ],
     ),
     "add_rms_norm": ("rms_norm", "add_rms_norm_f32", [_I64, _I64, _PTR, _PTR, _PTR, _F32, _PTR]),
+    "swiglu": ("fused", "swiglu_f32", [_I64, _PTR, _PTR, _PTR]),
+    "swiglu_backward": ("fused", "swiglu_backward_f32", [_I64, _PTR, _PTR, _PTR, _PTR, _PTR]),
+    "rotary": ("fused", "rotary_f32", [_I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64]),
     "rope_store": (
         "rope_store",
         "rope_store_f32",

@@ -1,0 +1,75 @@
+"""The trainer's element-wise kernels' wrappers (`fused.c`): SwiGLU and its backward,
+the rotary embedding and its transpose; see `marlaas.model.kernels`. Each returns a new
+tensor, or None where the kernel does not apply (then nothing is written): float32 CPU
+tensors, contiguous, of matching shapes."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from marlaas.model.kernels.build import kernel as load
+
+
+def _ok(*tensors: Tensor) -> bool:
+    return all(t.is_cpu and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+
+
+def swiglu_applies(g: Tensor, u: Tensor) -> bool:
+    """Whether `swiglu` (and its backward) take these tensors."""
+    return load("swiglu") is not None and g.shape == u.shape and _ok(g, u)
+
+
+def rotary_applies(x: Tensor, cos: Tensor, sin: Tensor) -> bool:
+    """Whether `rotary` takes these tensors: `x [..., H, D]`, tables `[..., D]`."""
+    D = int(x.shape[-1]) if x.dim() else 0
+    return (
+        load("rotary") is not None
+        and x.dim() >= 2
+        and D % 2 == 0
+        and tuple(cos.shape) == (*x.shape[:-2], D)
+        and tuple(sin.shape) == tuple(cos.shape)
+        and _ok(x, cos, sin)
+    )
+
+
+def swiglu(g: Tensor, u: Tensor) -> Tensor | None:
+    """`silu(g) * u`."""
+    kernel = load("swiglu")
+    if kernel is None or not swiglu_applies(g, u):
+        return None
+    y = torch.empty_like(g)
+    kernel(g.numel(), g.data_ptr(), u.data_ptr(), y.data_ptr())
+    return y
+
+
+def swiglu_backward(g: Tensor, u: Tensor, dy: Tensor) -> tuple[Tensor, Tensor] | None:
+    """The gradients of `silu(g) * u` with respect to `g` and `u`, given `dy`."""
+    kernel = load("swiglu_backward")
+    if kernel is None or not (g.shape == u.shape == dy.shape) or not _ok(g, u, dy):
+        return None
+    dg, du = torch.empty_like(g), torch.empty_like(u)
+    kernel(g.numel(), g.data_ptr(), u.data_ptr(), dy.data_ptr(), dg.data_ptr(), du.data_ptr())
+    return dg, du
+
+
+def rotary(x: Tensor, cos: Tensor, sin: Tensor, transpose: bool = False) -> Tensor | None:
+    """`x * cos + rotate_half(x) * sin` for `x [..., H, D]` and tables `[..., D]` (the
+    leading axes alike), or with `transpose` its transpose (the backward)."""
+    kernel = load("rotary")
+    if kernel is None or not rotary_applies(x, cos, sin):
+        return None
+    D = int(x.shape[-1])
+    out = torch.empty_like(x)
+    T = int(cos.numel()) // D
+    kernel(
+        T,
+        int(x.shape[-2]),
+        D,
+        x.data_ptr(),
+        cos.data_ptr(),
+        sin.data_ptr(),
+        out.data_ptr(),
+        int(transpose),
+    )
+    return out

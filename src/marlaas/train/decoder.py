@@ -1,0 +1,126 @@
+"""The trainer's compact forward of Llama-family decoders (`marlaas.model.decoder`): the
+Hugging Face modules' math, with autograd, in a few dozen calls per layer instead of the
+modules' frames, the mask helpers and the cache interface, and with the gated MLP's
+activation and the rotary embedding as one fused pass each way
+(`marlaas.model.fused`).
+
+One forward runs rows of `T` new tokens after an optional past (the keys and values of
+`P` earlier columns per row, per layer, e.g. a shared prompt's, `marlaas.train.prefix`):
+query token `i` sits in column `P + i` and attends the valid keys (`key_mask_BK` over
+the `P + T` columns) at or before its column, within its layer's sliding window
+measured in columns, as Hugging Face's masks. A query with no such key (padding)
+attends every column: a finite result nothing reads. On the CPU, SDPA groups the key
+and value heads itself (`enable_gqa`); elsewhere they are repeated, as Hugging Face
+does for a masked SDPA.
+
+Invariants:
+- Logits, and the gradients they give the adapters, equal the Hugging Face forward's
+  up to float rounding (`tests/train/test_compact_training.py`, every covered architecture, with
+  padding, a shared past and sliding windows).
+- `kernels.torch_path()` turns it off: the trainer then runs the modules.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from marlaas.model.decoder import DecoderStack
+from marlaas.model.fused import rotary, swiglu
+from marlaas.model.lora import LoRAModel
+
+#: Per layer: keys and values `[B, Hkv, columns, D]`.
+LayerCache = list[tuple[Tensor, Tensor]]
+
+
+class TrainDecoder:
+    """The trainer's compact forward of one `LoRAModel`'s base (see the module doc)."""
+
+    def __init__(self, stack: DecoderStack) -> None:
+        self.stack = stack
+
+    @staticmethod
+    def of(model: LoRAModel) -> TrainDecoder | None:
+        """The compact forward of `model`'s base, or None where it does not reproduce
+        the base's own (`DecoderStack.of`)."""
+        stack = DecoderStack.of(model)
+        return None if stack is None else TrainDecoder(stack)
+
+    def forward(
+        self,
+        ids_BT: Tensor,
+        key_mask_BK: Tensor,
+        pos_BT: Tensor,
+        past: LayerCache | None = None,
+        keep_cache: bool = False,
+        last_only: bool = False,
+    ) -> tuple[Tensor, LayerCache]:
+        """Logits `[B, T or 1, V]` of new tokens `ids_BT` at positions `pos_BT` after
+        `past` (see the module doc), under the lane batch of the current `lanes()`
+        context; and, with `keep_cache`, every layer's keys and values over the past and
+        new columns."""
+        stack = self.stack
+        B, T = (int(n) for n in ids_BT.shape)
+        H, Hkv, D = stack.heads, stack.kv_heads, stack.head_dim
+        P = 0 if past is None else int(past[0][0].shape[2])
+        h = F.embedding(ids_BT, stack.embed)
+        cos, sin = stack.rotary(h, pos_BT)
+        cos, sin = cos.contiguous(), sin.contiguous()
+        masks = _Masks(key_mask_BK.bool(), P, T)
+        grouped = ids_BT.device.type == "cpu"
+        linear = stack.linear
+        cache: LayerCache = []
+        for i, layer in enumerate(stack.layers):
+            x = layer.input_norm(h)
+            q = linear(x, layer.q).view(B, T, H, D)
+            k = linear(x, layer.k).view(B, T, Hkv, D)
+            v = linear(x, layer.v).view(B, T, Hkv, D).transpose(1, 2)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q, k = layer.q_norm(q), layer.k_norm(k)
+            q = rotary(q, cos, sin).transpose(1, 2)
+            k = rotary(k, cos, sin).transpose(1, 2)
+            if past is not None:
+                k = torch.cat((past[i][0], k), dim=2)
+                v = torch.cat((past[i][1], v), dim=2)
+            if keep_cache:
+                cache.append((k, v))
+            if not grouped and Hkv != H:
+                k, v = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
+            out = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=masks.get(layer.window),
+                scale=layer.scaling,
+                enable_gqa=grouped and Hkv != H,
+            )
+            h = h + linear(out.transpose(1, 2).reshape(B, T, H * D), layer.o)
+            x = layer.post_norm(h)
+            gate, up = linear(x, layer.gate), linear(x, layer.up)
+            gated = swiglu(gate, up) if stack.silu else layer.act(gate) * up
+            h = h + linear(gated, layer.down)
+        if last_only:
+            h = h[:, -1:]
+        return stack.logits(h), cache
+
+
+class _Masks:
+    """One forward's attention masks `[B, 1, T, P + T]`, made once per window."""
+
+    def __init__(self, key_mask_BK: Tensor, past: int, new: int) -> None:
+        self.key_mask_BK = key_mask_BK
+        device = key_mask_BK.device
+        self.key_K = torch.arange(past + new, device=device)
+        self.query_T = torch.arange(new, device=device) + past
+        self.masks: dict[int | None, Tensor] = {}
+
+    def get(self, window: int | None) -> Tensor:
+        if window not in self.masks:
+            seen_TK = self.key_K <= self.query_T[:, None]
+            if window is not None:
+                seen_TK = seen_TK & (self.key_K > self.query_T[:, None] - window)
+            mask_BTK = seen_TK & self.key_mask_BK[:, None, :]
+            mask_BTK = mask_BTK | ~mask_BTK.any(-1, keepdim=True)  # padding: see all
+            self.masks[window] = mask_BTK.unsqueeze(1)
+        return self.masks[window]

@@ -1,0 +1,89 @@
+"""The fused element-wise steps (`marlaas.model.fused`) give torch's values and gradients:
+SwiGLU and the rotary embedding through the native kernels (float32 on the CPU) and
+through torch's ops (another dtype, kernels off), forward and backward; the kernels
+decline what they do not take."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from marlaas.model import kernels
+from marlaas.model.fused import rotary, swiglu
+
+
+@pytest.fixture
+def no_kernels(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("MARLAAS_NATIVE_KERNELS", "0")
+    kernels._library.cache_clear()
+    yield
+    monkeypatch.delenv("MARLAAS_NATIVE_KERNELS")
+    kernels._library.cache_clear()
+
+
+def _rotary_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2)
+
+
+def _tables(shape: tuple[int, ...], dim: int, g: torch.Generator) -> tuple[Tensor, Tensor]:
+    angles = torch.rand(*shape, dim // 2, generator=g) * 6.0
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def _check(dtype: torch.dtype, atol: float) -> None:
+    g = torch.Generator().manual_seed(0)
+    gate = (torch.randn(3, 5, 40, generator=g) * 3).to(dtype).requires_grad_()
+    up = torch.randn(3, 5, 40, generator=g).to(dtype).requires_grad_()
+    dy = torch.randn(3, 5, 40, generator=g).to(dtype)
+    got = swiglu(gate, up)
+    want = F.silu(gate) * up
+    torch.testing.assert_close(got, want, atol=atol, rtol=0)
+    for a, b in zip(
+        torch.autograd.grad(got, (gate, up), dy),
+        torch.autograd.grad(want, (gate, up), dy),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, b, atol=atol, rtol=0)
+
+    x = torch.randn(3, 5, 4, 16, generator=g).to(dtype).requires_grad_()  # [B, T, H, D]
+    cos, sin = (t.to(dtype) for t in _tables((3, 5), 16, g))
+    dy = torch.randn(3, 5, 4, 16, generator=g).to(dtype)
+    got = rotary(x, cos, sin)
+    want = _rotary_reference(x, cos, sin)
+    torch.testing.assert_close(got, want, atol=atol, rtol=0)
+    (a,) = torch.autograd.grad(got, x, dy)
+    (b,) = torch.autograd.grad(want, x, dy)
+    torch.testing.assert_close(a, b, atol=atol, rtol=0)
+
+
+def test_native_values_and_gradients_equal_torchs() -> None:
+    x, cos = torch.randn(2, 3, 4, 8), torch.randn(2, 3, 8)
+    assert kernels.swiglu_applies(x, x) and kernels.rotary_applies(x, cos, cos)
+    _check(torch.float32, atol=2e-6)
+
+
+def test_torchs_ops_where_the_kernels_do_not_apply(no_kernels: None) -> None:
+    x = torch.randn(2, 3, 4, 8)
+    assert not kernels.swiglu_applies(x, x)
+    _check(torch.float32, atol=0.0)
+    _check(torch.float64, atol=0.0)
+
+
+def test_the_kernels_decline_without_writing() -> None:
+    x, cos = torch.randn(2, 3, 4, 8), torch.randn(2, 3, 8)
+    assert kernels.swiglu(x.double(), x.double()) is None
+    assert kernels.swiglu(x, x[:, :2]) is None
+    assert kernels.swiglu(x.transpose(0, 1), x.transpose(0, 1)) is None  # not contiguous
+    assert kernels.swiglu_backward(x, x, x.bfloat16()) is None
+    assert kernels.rotary(x, cos[:, :2], cos[:, :2]) is None  # tables of other tokens
+    assert (
+        kernels.rotary(torch.randn(2, 3, 4, 7), torch.randn(2, 3, 7), torch.randn(2, 3, 7)) is None
+    )
+    assert kernels.rotary(x.transpose(1, 2).contiguous().transpose(1, 2), cos, cos) is None

@@ -1,0 +1,67 @@
+"""The trainer's compact forward (`marlaas.train.decoder`) trains like the Hugging Face
+modules: the same losses and the same gradients for every tenant, through plain
+micro-batches (right padding) and shared prompts (a left-padded prefix pass and its
+cache), on every architecture it covers (grouped heads, biases, sliding windows shorter
+than the prompts, Qwen3's per-head norms); and a base it does not cover keeps the
+modules."""
+
+from __future__ import annotations
+
+import pytest
+from test_shared_prefix import _data
+from test_trainer import TENANTS, _register
+from torch import Tensor
+from train_data import VOCAB
+
+import marlaas.train.prefix as prefix
+from helpers.tiny_archs import ARCHS, tiny_model
+from marlaas.model import kernels
+from marlaas.model.decoder import MODEL_TYPES
+from marlaas.model.lora import LoRAModel
+from marlaas.train.decoder import TrainDecoder
+from marlaas.train.grpo import GRPOTrainer
+
+
+def _gradients(
+    model: LoRAModel, modules: bool, shared: bool
+) -> tuple[dict[str, Tensor], dict[str, float]]:
+    """Every tenant's accumulated gradient and loss after one forward_backward over a
+    step of grouped samples (whose prompts the trainer shares, or not)."""
+    trainer = GRPOTrainer(model, max_tokens_per_microbatch=4096)
+    for i, name in enumerate(TENANTS):
+        _register(trainer, name, seed=i)
+    data = _data(model, 1)
+    inputs = [trainer.training(name).train_input(data[name][0]) for name in TENANTS]
+    if modules:
+        with kernels.torch_path():
+            out = trainer.trainer.forward_backward(inputs)
+    else:
+        assert trainer.trainer.decoder is not None
+        out = trainer.trainer.forward_backward(inputs)
+    assert (trainer.stats.shared_prefix_microbatches >= 1) == shared
+    grads = {name: trainer.trainer._get(name).flat_P.grad for name in TENANTS}
+    assert all(g is not None for g in grads.values())
+    return {n: g for n, g in grads.items() if g is not None}, {
+        name: out[name].sums["loss"] for name in TENANTS
+    }
+
+
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("arch", MODEL_TYPES)
+def test_gradients_and_losses_equal_the_modules(
+    arch: str, shared: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not shared:
+        monkeypatch.setattr(prefix, "MAX_COST", 0.0)  # never pays: plain micro-batches
+    model = LoRAModel(tiny_model(arch, VOCAB), max_rank=16)
+    got, got_loss = _gradients(model, modules=False, shared=shared)
+    want, want_loss = _gradients(model, modules=True, shared=shared)
+    for name in TENANTS:
+        assert got_loss[name] == pytest.approx(want_loss[name], rel=1e-5, abs=1e-6), name
+        rel = float((got[name] - want[name]).norm() / want[name].norm())
+        assert rel < 1e-5, (name, rel)
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a not in MODEL_TYPES])
+def test_other_architectures_keep_the_modules(arch: str) -> None:
+    assert TrainDecoder.of(LoRAModel(tiny_model(arch, VOCAB), max_rank=4)) is None
