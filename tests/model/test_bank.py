@@ -70,6 +70,39 @@ def test_slot_forward_equals_direct_lanes(model: LoRAModel, make_adapter: MakeAd
     )
 
 
+def test_a_decode_batchs_plan_is_kept_while_its_slots_stand(
+    model: LoRAModel, make_adapter: MakeAdapter
+) -> None:
+    """Forwards over the same slot tensor reuse its lane plan; the plan follows the
+    tensor being rewritten in place or replaced, and the results are always those of a
+    fresh plan."""
+    bank = AdapterBank(model, num_slots=4)
+    for i, name in enumerate("abc"):
+        bank.register(name, SMALL, make_adapter(model, SMALL, 10 + i))
+    slots = [bank.acquire(name).slot for name in "abc"]
+    ids = torch.randint(4, 128, (4, 1), generator=torch.Generator().manual_seed(1))
+
+    def forward(slot_B: torch.Tensor) -> tuple[object, torch.Tensor]:
+        with torch.no_grad(), model.lanes(bank.slot_lanes(slot_B)):
+            logits = model.base(input_ids=ids).logits
+            current = model._context.current(1, 4)
+        assert current is not None
+        return current[1], logits
+
+    def fresh(slot_B: torch.Tensor) -> torch.Tensor:
+        return forward(slot_B.clone())[1]  # another tensor: a plan of its own
+
+    slot_B = torch.tensor([slots[0], slots[1], slots[2], slots[0]])
+    plan, logits = forward(slot_B)
+    again, logits_again = forward(slot_B)
+    assert again is plan and torch.equal(logits_again, logits)
+    slot_B[1:3] = torch.tensor([slots[2], slots[1]])  # rewritten in place: a new plan
+    changed, logits_changed = forward(slot_B)
+    assert changed is not plan
+    torch.testing.assert_close(logits_changed, fresh(slot_B), rtol=0, atol=0)
+    assert not torch.equal(logits_changed, logits)
+
+
 @pytest.mark.parametrize("spill", [False, True])
 def test_lru_paging_over_many_tenants(model: LoRAModel, tmp_path: Path, spill: bool) -> None:
     bank = AdapterBank(model, num_slots=16, spill_dir=tmp_path if spill else None)

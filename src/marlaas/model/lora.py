@@ -100,6 +100,10 @@ class _LaneContext:
         self.scale_B: Tensor | None = None
         self.plan: LanePlan | None = None
         self.owner: int | None = None
+        #: The last plan of a prescaled batch (the adapter bank's), by the identity and
+        #: version of its `lane_B` and its shape: consecutive decode steps of an
+        #: unchanged batch (the same slot tensor, never written) reuse it.
+        self._last: tuple[Tensor, int, int, int, int, LanePlan] | None = None
 
     def current(self, tokens: int, rank: int) -> tuple[LaneBatch, LanePlan] | None:
         """The lane batch and its plan (made by the first targeted layer, for its rows of
@@ -107,11 +111,18 @@ class _LaneContext:
         if self.owner != threading.get_ident() or self.batch is None or self.scale_B is None:
             return None
         if self.plan is None:
-            batch = self.batch
-            scale_L = None if batch.prescaled else batch.scale_L
-            self.plan = LanePlan.of(
-                batch.lane_B, batch.num_lanes, scale_L, self.scale_B, tokens, rank
-            )
+            batch, last = self.batch, self._last
+            # An inference tensor has no version counter: its plans are not kept.
+            keep = batch.prescaled and not batch.lane_B.is_inference()
+            key = (batch.lane_B._version if keep else -1, batch.num_lanes, tokens, rank)
+            if keep and last is not None and last[0] is batch.lane_B and last[1:5] == key:
+                self.plan = last[5]
+            else:
+                scale_L = None if batch.prescaled else batch.scale_L
+                self.plan = LanePlan.of(
+                    batch.lane_B, batch.num_lanes, scale_L, self.scale_B, tokens, rank
+                )
+                self._last = (batch.lane_B, *key, self.plan) if keep else None
         return self.batch, self.plan
 
     def add_update(self, path: str, x: Tensor, y: Tensor) -> Tensor:
