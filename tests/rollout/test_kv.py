@@ -44,11 +44,15 @@ def test_a_forward_writes_each_token_at_its_position_and_pads_to_scratch() -> No
 def test_rows_move_round_trip_and_survive_growth() -> None:
     kv = _kv()
     kv.reserve(4, 5)
-    rows = [
-        [
-            (torch.full((2, n, 3), 10.0 * b + layer), torch.full((2, n, 3), -10.0 * b))
-            for layer in range(2)
-        ]
+    rows = [  # [layers, keys / values, H, n, D]
+        torch.stack(
+            [
+                torch.stack(
+                    (torch.full((2, n, 3), 10.0 * b + layer), torch.full((2, n, 3), -10.0 * b))
+                )
+                for layer in range(2)
+            ]
+        )
         for b, n in enumerate([5, 2, 4, 1])
     ]
     for b, row in enumerate(rows):
@@ -66,7 +70,7 @@ def test_rows_move_round_trip_and_survive_growth() -> None:
 def test_release_frees_and_reserve_allocates_again() -> None:
     kv = _kv()
     kv.reserve(4, 10)
-    kv.import_row(0, [(torch.ones(2, 3, 3), torch.ones(2, 3, 3))] * 2)
+    kv.import_row(0, torch.ones(2, 2, 2, 3, 3))
     kv.release()
     assert kv.rows == 0 and kv.usable_columns == 0
     kv.reserve(2, 5)

@@ -9,7 +9,8 @@ from marlaas.rollout.sessions import SessionCache, SessionEntry
 
 def _entry(tokens: tuple[int, ...], tenant: str = "a", version: int = 0) -> SessionEntry:
     n = len(tokens)
-    kv = [(torch.arange(n, dtype=torch.float32)[None, :, None], torch.zeros(1, n, 1))]
+    keys = torch.arange(n, dtype=torch.float32)[None, :, None]
+    kv = torch.stack((keys, torch.zeros(1, n, 1)))[None]  # [layers, 2, H, n, D]
     return SessionEntry(tenant, version, tokens, kv)
 
 

@@ -1,7 +1,11 @@
 """The decode batch's key/value cache: buffers allocated once, written in place.
 
 Layout: per layer, keys and values are `[rows, H, columns, D]` buffers (kv heads, head
-dim). Batch row `b` is buffer row `b`, and its token at position `j` sits in column `j`:
+dim), all views of one `[layers, 2, rows, H, columns, D]` buffer, so a row's whole cache
+is moved, kept (`export_row`) or restored in one op rather than two per layer (in the
+pipeline every op of the device thread may wait on the event loop's hold of the
+interpreter). Batch row `b` is buffer row `b`, and its token at position `j` sits in
+column `j`:
 row `b` holds `lengths_B[b]` valid columns `[0, lengths_B[b])`. A forward writes its new
 tokens' entries straight into their columns (`SlotCache`), so decoding never
 concatenates or copies the cache; the last column is a scratch column where left padding
@@ -38,8 +42,8 @@ from marlaas.errors import ModelError
 from marlaas.model.arch import check_attention
 from marlaas.model.cache import SlotCache, SlotLayer
 
-#: One sequence's cache: per layer `(keys [H, L, D], values [H, L, D])`.
-RowKV = list[tuple[Tensor, Tensor]]
+#: One sequence's cache: `[layers, 2 (keys, values), H, L, D]`.
+RowKV = Tensor
 
 
 @dataclass(frozen=True)
@@ -105,7 +109,8 @@ def _grown(needed: int, have: int, limit: int, floor: int) -> int:
 
 
 class SlotKV:
-    """Per-layer `[rows, H, columns, D]` key and value buffers (see the module doc)."""
+    """Per-layer `[rows, H, columns, D]` key and value buffers, views of one buffer (see
+    the module doc)."""
 
     def __init__(
         self,
@@ -121,6 +126,10 @@ class SlotKV:
         self.max_rows = max_rows
         # A row needs at most max_positions columns; one more is the scratch column.
         self._col_limit = (max_positions + 1) if max_positions else 1 << 30
+        #: Every layer's keys and values in one buffer `[layers, 2, rows, H, columns, D]`
+        #: (a row's whole cache moves, leaves and returns in one op); `keys[l]` and
+        #: `values[l]` are its `[rows, H, columns, D]` views.
+        self.buffer: Tensor | None = None
         self.keys: list[Tensor] = []
         self.values: list[Tensor] = []
         self._alloc(0, 0)
@@ -136,20 +145,20 @@ class SlotKV:
 
     def _alloc(self, rows: int, columns: int) -> None:
         g = self.geometry
-        shape = (rows, g.kv_heads, columns, g.head_dim)
-        old = self.keys + self.values
+        old = self.buffer
         # Zeros, not empty: masked columns are multiplied by probability 0, and 0 * NaN
         # (uninitialised memory) would still be NaN.
-        fresh = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device)
-            for _ in range(2 * g.num_layers)
-        ]
-        if old and old[0].numel():
+        self.buffer = torch.zeros(
+            (g.num_layers, 2, rows, g.kv_heads, columns, g.head_dim),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        if old is not None and old.numel():
             # Everything but the old scratch column, which becomes an ordinary one.
-            r, c = min(rows, old[0].shape[0]), min(columns, old[0].shape[2]) - 1
-            for new, prev in zip(fresh, old, strict=True):
-                new[:r, :, :c].copy_(prev[:r, :, :c])
-        self.keys, self.values = fresh[: g.num_layers], fresh[g.num_layers :]
+            r, c = min(rows, old.shape[2]), min(columns, old.shape[4]) - 1
+            self.buffer[:, :, :r, :, :c].copy_(old[:, :, :r, :, :c])
+        self.keys = list(self.buffer[:, 0].unbind(0))
+        self.values = list(self.buffer[:, 1].unbind(0))
 
     def reserve(self, rows: int, columns: int) -> None:
         """Make room for `rows` rows of `columns` valid columns each (grows geometrically)."""
@@ -170,7 +179,7 @@ class SlotKV:
     def release(self) -> None:
         """Free the buffers (the batch is empty); the next `reserve` allocates again."""
         if self.rows:
-            self.keys, self.values = [], []
+            self.buffer, self.keys, self.values = None, [], []
             self._alloc(0, 0)
 
     def writes(self, row0: int, positions_RN: Tensor) -> SlotWrites:
@@ -211,25 +220,21 @@ class SlotKV:
     def move_rows(self, dst: Sequence[int], src: Sequence[int], columns: int) -> None:
         """Copy rows `src` into rows `dst` (their first `columns` columns), all at once:
         the sources are read before any destination is written."""
-        if not dst:
+        if not dst or self.buffer is None:
             return
         d = torch.tensor(list(dst), dtype=torch.long, device=self.device)
         s = torch.tensor(list(src), dtype=torch.long, device=self.device)
-        for buf in self.keys + self.values:
-            view = buf[:, :, :columns]
-            view.index_copy_(0, d, view.index_select(0, s))
+        view = self.buffer[:, :, :, :, :columns]
+        view.index_copy_(2, d, view.index_select(2, s))
 
     def export_row(self, b: int, length: int) -> RowKV:
         """A contiguous copy of row `b`'s first `length` entries (to keep after it leaves)."""
-        return [
-            (k[b, :, :length].clone(), v[b, :, :length].clone())
-            for k, v in zip(self.keys, self.values, strict=True)
-        ]
+        assert self.buffer is not None
+        return self.buffer[:, :, b, :, :length].clone()
 
     def import_row(self, b: int, kv: RowKV) -> int:
         """Write a kept cache into row `b`'s first columns; its length."""
-        n = int(kv[0][0].shape[1])
-        for layer, (k, v) in enumerate(kv):
-            self.keys[layer][b, :, :n].copy_(k)
-            self.values[layer][b, :, :n].copy_(v)
+        assert self.buffer is not None
+        n = int(kv.shape[3])
+        self.buffer[:, :, b, :, :n].copy_(kv)
         return n

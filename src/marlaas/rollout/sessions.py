@@ -68,7 +68,7 @@ class SessionCache:
             keep += 1
         if keep == 0:
             return 0, None
-        kv = entry.kv if keep == n else [(k[:, :keep], v[:, :keep]) for k, v in entry.kv]
+        kv = entry.kv if keep == n else entry.kv[:, :, :, :keep]
         return keep, kv
 
     def clear(self) -> None:
