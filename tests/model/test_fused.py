@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from marlaas.model import kernels
+from marlaas.model import fused, kernels
 from marlaas.model.fused import rotary, swiglu
 
 
@@ -87,3 +87,71 @@ def test_the_kernels_decline_without_writing() -> None:
         kernels.rotary(torch.randn(2, 3, 4, 7), torch.randn(2, 3, 7), torch.randn(2, 3, 7)) is None
     )
     assert kernels.rotary(x.transpose(1, 2).contiguous().transpose(1, 2), cos, cos) is None
+
+
+def _spans(lengths: list[int], firsts: list[int], past: int, new: int, window: int | None):
+    """Row b's valid keys are columns [firsts[b], past + lengths[b]); its query t attends
+    them up to its own column (within `window`), a padding query its own column."""
+    start, end = [], []
+    for first, n in zip(firsts, lengths, strict=True):
+        for t in range(new):
+            stop = past + t + 1
+            if t < n:
+                start.append(max(first, stop - window) if window else first)
+            else:
+                start.append(stop - 1)
+            end.append(stop)
+    s, e = torch.tensor(start), torch.tensor(end)
+    return s, e, int((e - s).max())
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "window"),
+    [(4, 2, 32, None), (4, 4, 16, 3), (6, 2, 24, None), (2, 1, 64, 5)],
+)
+def test_span_attention_and_its_backward_equal_sdpas(
+    heads: int, kv_heads: int, dim: int, window: int | None
+) -> None:
+    g = torch.Generator().manual_seed(heads * dim)
+    B, past, new = 3, 4, 21  # more than sixteen columns: the kernels' vector path too
+    q = torch.randn(B, new, heads, dim, generator=g, dtype=torch.float64).float()
+    kv_cols = past + new
+    # Keys and values as the trainer has them: a transposed view of [B, K, Hkv, D].
+    k = torch.randn(B, kv_cols, kv_heads, dim, generator=g).transpose(1, 2)
+    v = torch.randn(B, kv_cols, kv_heads, dim, generator=g).transpose(1, 2)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    spans = _spans([new, 9, 2], [0, 3, 1], past, new, window)
+    got = fused.span_attention(q, k, v, spans, dim**-0.5)
+    assert got is not None
+    col = torch.arange(kv_cols)
+    mask = ((col >= spans[0][:, None]) & (col < spans[1][:, None])).view(B, 1, new, kv_cols)
+    want = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k, v, attn_mask=mask, scale=dim**-0.5, enable_gqa=True
+    ).transpose(1, 2)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    dout = torch.randn(got.shape, generator=g)
+    for a, b in zip(
+        torch.autograd.grad(got, (q, k, v), dout),
+        torch.autograd.grad(want, (q, k, v), dout),
+        strict=True,
+    ):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_span_attention_backward_without_the_kernels_gives_the_same_gradients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Kernels switched off between the forward and the backward: torch's ops finish it."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 5, 4, 16, generator=g, requires_grad=True)
+    k = torch.randn(2, 2, 7, 16, generator=g, requires_grad=True)
+    v = torch.randn(2, 2, 7, 16, generator=g, requires_grad=True)
+    spans = _spans([5, 3], [0, 1], 2, 5, None)
+    dout = torch.randn(2, 5, 4, 16, generator=g)
+    native = torch.autograd.grad(fused.span_attention(q, k, v, spans, 0.25), (q, k, v), dout)
+    out = fused.span_attention(q, k, v, spans, 0.25)
+    assert out is not None
+    with kernels.torch_path():
+        plain = torch.autograd.grad(out, (q, k, v), dout)
+    for a, b in zip(native, plain, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)

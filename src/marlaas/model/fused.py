@@ -7,6 +7,10 @@ the CPU), torch's own ops elsewhere: the same values and gradients up to float r
   plus the activations they save).
 - `rotary(x, cos, sin) = x * cos + rotate_half(x) * sin` over `[..., H, D]`: one pass
   each way (torch: five ops forward, as many back).
+- `span_attention(q, k, v, spans)`: each query over its own span of key columns, the
+  trainer's attention (SDPA's masked product covers every column and its CPU backward
+  costs twice its forward); native only, None where it does not apply (the caller keeps
+  SDPA).
 """
 
 from __future__ import annotations
@@ -79,3 +83,87 @@ class _Rotary(torch.autograd.Function):
             ds = dy * sin.unsqueeze(-2)
             dx = dy * cos.unsqueeze(-2) - torch.cat((-ds[..., half:], ds[..., :half]), dim=-1)
         return dx, None, None
+
+
+def span_attention(
+    q_BTHD: Tensor,
+    k_BHKD: Tensor,
+    v_BHKD: Tensor,
+    spans: tuple[Tensor, Tensor, int],
+    scale: float,
+) -> Tensor | None:
+    """Attention of the queries `q [B, T, H, D]` over keys and values `[B, Hkv, K, D]`,
+    query `b * T + t` over its columns `[start, end)` of `spans` (`(start_Q, end_Q,
+    widest)`, CPU int64); `[B, T, H, D]`, or None where the native kernels do not take
+    these tensors."""
+    start_Q, end_Q, widest = spans
+    if not (
+        q_BTHD.is_contiguous()
+        and kernels.native_kernels("span_attention", "span_attention_backward")
+        and kernels.span_applies(q_BTHD.transpose(1, 2), k_BHKD, v_BHKD, start_Q, end_Q, widest)
+    ):
+        return None
+    out = _SpanAttention.apply(q_BTHD, k_BHKD, v_BHKD, start_Q, end_Q, widest, scale)
+    assert isinstance(out, Tensor)
+    return out
+
+
+class _SpanAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q_BTHD: Tensor,
+        k: Tensor,
+        v: Tensor,
+        start_Q: Tensor,
+        end_Q: Tensor,
+        widest: int,
+        scale: float,
+    ) -> Tensor:
+        result = kernels.span_attention_lse(
+            q_BTHD.transpose(1, 2), k, v, start_Q, end_Q, widest, scale
+        )
+        assert result is not None  # `span_attention` checked the kernel applies
+        out, lse = result
+        ctx.save_for_backward(q_BTHD, k, v, out, lse, start_Q, end_Q)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, out, lse, start_Q, end_Q = ctx.saved_tensors
+        dout = grads[0].contiguous()
+        result = kernels.span_attention_backward(
+            q.transpose(1, 2), k, v, start_Q, end_Q, ctx.scale, out, dout, lse
+        )
+        if result is None:  # the kernels were switched off since the forward
+            result = _span_attention_grads(q, k, v, start_Q, end_Q, ctx.scale, dout)
+        dq, dk, dv = result
+        return dq, dk, dv, None, None, None, None
+
+
+def _span_attention_grads(
+    q_BTHD: Tensor,
+    k: Tensor,
+    v: Tensor,
+    start_Q: Tensor,
+    end_Q: Tensor,
+    scale: float,
+    dout: Tensor,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The same gradients through SDPA with the spans as a mask (torch's ops)."""
+    B, T, H, _ = q_BTHD.shape
+    col_K = torch.arange(int(k.shape[2]))
+    mask = (col_K >= start_Q[:, None]) & (col_K < end_Q[:, None])
+    with torch.enable_grad():
+        q_, k_, v_ = (t.detach().requires_grad_() for t in (q_BTHD, k, v))
+        out = F.scaled_dot_product_attention(
+            q_.transpose(1, 2),
+            k_,
+            v_,
+            attn_mask=mask.view(B, 1, T, -1),
+            scale=scale,
+            enable_gqa=int(k.shape[1]) != H,
+        )
+        dq, dk, dv = torch.autograd.grad(out.transpose(1, 2), (q_, k_, v_), dout)
+    return dq, dk, dv

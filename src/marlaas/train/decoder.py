@@ -9,9 +9,13 @@ One forward runs rows of `T` new tokens after an optional past (the keys and val
 query token `i` sits in column `P + i` and attends the valid keys (`key_mask_BK` over
 the `P + T` columns) at or before its column, within its layer's sliding window
 measured in columns, as Hugging Face's masks. A query with no such key (padding)
-attends every column: a finite result nothing reads. On the CPU, SDPA groups the key
-and value heads itself (`enable_gqa`); elsewhere they are repeated, as Hugging Face
-does for a masked SDPA.
+attends every column: a finite result nothing reads. On the CPU in float32, where every
+row's valid keys are one run of columns (the trainer's rows always are), each query
+attends its own span through the native span attention and its backward
+(`marlaas.model.fused.span_attention`: SDPA's masked product covers every column, and
+its CPU backward costs twice its forward); elsewhere SDPA with the masks, grouping the
+key and value heads itself on the CPU (`enable_gqa`) and repeating them on other devices,
+as Hugging Face does for a masked SDPA.
 
 Invariants:
 - Logits, and the gradients they give the adapters, equal the Hugging Face forward's
@@ -27,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from marlaas.model.decoder import DecoderStack
-from marlaas.model.fused import rotary, swiglu
+from marlaas.model.fused import rotary, span_attention, swiglu
 from marlaas.model.lora import LoRAModel
 
 #: Per layer: keys and values `[B, Hkv, columns, D]`.
@@ -78,24 +82,27 @@ class TrainDecoder:
             v = linear(x, layer.v).view(B, T, Hkv, D).transpose(1, 2)
             if layer.q_norm is not None and layer.k_norm is not None:
                 q, k = layer.q_norm(q), layer.k_norm(k)
-            q = rotary(q, cos, sin).transpose(1, 2)
+            q_BTHD = rotary(q, cos, sin)
             k = rotary(k, cos, sin).transpose(1, 2)
             if past is not None:
                 k = torch.cat((past[i][0], k), dim=2)
                 v = torch.cat((past[i][1], v), dim=2)
             if keep_cache:
                 cache.append((k, v))
-            if not grouped and Hkv != H:
-                k, v = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
-            out = F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=masks.get(layer.window),
-                scale=layer.scaling,
-                enable_gqa=grouped and Hkv != H,
-            )
-            h = h + linear(out.transpose(1, 2).reshape(B, T, H * D), layer.o)
+            spans = masks.spans(layer.window)
+            out = None if spans is None else span_attention(q_BTHD, k, v, spans, layer.scaling)
+            if out is None:
+                if not grouped and Hkv != H:
+                    k, v = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
+                out = F.scaled_dot_product_attention(
+                    q_BTHD.transpose(1, 2),
+                    k,
+                    v,
+                    attn_mask=masks.get(layer.window),
+                    scale=layer.scaling,
+                    enable_gqa=grouped and Hkv != H,
+                ).transpose(1, 2)
+            h = h + linear(out.reshape(B, T, H * D), layer.o)
             x = layer.post_norm(h)
             gate, up = linear(x, layer.gate), linear(x, layer.up)
             gated = swiglu(gate, up) if stack.silu else layer.act(gate) * up
@@ -106,14 +113,44 @@ class TrainDecoder:
 
 
 class _Masks:
-    """One forward's attention masks `[B, 1, T, P + T]`, made once per window."""
+    """One forward's attention masks `[B, 1, T, P + T]` for SDPA, or where every row's
+    valid keys are one run of columns (right-padded rows, a left-padded prefix, a prefix
+    and its suffix) each query's span of them for the native kernel; made once per
+    window."""
 
     def __init__(self, key_mask_BK: Tensor, past: int, new: int) -> None:
         self.key_mask_BK = key_mask_BK
         device = key_mask_BK.device
+        self.past, self.new = past, new
         self.key_K = torch.arange(past + new, device=device)
         self.query_T = torch.arange(new, device=device) + past
         self.masks: dict[int | None, Tensor] = {}
+        self._spans: dict[int | None, tuple[Tensor, Tensor, int] | None] = {}
+        self._runs: tuple[Tensor, Tensor] | None = None
+        if device.type == "cpu":
+            first_B = key_mask_BK.int().argmax(1)
+            end_B = first_B + key_mask_BK.sum(1)
+            run_BK = (self.key_K >= first_B[:, None]) & (self.key_K < end_B[:, None])
+            if torch.equal(run_BK, key_mask_BK):
+                self._runs = (first_B, key_mask_BK[:, past:])
+
+    def spans(self, window: int | None) -> tuple[Tensor, Tensor, int] | None:
+        """Each query's columns `[start, end)` (`b * T + t` order, CPU int64) and the
+        widest: its run's valid keys at or before its column, within `window`; a padding
+        query its own column (a finite result nothing reads). None where a row's valid
+        keys are not one run."""
+        if self._runs is None:
+            return None
+        if window not in self._spans:
+            first_B, query_valid_BT = self._runs
+            end_BT = (self.query_T + 1).expand(query_valid_BT.shape)
+            start_BT = first_B[:, None].expand(query_valid_BT.shape)
+            if window is not None:
+                start_BT = torch.maximum(start_BT, end_BT - window)
+            start_BT = torch.where(query_valid_BT, start_BT, end_BT - 1)
+            start_Q, end_Q = start_BT.reshape(-1).contiguous(), end_BT.reshape(-1).contiguous()
+            self._spans[window] = (start_Q, end_Q, int((end_Q - start_Q).max()))
+        return self._spans[window]
 
     def get(self, window: int | None) -> Tensor:
         if window not in self.masks:

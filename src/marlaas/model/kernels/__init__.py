@@ -8,7 +8,8 @@
   `rows x kv heads` tiny matrices, whose per-matrix overhead, not the bytes, sets their
   time (~1 ms each per layer at 256 rows and ~90 columns), and a prefill as SDPA's
   masked product over every column of the chunk (~8 ms a layer for 16 prompts of 192
-  tokens).
+  tokens). With the log-sum-exp of each query head kept (`span_attention_lse`), its
+  backward (`span_attention_backward`) is the trainer's attention.
 - `lora_rows` adds the LoRA update of rows that each use their own adapter (a decode
   batch of many tenants) in place, reading every lane's weights where they lie
   (`lora_rows.c`). torch's way is a gather of the rows into per-lane pieces, two
@@ -36,7 +37,12 @@ Only float32 CPU tensors whose last axis is contiguous are taken; anything else 
 None too. The kernel runs in the calling thread (one core, as the engine's default).
 """
 
-from marlaas.model.kernels.attention import span_attention
+from marlaas.model.kernels.attention import (
+    span_applies,
+    span_attention,
+    span_attention_backward,
+    span_attention_lse,
+)
 from marlaas.model.kernels.build import _library, native_kernels, torch_path, torch_path_on
 from marlaas.model.kernels.decoder import add_rms_norm, rope_store
 from marlaas.model.kernels.fused import (
@@ -57,7 +63,10 @@ __all__ = [
     "rope_store",
     "rotary",
     "rotary_applies",
+    "span_applies",
     "span_attention",
+    "span_attention_backward",
+    "span_attention_lse",
     "swiglu",
     "swiglu_applies",
     "swiglu_backward",

@@ -24,31 +24,51 @@ def span_attention(
     apply (see the module doc). `start_Q`/`end_Q` are contiguous int64 CPU tensors of
     `R * N` entries with `0 <= start < end <= S`; `widest` is the largest `end - start`
     (0: some query attends no column, which the kernel does not take)."""
+    out = _forward(query, key, value, start_Q, end_Q, widest, scale, softcap, lse=False)
+    return None if out is None else out[0]
+
+
+def span_attention_lse(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    start_Q: Tensor,
+    end_Q: Tensor,
+    widest: int,
+    scale: float,
+) -> tuple[Tensor, Tensor] | None:
+    """`span_attention` (no soft-capping) and each query head's log-sum-exp of its scaled
+    scores `[R * N, H]`: what `span_attention_backward` needs."""
+    out = _forward(query, key, value, start_Q, end_Q, widest, scale, None, lse=True)
+    if out is None:
+        return None
+    assert out[1] is not None
+    return out[0], out[1]
+
+
+def _forward(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    start_Q: Tensor,
+    end_Q: Tensor,
+    widest: int,
+    scale: float,
+    softcap: float | None,
+    lse: bool,
+) -> tuple[Tensor, Tensor | None] | None:
     kernel = load("span_attention")
     R, H, N, D = query.shape
-    Hkv = int(key.shape[1])
-    if (
-        kernel is None
-        or widest < 1
-        or widest > int(key.shape[2])
-        or H % Hkv
-        or not (query.is_cpu and key.is_cpu and value.is_cpu)
-        or not (query.dtype == key.dtype == value.dtype == torch.float32)
-        or key.stride() != value.stride()
-        or key.stride(-1) != 1
-        or query.stride(-1) != 1
-        or start_Q.dtype != torch.int64
-        or int(start_Q.shape[0]) != R * N
-        or not (start_Q.is_contiguous() and end_Q.is_contiguous())
-    ):
+    if kernel is None or not span_applies(query, key, value, start_Q, end_Q, widest):
         return None
     out = torch.empty((R, N, H, D), dtype=torch.float32)
-    scratch = torch.empty((H // Hkv) * widest, dtype=torch.float32)
+    lse_QH = torch.empty((R * N, H), dtype=torch.float32) if lse else None
+    scratch = torch.empty((H // int(key.shape[1])) * widest, dtype=torch.float32)
     kernel(
         R,
         N,
         H,
-        Hkv,
+        int(key.shape[1]),
         D,
         query.data_ptr(),
         query.stride(0),
@@ -64,6 +84,91 @@ def span_attention(
         float(scale),
         float(softcap or 0.0),
         out.data_ptr(),
+        0 if lse_QH is None else lse_QH.data_ptr(),
         scratch.data_ptr(),
     )
-    return out
+    return out, lse_QH
+
+
+def span_attention_backward(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    start_Q: Tensor,
+    end_Q: Tensor,
+    scale: float,
+    out: Tensor,
+    dout: Tensor,
+    lse_QH: Tensor,
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """The gradients `(dq [R, N, H, D], dk, dv [R, Hkv, S, D] contiguous)` of
+    `span_attention_lse`'s output `out [R, N, H, D]` given its gradient `dout` (same
+    shape, contiguous) and `lse_QH`; None where the kernel does not apply."""
+    kernel = load("span_attention_backward")
+    R, H, N, D = query.shape
+    widest = int((end_Q - start_Q).max()) if start_Q.numel() else 0
+    if (
+        kernel is None
+        or not span_applies(query, key, value, start_Q, end_Q, widest)
+        or not all(t.is_cpu and t.dtype == torch.float32 for t in (out, dout, lse_QH))
+        or not (out.is_contiguous() and dout.is_contiguous() and lse_QH.is_contiguous())
+        or tuple(out.shape) != (R, N, H, D)
+        or tuple(dout.shape) != (R, N, H, D)
+        or tuple(lse_QH.shape) != (R * N, H)
+    ):
+        return None
+    # The key gradients are accumulated in buffers of the keys' own layout.
+    dk = torch.zeros_like(key, memory_format=torch.preserve_format)
+    dv = torch.zeros_like(value, memory_format=torch.preserve_format)
+    if dk.stride() != key.stride() or dv.stride() != key.stride():
+        dk, dv = torch.zeros(key.shape), torch.zeros(key.shape)
+        key, value = key.contiguous(), value.contiguous()
+    dq = torch.empty((R, N, H, D), dtype=torch.float32)
+    kernel(
+        R,
+        N,
+        H,
+        int(key.shape[1]),
+        D,
+        query.data_ptr(),
+        query.stride(0),
+        query.stride(1),
+        query.stride(2),
+        key.data_ptr(),
+        value.data_ptr(),
+        key.stride(0),
+        key.stride(1),
+        key.stride(2),
+        start_Q.data_ptr(),
+        end_Q.data_ptr(),
+        float(scale),
+        out.data_ptr(),
+        dout.data_ptr(),
+        lse_QH.data_ptr(),
+        dq.data_ptr(),
+        dk.data_ptr(),
+        dv.data_ptr(),
+    )
+    return dq, dk, dv
+
+
+def span_applies(
+    query: Tensor, key: Tensor, value: Tensor, start_Q: Tensor, end_Q: Tensor, widest: int
+) -> bool:
+    """Whether the span kernels take these tensors (see `span_attention`); that they are
+    built is the caller's question (`native_kernels`)."""
+    R, H, N, _ = query.shape
+    Hkv = int(key.shape[1])
+    return not (
+        widest < 1
+        or widest > int(key.shape[2])
+        or H % Hkv
+        or not (query.is_cpu and key.is_cpu and value.is_cpu)
+        or not (query.dtype == key.dtype == value.dtype == torch.float32)
+        or key.stride() != value.stride()
+        or key.stride(-1) != 1
+        or query.stride(-1) != 1
+        or start_Q.dtype != torch.int64
+        or int(start_Q.shape[0]) != R * N
+        or not (start_Q.is_contiguous() and end_Q.is_contiguous())
+    )

@@ -35,7 +35,18 @@ KERNELS: dict[str, tuple[str, str, list[type]]] = {
             *(_I64, _I64, _I64, _I64, _I64),
             *(_PTR, _I64, _I64, _I64, _PTR, _PTR),
             *(_I64, _I64, _I64),
-            *(_PTR, _PTR, _F32, _F32, _PTR, _PTR),
+            *(_PTR, _PTR, _F32, _F32, _PTR, _PTR, _PTR),
+        ],
+    ),
+    "span_attention_backward": (
+        "span_attention",
+        "span_attention_backward_f32",
+        [
+            *(_I64, _I64, _I64, _I64, _I64),
+            *(_PTR, _I64, _I64, _I64, _PTR, _PTR),
+            *(_I64, _I64, _I64),
+            *(_PTR, _PTR, _F32),
+            *(_PTR, _PTR, _PTR, _PTR, _PTR, _PTR),
         ],
     ),
     "lora_rows": (

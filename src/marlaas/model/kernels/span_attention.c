@@ -26,7 +26,9 @@
  * Layouts (float32, the last axis contiguous): q [R, H, N, D] with strides q_sr, q_sh,
  * q_sn; keys and values [R, Hkv, S, D] with strides kv_sr, kv_sh, kv_ss (both buffers
  * alike); start, end [R * N]; out [R, N, H, D] contiguous. `scratch` holds
- * G * (max_b end[b] - start[b]) floats.
+ * G * (max_b end[b] - start[b]) floats. `lse` [R * N, H], when not NULL, receives each
+ * query head's log-sum-exp of its scaled scores (what the backward needs: p = exp(s -
+ * lse)).
  */
 #include <math.h>
 #include <stdint.h>
@@ -73,8 +75,7 @@ static inline __attribute__((always_inline)) void attend(
     int64_t R, int64_t N, int64_t H, int64_t Hkv, const int64_t D, const int64_t G,
     const float *q, int64_t q_sr, int64_t q_sh, int64_t q_sn, const float *k, const float *v,
     int64_t kv_sr, int64_t kv_sh, int64_t kv_ss, const int64_t *start, const int64_t *end,
-    float scale, float softcap, float *out, float *scratch) {
-    (void)H;
+    float scale, float softcap, float *out, float *lse, float *scratch) {
     for (int64_t b = 0; b < R * N; ++b) {
         const int64_t row = b / N;
         const int64_t s0 = start[b];
@@ -127,6 +128,7 @@ static inline __attribute__((always_inline)) void attend(
                     sum += p[l];
                 }
                 inv[g] = 1.0f / sum;
+                if (lse) lse[b * H + kv * G + g] = m + logf(sum);
             }
             /* Every head of the group in one pass over the values: each value vector is
              * loaded once for the G heads, whose outputs accumulate in registers (G and D
@@ -157,7 +159,7 @@ static inline __attribute__((always_inline)) void attend(
  * the inner loops unroll into a few vector instructions and the group's accumulators
  * stay in registers. */
 #define ATTEND(DIM, GROUP) attend(R, N, H, Hkv, DIM, GROUP, q, q_sr, q_sh, q_sn, k, v, kv_sr, \
-                                  kv_sh, kv_ss, start, end, scale, softcap, out, scratch)
+                                  kv_sh, kv_ss, start, end, scale, softcap, out, lse, scratch)
 #define ATTEND_GROUPS(DIM)                     \
     switch (G) {                               \
         case 1: ATTEND(DIM, 1); break;         \
@@ -172,12 +174,121 @@ void span_attention_f32(int64_t R, int64_t N, int64_t H, int64_t Hkv, int64_t D,
                           const float *k, const float *v,
                           int64_t kv_sr, int64_t kv_sh, int64_t kv_ss,
                           const int64_t *start, const int64_t *end,
-                          float scale, float softcap, float *out, float *scratch) {
+                          float scale, float softcap, float *out, float *lse, float *scratch) {
     const int64_t G = H / Hkv;
     switch (D) {
         case 32: ATTEND_GROUPS(32); break;
         case 64: ATTEND_GROUPS(64); break;
         case 128: ATTEND_GROUPS(128); break;
         default: ATTEND(D, G);
+    }
+}
+
+/* The backward of `span_attention_f32` (the trainer's attention): given the forward's
+ * output `out`, its log-sum-exp `lse` and the output's gradient `dout`, the gradients of
+ * the queries (`dq`, written), keys and values (`dk`, `dv`, added to: the caller zeroes
+ * them). Per query head and attended column l, with p_l = exp(scale q.k_l - lse) and
+ * delta = dout.out:
+ *
+ *     dv_l += p_l dout        ds_l = p_l (dout.v_l - delta)
+ *     dq   += scale ds_l k_l  dk_l += scale ds_l q
+ *
+ * The scores and dout.v of sixteen columns are reduced together (`scores16`); the query
+ * gradients of a group accumulate in registers. No soft-capping (the caller declines
+ * it). Layouts as the forward's; out, dout and dq [R, N, H, D] contiguous; dk and dv
+ * with the keys' strides. */
+static inline __attribute__((always_inline)) void attend_backward(
+    int64_t R, int64_t N, int64_t H, int64_t Hkv, const int64_t D, const int64_t G,
+    const float *q, int64_t q_sr, int64_t q_sh, int64_t q_sn, const float *k, const float *v,
+    int64_t kv_sr, int64_t kv_sh, int64_t kv_ss, const int64_t *start, const int64_t *end,
+    float scale, const float *out, const float *dout, const float *lse, float *dq, float *dk,
+    float *dv) {
+    for (int64_t b = 0; b < R * N; ++b) {
+        const int64_t row = b / N;
+        const int64_t s0 = start[b];
+        const int64_t n = end[b] - s0;
+        for (int64_t kv = 0; kv < Hkv; ++kv) {
+            const int64_t at = row * kv_sr + kv * kv_sh + s0 * kv_ss;
+            const float *kb = k + at, *vb = v + at;
+            float *dkb = dk + at, *dvb = dv + at;
+            const float *qb = q + row * q_sr + (b % N) * q_sn + kv * G * q_sh;
+            const int64_t h0 = b * H + kv * G;
+            float delta[G], lg[G], acc[G][D];
+            for (int64_t g = 0; g < G; ++g) {
+                float d0 = 0.0f;
+                for (int64_t d = 0; d < D; ++d) d0 += dout[(h0 + g) * D + d] * out[(h0 + g) * D + d];
+                delta[g] = d0;
+                lg[g] = lse[h0 + g];
+                for (int64_t d = 0; d < D; ++d) acc[g][d] = 0.0f;
+            }
+            int64_t l0 = 0;
+            if (D % W == 0)  /* sixteen columns at a time, then the rest one by one */
+                for (; l0 + W <= n; l0 += W)
+                    for (int64_t g = 0; g < G; ++g) {
+                        const float *qg = qb + g * q_sh, *dog = dout + (h0 + g) * D;
+                        float s[W], dp[W];
+                        scores16(qg, kb + l0 * kv_ss, kv_ss, D, scale, s);
+                        scores16(dog, vb + l0 * kv_ss, kv_ss, D, 1.0f, dp);
+                        for (int c = 0; c < W; ++c) {
+                            const float p = expf(s[c] - lg[g]);
+                            const float ds = p * (dp[c] - delta[g]) * scale;
+                            const float *kl = kb + (l0 + c) * kv_ss;
+                            float *dkl = dkb + (l0 + c) * kv_ss, *dvl = dvb + (l0 + c) * kv_ss;
+                            for (int64_t d = 0; d < D; ++d) {
+                                dvl[d] += p * dog[d];
+                                acc[g][d] += ds * kl[d];
+                                dkl[d] += ds * qg[d];
+                            }
+                        }
+                    }
+            for (int64_t l = l0; l < n; ++l) {
+                const float *kl = kb + l * kv_ss, *vl = vb + l * kv_ss;
+                float *dkl = dkb + l * kv_ss, *dvl = dvb + l * kv_ss;
+                for (int64_t g = 0; g < G; ++g) {
+                    const float *qg = qb + g * q_sh, *dog = dout + (h0 + g) * D;
+                    float sd = 0.0f, pd = 0.0f;
+                    for (int64_t d = 0; d < D; ++d) {
+                        sd += qg[d] * kl[d];
+                        pd += dog[d] * vl[d];
+                    }
+                    const float p = expf(sd * scale - lg[g]);
+                    const float ds = p * (pd - delta[g]) * scale;
+                    for (int64_t d = 0; d < D; ++d) {
+                        dvl[d] += p * dog[d];
+                        acc[g][d] += ds * kl[d];
+                        dkl[d] += ds * qg[d];
+                    }
+                }
+            }
+            for (int64_t g = 0; g < G; ++g)
+                for (int64_t d = 0; d < D; ++d) dq[(h0 + g) * D + d] = acc[g][d];
+        }
+    }
+}
+
+#define BACKWARD(DIM, GROUP) attend_backward(R, N, H, Hkv, DIM, GROUP, q, q_sr, q_sh, q_sn, k, v, \
+                                             kv_sr, kv_sh, kv_ss, start, end, scale, out, dout, \
+                                             lse, dq, dk, dv)
+#define BACKWARD_GROUPS(DIM)                   \
+    switch (G) {                               \
+        case 1: BACKWARD(DIM, 1); break;       \
+        case 2: BACKWARD(DIM, 2); break;       \
+        case 4: BACKWARD(DIM, 4); break;       \
+        default: BACKWARD(DIM, G);             \
+    }
+
+void span_attention_backward_f32(int64_t R, int64_t N, int64_t H, int64_t Hkv, int64_t D,
+                                 const float *q, int64_t q_sr, int64_t q_sh, int64_t q_sn,
+                                 const float *k, const float *v,
+                                 int64_t kv_sr, int64_t kv_sh, int64_t kv_ss,
+                                 const int64_t *start, const int64_t *end, float scale,
+                                 const float *out, const float *dout, const float *lse,
+                                 float *dq, float *dk, float *dv) {
+    const int64_t G = H / Hkv;
+    switch (D) {
+        case 32: BACKWARD_GROUPS(32); break;
+        case 64: BACKWARD_GROUPS(64); break;
+        case 128: BACKWARD_GROUPS(128); break;
+        default: BACKWARD(D, G);
     }
 }
