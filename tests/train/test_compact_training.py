@@ -13,6 +13,7 @@ from test_trainer import TENANTS, _register
 from torch import Tensor
 from train_data import VOCAB
 
+import marlaas.train.decoder as decoder
 import marlaas.train.prefix as prefix
 from helpers.tiny_archs import ARCHS, tiny_model
 from marlaas.model import kernels
@@ -65,3 +66,24 @@ def test_gradients_and_losses_equal_the_modules(
 @pytest.mark.parametrize("arch", [a for a in ARCHS if a not in MODEL_TYPES])
 def test_other_architectures_keep_the_modules(arch: str) -> None:
     assert TrainDecoder.of(LoRAModel(tiny_model(arch, VOCAB), max_rank=4)) is None
+
+
+def test_repeated_key_value_heads_give_the_same_gradients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without the native kernels and with SDPA taken not to group heads (as off the
+    CPU), the key and value heads are repeated: the same gradients as the modules."""
+    monkeypatch.setenv("MARLAAS_NATIVE_KERNELS", "0")
+    kernels._library.cache_clear()
+    try:
+        monkeypatch.setattr(decoder, "sdpa_groups_heads", lambda device: False)
+        model = LoRAModel(tiny_model("qwen2", VOCAB), max_rank=16)
+        assert model.base.config.num_key_value_heads < model.base.config.num_attention_heads
+        got, got_loss = _gradients(model, modules=False, shared=True)
+        want, want_loss = _gradients(model, modules=True, shared=True)
+    finally:
+        monkeypatch.delenv("MARLAAS_NATIVE_KERNELS")
+        kernels._library.cache_clear()
+    for name in TENANTS:
+        assert got_loss[name] == pytest.approx(want_loss[name], rel=1e-5, abs=1e-6), name
+        assert float((got[name] - want[name]).norm() / want[name].norm()) < 1e-5, name

@@ -72,7 +72,7 @@ class TrainDecoder:
         cos, sin = stack.rotary(h, pos_BT)
         cos, sin = cos.contiguous(), sin.contiguous()
         masks = _Masks(key_mask_BK.bool(), P, T)
-        grouped = ids_BT.device.type == "cpu"
+        grouped = sdpa_groups_heads(ids_BT.device)
         linear = stack.linear
         cache: LayerCache = []
         for i, layer in enumerate(stack.layers):
@@ -110,6 +110,13 @@ class TrainDecoder:
         if last_only:
             h = h[:, -1:]
         return stack.logits(h), cache
+
+
+def sdpa_groups_heads(device: torch.device) -> bool:
+    """Whether SDPA takes grouped key/value heads itself under a mask (`enable_gqa`) at
+    its speed on `device`: on the CPU; CUDA's fused kernels take them only without a
+    mask, so elsewhere the heads are repeated, as Hugging Face does."""
+    return device.type == "cpu"
 
 
 class _Masks:
