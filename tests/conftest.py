@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -13,3 +14,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from marlaas.cli.process import favour_the_device_thread
 
 favour_the_device_thread()
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def no_native_kernels() -> Iterator[None]:
+    """The native kernels off for one test (`helpers.native.kernels_off`)."""
+    from helpers.native import kernels_off
+
+    with kernels_off():
+        yield

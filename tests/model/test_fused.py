@@ -5,8 +5,6 @@ decline what they do not take."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,15 +12,6 @@ from torch import Tensor
 
 from marlaas.model import fused, kernels
 from marlaas.model.fused import rotary, swiglu
-
-
-@pytest.fixture
-def no_kernels(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setenv("MARLAAS_NATIVE_KERNELS", "0")
-    kernels._library.cache_clear()
-    yield
-    monkeypatch.delenv("MARLAAS_NATIVE_KERNELS")
-    kernels._library.cache_clear()
 
 
 def _rotary_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -69,7 +58,7 @@ def test_native_values_and_gradients_equal_torchs() -> None:
     _check(torch.float32, atol=2e-6)
 
 
-def test_torchs_ops_where_the_kernels_do_not_apply(no_kernels: None) -> None:
+def test_torchs_ops_where_the_kernels_do_not_apply(no_native_kernels: None) -> None:
     x = torch.randn(2, 3, 4, 8)
     assert not kernels.swiglu_applies(x, x)
     _check(torch.float32, atol=0.0)

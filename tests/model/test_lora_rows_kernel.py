@@ -98,16 +98,10 @@ def test_declines_what_it_does_not_take_and_writes_nothing() -> None:
     assert not torch.equal(y, before)
 
 
-def test_switched_off_it_declines(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("MARLAAS_NATIVE_KERNELS", "0")
-    kernels._library.cache_clear()
-    try:
-        A, B = weights(2, 4, 8, 8, True, torch.Generator().manual_seed(1))
-        x, y = torch.randn(1, 1, 8), torch.randn(1, 1, 8)
-        assert not kernels.lora_rows(x, y, A, B, torch.tensor([1]), torch.tensor([0]), None)
-    finally:
-        monkeypatch.delenv("MARLAAS_NATIVE_KERNELS")
-        kernels._library.cache_clear()
+def test_switched_off_it_declines(no_native_kernels: None) -> None:
+    A, B = weights(2, 4, 8, 8, True, torch.Generator().manual_seed(1))
+    x, y = torch.randn(1, 1, 8), torch.randn(1, 1, 8)
+    assert not kernels.lora_rows(x, y, A, B, torch.tensor([1]), torch.tensor([0]), None)
 
 
 def test_lane_plan_runs_it_without_gradients_only(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,16 +16,6 @@ from torch import Tensor
 from marlaas.model import kernels
 from marlaas.model.attention import AttentionPlan, slot_attention
 from marlaas.model.kernels import build
-
-
-@pytest.fixture
-def torch_path(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The kernels switched off (`MARLAAS_NATIVE_KERNELS=0`) for this test only."""
-    monkeypatch.setenv("MARLAAS_NATIVE_KERNELS", "0")
-    kernels._library.cache_clear()
-    yield
-    monkeypatch.delenv("MARLAAS_NATIVE_KERNELS")
-    kernels._library.cache_clear()
 
 
 def reference(
@@ -137,7 +126,7 @@ def test_declines_what_it_does_not_take() -> None:
     )
 
 
-def test_switched_off_it_declines_everything(torch_path: None) -> None:
+def test_switched_off_it_declines_everything(no_native_kernels: None) -> None:
     q, k = torch.randn(2, 2, 1, 8), torch.randn(2, 1, 4, 8)
     assert not kernels.native_kernels()
     out = kernels.span_attention(q, k, k, torch.tensor([0, 0]), torch.tensor([2, 4]), 4, 1.0, None)

@@ -7,7 +7,6 @@ run), in float32 and bfloat16. Architectures it does not cover are left to the m
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -28,16 +27,6 @@ from marlaas.rollout.kv import SlotKV, kv_geometry
 
 VOCAB = len(build_tokenizer())
 SPEC = LoRASpec(rank=4, alpha=8.0)  # every linear layer: each projection's update runs
-
-
-@pytest.fixture
-def no_kernels(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The native kernels off (the compact decoder then runs torch's ops)."""
-    monkeypatch.setenv("MARLAAS_NATIVE_KERNELS", "0")
-    kernels._library.cache_clear()
-    yield
-    monkeypatch.delenv("MARLAAS_NATIVE_KERNELS")
-    kernels._library.cache_clear()
 
 
 def _model(arch: str, dtype: torch.dtype) -> tuple[LoRAModel, AdapterBank]:
@@ -105,7 +94,9 @@ def test_logits_and_cache_equal_the_modules_with_the_native_kernels(arch: str) -
 
 
 @pytest.mark.parametrize("arch", MODEL_TYPES)
-def test_logits_and_cache_equal_the_modules_with_torchs_ops(arch: str, no_kernels: Any) -> None:
+def test_logits_and_cache_equal_the_modules_with_torchs_ops(
+    arch: str, no_native_kernels: Any
+) -> None:
     model, bank = _model(arch, torch.float32)
     assert not kernels.native_kernels()
     _compare(_run(model, bank), _modules_path(model, bank), atol=1e-4)

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import pytest
 import torch
 from rollout_support import assert_same_completion
 
+from helpers.native import kernels_off
 from marlaas.model import kernels
 from marlaas.rollout import RolloutEngine
 from marlaas.types import Completion, RolloutRequest, SamplingParams
@@ -37,18 +37,13 @@ def _generate(make_engine: Callable[..., RolloutEngine]) -> list[Completion]:
 
 
 def test_completions_equal_with_and_without_the_native_kernel(
-    make_engine: Callable[..., RolloutEngine], monkeypatch: pytest.MonkeyPatch
+    make_engine: Callable[..., RolloutEngine],
 ) -> None:
     assert kernels.native_kernels()
     native = _generate(make_engine)
-    monkeypatch.setenv("MARLAAS_NATIVE_KERNELS", "0")
-    kernels._library.cache_clear()
-    try:
+    with kernels_off():
         assert not kernels.native_kernels()
         plain = _generate(make_engine)
-    finally:
-        monkeypatch.delenv("MARLAAS_NATIVE_KERNELS")
-        kernels._library.cache_clear()
     assert len(native) == len(plain) == 10
     for got, want in zip(native, plain, strict=True):
         assert_same_completion(got, want)

@@ -69,21 +69,15 @@ def test_other_architectures_keep_the_modules(arch: str) -> None:
 
 
 def test_repeated_key_value_heads_give_the_same_gradients(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, no_native_kernels: None
 ) -> None:
     """Without the native kernels and with SDPA taken not to group heads (as off the
     CPU), the key and value heads are repeated: the same gradients as the modules."""
-    monkeypatch.setenv("MARLAAS_NATIVE_KERNELS", "0")
-    kernels._library.cache_clear()
-    try:
-        monkeypatch.setattr(decoder, "sdpa_groups_heads", lambda device: False)
-        model = LoRAModel(tiny_model("qwen2", VOCAB), max_rank=16)
-        assert model.base.config.num_key_value_heads < model.base.config.num_attention_heads
-        got, got_loss = _gradients(model, modules=False, shared=True)
-        want, want_loss = _gradients(model, modules=True, shared=True)
-    finally:
-        monkeypatch.delenv("MARLAAS_NATIVE_KERNELS")
-        kernels._library.cache_clear()
+    monkeypatch.setattr(decoder, "sdpa_groups_heads", lambda device: False)
+    model = LoRAModel(tiny_model("qwen2", VOCAB), max_rank=16)
+    assert model.base.config.num_key_value_heads < model.base.config.num_attention_heads
+    got, got_loss = _gradients(model, modules=False, shared=True)
+    want, want_loss = _gradients(model, modules=True, shared=True)
     for name in TENANTS:
         assert got_loss[name] == pytest.approx(want_loss[name], rel=1e-5, abs=1e-6), name
         assert float((got[name] - want[name]).norm() / want[name].norm()) < 1e-5, name

@@ -65,22 +65,7 @@ def _forward(
     lse_QH = torch.empty((R * N, H), dtype=torch.float32) if lse else None
     scratch = torch.empty((H // int(key.shape[1])) * widest, dtype=torch.float32)
     kernel(
-        R,
-        N,
-        H,
-        int(key.shape[1]),
-        D,
-        query.data_ptr(),
-        query.stride(0),
-        query.stride(1),
-        query.stride(2),
-        key.data_ptr(),
-        value.data_ptr(),
-        key.stride(0),
-        key.stride(1),
-        key.stride(2),
-        start_Q.data_ptr(),
-        end_Q.data_ptr(),
+        *_layout(query, key, value, start_Q, end_Q),
         float(scale),
         float(softcap or 0.0),
         out.data_ptr(),
@@ -125,6 +110,24 @@ def span_attention_backward(
         key, value = key.contiguous(), value.contiguous()
     dq = torch.empty((R, N, H, D), dtype=torch.float32)
     kernel(
+        *_layout(query, key, value, start_Q, end_Q),
+        float(scale),
+        out.data_ptr(),
+        dout.data_ptr(),
+        lse_QH.data_ptr(),
+        dq.data_ptr(),
+        dk.data_ptr(),
+        dv.data_ptr(),
+    )
+    return dq, dk, dv
+
+
+def _layout(
+    query: Tensor, key: Tensor, value: Tensor, start_Q: Tensor, end_Q: Tensor
+) -> tuple[int, ...]:
+    """The kernels' leading arguments: the sizes, the tensors and their strides."""
+    R, H, N, D = query.shape
+    return (
         R,
         N,
         H,
@@ -141,15 +144,7 @@ def span_attention_backward(
         key.stride(2),
         start_Q.data_ptr(),
         end_Q.data_ptr(),
-        float(scale),
-        out.data_ptr(),
-        dout.data_ptr(),
-        lse_QH.data_ptr(),
-        dq.data_ptr(),
-        dk.data_ptr(),
-        dv.data_ptr(),
     )
-    return dq, dk, dv
 
 
 def span_applies(
