@@ -144,3 +144,13 @@ def test_span_attention_backward_without_the_kernels_gives_the_same_gradients(
         plain = torch.autograd.grad(out, (q, k, v), dout)
     for a, b in zip(native, plain, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_span_attention_steps_aside_on_torchs_path() -> None:
+    """Inside `kernels.torch_path()` the caller gets None (and keeps SDPA), not a kernel
+    that declines halfway."""
+    q, k = torch.randn(1, 3, 2, 16), torch.randn(1, 2, 3, 16)
+    spans = _spans([3], [0], 0, 3, None)
+    assert fused.span_attention(q, k, k, spans, 0.25) is not None
+    with kernels.torch_path():
+        assert fused.span_attention(q, k, k, spans, 0.25) is None

@@ -96,8 +96,7 @@ class AttentionPlan:
         column 0), and the widest span; made once per forward, on the host, for the
         native kernel."""
         if window not in self.spans:
-            if window not in self.windows:
-                self.mask(window)  # the same error for a window the plan was not built for
+            self._known(window)
             pos_Q = self.positions_RN.reshape(-1).to("cpu", torch.int64)
             end_Q = (pos_Q + 1).clamp_(min=1)  # a new, contiguous tensor
             start_Q = (
@@ -111,18 +110,21 @@ class AttentionPlan:
         the columns at or before its position, within the window; a padding query
         column 0 (finite and unused)."""
         if window not in self.masks:
-            if window not in self.windows:
-                raise ModelError(
-                    f"attention layer with sliding window {window} has no mask in this "
-                    f"plan (windows {sorted(map(str, self.windows))}); build the plan with "
-                    "the model's layer windows (marlaas.rollout.kv.kv_geometry)"
-                )
+            self._known(window)
             pos_RN1 = self.positions_RN.unsqueeze(-1)
             col_S = torch.arange(self.columns, device=pos_RN1.device)
             causal = col_S <= pos_RN1
             mask = causal if window is None else causal & (col_S > pos_RN1 - window)
             self.masks[window] = (mask | ((pos_RN1 < 0) & (col_S == 0))).unsqueeze(1)
         return self.masks[window]
+
+    def _known(self, window: int | None) -> None:
+        if window not in self.windows:
+            raise ModelError(
+                f"attention layer with sliding window {window} has no mask in this plan "
+                f"(windows {sorted(map(str, self.windows))}); build the plan with the model's "
+                "layer windows (marlaas.rollout.kv.kv_geometry)"
+            )
 
 
 def slot_attention(

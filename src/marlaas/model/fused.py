@@ -40,9 +40,13 @@ def rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         out = _Rotary.apply(x, cos, sin)
         assert isinstance(out, Tensor)
         return out
+    return x * cos.unsqueeze(-2) + rotate_half(x) * sin.unsqueeze(-2)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """Hugging Face's `rotate_half`: `[-x2, x1]` for the halves `x1, x2` of the features."""
     half = x.shape[-1] // 2
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -78,10 +82,8 @@ class _Rotary(torch.autograd.Function):
         cos, sin = ctx.saved_tensors
         dy = grads[0].contiguous()
         dx = kernels.rotary(dy, cos, sin, transpose=True)
-        if dx is None:  # the kernels were switched off since the forward
-            half = dy.shape[-1] // 2
-            ds = dy * sin.unsqueeze(-2)
-            dx = dy * cos.unsqueeze(-2) - torch.cat((-ds[..., half:], ds[..., :half]), dim=-1)
+        if dx is None:  # the kernels were switched off since the forward: the transpose
+            dx = dy * cos.unsqueeze(-2) - rotate_half(dy * sin.unsqueeze(-2))
         return dx, None, None
 
 
@@ -99,8 +101,9 @@ def span_attention(
     start_Q, end_Q, widest = spans
     if not (
         q_BTHD.is_contiguous()
-        and kernels.native_kernels("span_attention", "span_attention_backward")
-        and kernels.span_applies(q_BTHD.transpose(1, 2), k_BHKD, v_BHKD, start_Q, end_Q, widest)
+        and kernels.span_attention_trains(
+            q_BTHD.transpose(1, 2), k_BHKD, v_BHKD, start_Q, end_Q, widest
+        )
     ):
         return None
     out = _SpanAttention.apply(q_BTHD, k_BHKD, v_BHKD, start_Q, end_Q, widest, scale)
@@ -126,7 +129,7 @@ class _SpanAttention(torch.autograd.Function):
         assert result is not None  # `span_attention` checked the kernel applies
         out, lse = result
         ctx.save_for_backward(q_BTHD, k, v, out, lse, start_Q, end_Q)
-        ctx.scale = scale
+        ctx.widest, ctx.scale = widest, scale
         return out
 
     @staticmethod
@@ -134,7 +137,7 @@ class _SpanAttention(torch.autograd.Function):
         q, k, v, out, lse, start_Q, end_Q = ctx.saved_tensors
         dout = grads[0].contiguous()
         result = kernels.span_attention_backward(
-            q.transpose(1, 2), k, v, start_Q, end_Q, ctx.scale, out, dout, lse
+            q.transpose(1, 2), k, v, start_Q, end_Q, ctx.widest, ctx.scale, out, dout, lse
         )
         if result is None:  # the kernels were switched off since the forward
             result = _span_attention_grads(q, k, v, start_Q, end_Q, ctx.scale, dout)

@@ -11,8 +11,8 @@ The LoRA updates are the injected layers' own (`LoRAModel.add_lora`: the same la
 and native kernel), attention is `marlaas.model.attention.slot_attention` with the
 forward's plan, the rotary tables come from the model's own rotary module (every RoPE
 scaling it implements), and on the CPU in float32 the rotary embedding and the cache
-writes are one native call per layer (`marlaas.model.kernels.rope_store`; torch's ops
-elsewhere).
+writes are one native call per layer (`marlaas.model.kernels.rope_store`; elsewhere
+`marlaas.model.fused.rotary` and an indexed copy).
 
 Covered: the bases `DecoderStack.of` reads (Llama, Mistral, Qwen2, Qwen3 of their own
 Hugging Face classes); any other runs through the Hugging Face modules.
@@ -29,12 +29,12 @@ Invariants:
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from marlaas.model.attention import AttentionPlan, slot_attention
 from marlaas.model.decoder import DecoderStack, Norm
+from marlaas.model.fused import rotary
 from marlaas.model.kernels import add_rms_norm, rope_store
 from marlaas.model.lora import LoRAModel
 from marlaas.rollout.kv import SlotKV
@@ -86,9 +86,8 @@ class CompactDecoder:
             if not rope_store(
                 q_THD, k_THD, v_THD, cos_TD, sin_TD, keys, values, writes.row_T, writes.col_T
             ):
-                q_THD = rotated(q_THD, cos_TD.unsqueeze(1), sin_TD.unsqueeze(1))
-                k_THD = rotated(k_THD, cos_TD.unsqueeze(1), sin_TD.unsqueeze(1))
-                kv.store(i, writes, k_THD, v_THD)
+                q_THD = rotary(q_THD, cos_TD, sin_TD)
+                kv.store(i, writes, rotary(k_THD, cos_TD, sin_TD), v_THD)
             keys, values = kv.views(i, row0, R, plan.columns)
             out = slot_attention(
                 q_THD.view(R, N, H, D).transpose(1, 2),
@@ -119,10 +118,3 @@ def _after(norm: Norm, h_TE: Tensor, delta_TE: Tensor | None) -> tuple[Tensor, T
     if delta_TE is not None:
         h_TE = h_TE + delta_TE
     return h_TE, norm(h_TE)
-
-
-def rotated(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Hugging Face's rotary embedding, `x * cos + rotate_half(x) * sin` (`cos`/`sin`
-    broadcast over the heads)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin

@@ -54,16 +54,15 @@ class RowForward:
         of cache rows `row0 .. row0 + R`, attending to their first `columns` columns."""
         model, kv = self.model, self.kv
         plan = AttentionPlan.build(positions_RN, columns, kv.geometry.windows)
-        compact = self.decoder is not None and not torch_path_on()
+        decoder = None if torch_path_on() else self.decoder
         # Inference mode, not just no_grad: no version counters or view tracking, which a
         # forward of ~2,000 small ops pays for (in-process A/B on the embedded base,
         # median iteration: 1 row 6.42 vs 7.23 ms, 64 rows 12.8 vs 14.9, 256 rows 30.5 vs
         # 33.0). The cache buffers and the bank's slots are allocated outside it, so they
         # stay ordinary tensors that later in-place writes may update.
         with torch.inference_mode(), model.lanes(self.bank.slot_lanes(slot_R)):
-            if compact:
-                assert self.decoder is not None
-                return self.decoder.forward(kv, row0, ids_RN, positions_RN, plan, all_logits)
+            if decoder is not None:
+                return decoder.forward(kv, row0, ids_RN, positions_RN, plan, all_logits)
             # A 4-D mask is taken as given: Hugging Face builds no mask of its own (ours
             # is in the plan, one per window).
             out = model.base(

@@ -129,10 +129,8 @@ class SlotKV:
         #: Every layer's keys and values in one buffer `[layers, 2, rows, H, columns, D]`
         #: (a row's whole cache moves, leaves and returns in one op); `keys[l]` and
         #: `values[l]` are its `[rows, H, columns, D]` views.
-        self.buffer: Tensor | None = None
-        self.keys: list[Tensor] = []
-        self.values: list[Tensor] = []
-        self._alloc(0, 0)
+        self.buffer = self._zeros(0, 0)
+        self.keys, self.values = self._views_of(self.buffer)
 
     @property
     def rows(self) -> int:
@@ -143,22 +141,28 @@ class SlotKV:
         """Columns a row may fill (the last one is the scratch column)."""
         return max(int(self.keys[0].shape[2]) - 1, 0)
 
-    def _alloc(self, rows: int, columns: int) -> None:
-        g = self.geometry
-        old = self.buffer
+    def _zeros(self, rows: int, columns: int) -> Tensor:
         # Zeros, not empty: masked columns are multiplied by probability 0, and 0 * NaN
         # (uninitialised memory) would still be NaN.
-        self.buffer = torch.zeros(
+        g = self.geometry
+        return torch.zeros(
             (g.num_layers, 2, rows, g.kv_heads, columns, g.head_dim),
             dtype=self.dtype,
             device=self.device,
         )
-        if old is not None and old.numel():
-            # Everything but the old scratch column, which becomes an ordinary one.
-            r, c = min(rows, old.shape[2]), min(columns, old.shape[4]) - 1
+
+    @staticmethod
+    def _views_of(buffer: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+        return list(buffer[:, 0].unbind(0)), list(buffer[:, 1].unbind(0))
+
+    def _alloc(self, rows: int, columns: int) -> None:
+        """New buffers of `rows` x `columns`, holding what the old ones held (all but the
+        old scratch column, which becomes an ordinary one)."""
+        old, self.buffer = self.buffer, self._zeros(rows, columns)
+        r, c = min(rows, old.shape[2]), min(columns, old.shape[4]) - 1
+        if r > 0 and c > 0:
             self.buffer[:, :, :r, :, :c].copy_(old[:, :, :r, :, :c])
-        self.keys = list(self.buffer[:, 0].unbind(0))
-        self.values = list(self.buffer[:, 1].unbind(0))
+        self.keys, self.values = self._views_of(self.buffer)
 
     def reserve(self, rows: int, columns: int) -> None:
         """Make room for `rows` rows of `columns` valid columns each (grows geometrically)."""
@@ -179,8 +183,8 @@ class SlotKV:
     def release(self) -> None:
         """Free the buffers (the batch is empty); the next `reserve` allocates again."""
         if self.rows:
-            self.buffer, self.keys, self.values = None, [], []
-            self._alloc(0, 0)
+            self.buffer = self._zeros(0, 0)
+            self.keys, self.values = self._views_of(self.buffer)
 
     def writes(self, row0: int, positions_RN: Tensor) -> SlotWrites:
         """Where the new tokens of a forward over rows `row0 ..` at `positions_RN` (-1:
@@ -220,7 +224,7 @@ class SlotKV:
     def move_rows(self, dst: Sequence[int], src: Sequence[int], columns: int) -> None:
         """Copy rows `src` into rows `dst` (their first `columns` columns), all at once:
         the sources are read before any destination is written."""
-        if not dst or self.buffer is None:
+        if not dst:
             return
         d = torch.tensor(list(dst), dtype=torch.long, device=self.device)
         s = torch.tensor(list(src), dtype=torch.long, device=self.device)
@@ -229,12 +233,10 @@ class SlotKV:
 
     def export_row(self, b: int, length: int) -> RowKV:
         """A contiguous copy of row `b`'s first `length` entries (to keep after it leaves)."""
-        assert self.buffer is not None
         return self.buffer[:, :, b, :, :length].clone()
 
     def import_row(self, b: int, kv: RowKV) -> int:
         """Write a kept cache into row `b`'s first columns; its length."""
-        assert self.buffer is not None
         n = int(kv.shape[3])
         self.buffer[:, :, b, :, :n].copy_(kv)
         return n

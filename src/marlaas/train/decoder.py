@@ -128,7 +128,6 @@ class _Masks:
     def __init__(self, key_mask_BK: Tensor, past: int, new: int) -> None:
         self.key_mask_BK = key_mask_BK
         device = key_mask_BK.device
-        self.past, self.new = past, new
         self.key_K = torch.arange(past + new, device=device)
         self.query_T = torch.arange(new, device=device) + past
         self.masks: dict[int | None, Tensor] = {}

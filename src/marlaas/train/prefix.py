@@ -132,7 +132,6 @@ class SharedPrefix:
                 _, prefix = decoder.forward(
                     ids_GP, attn_GP, pos_GP, keep_cache=True, last_only=True
                 )
-                keys, values = [k for k, _ in prefix], [v for _, v in prefix]
             else:
                 out = model.base(
                     input_ids=ids_GP,
@@ -142,21 +141,19 @@ class SharedPrefix:
                     use_cache=True,
                     logits_to_keep=1,
                 )
-                keys, values = cache_tensors(out.past_key_values)
+                prefix = list(zip(*cache_tensors(out.past_key_values), strict=True))
         group_B = self.group_B.to(dev)
-        keys = [_RowGather.apply(k, group_B) for k in keys]
-        values = [_RowGather.apply(v, group_B) for v in values]
+        past = [(_RowGather.apply(k, group_B), _RowGather.apply(v, group_B)) for k, v in prefix]
         attn_BPS = torch.cat([attn_GP[group_B], self.valid_BS.long().to(dev)], 1)
         pos_BS = self.start_B.to(dev)[:, None] + torch.arange(self.length, device=dev)
         with model.lanes(lanes):
             if decoder is not None:
-                past = list(zip(keys, values, strict=True))
                 return decoder.forward(ids_BS, attn_BPS, pos_BS, past=past)[0]
             logits: Tensor = model.base(
                 input_ids=ids_BS,
                 attention_mask=attn_BPS,
                 position_ids=pos_BS,
-                past_key_values=wrap_cache(keys, values),
+                past_key_values=wrap_cache([k for k, _ in past], [v for _, v in past]),
                 use_cache=True,
             ).logits
             return logits

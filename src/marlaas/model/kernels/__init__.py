@@ -38,10 +38,10 @@ None too. The kernel runs in the calling thread (one core, as the engine's defau
 """
 
 from marlaas.model.kernels.attention import (
-    span_applies,
     span_attention,
     span_attention_backward,
     span_attention_lse,
+    span_attention_trains,
 )
 from marlaas.model.kernels.build import _library, native_kernels, torch_path, torch_path_on
 from marlaas.model.kernels.decoder import add_rms_norm, rope_store
@@ -63,10 +63,10 @@ __all__ = [
     "rope_store",
     "rotary",
     "rotary_applies",
-    "span_applies",
     "span_attention",
     "span_attention_backward",
     "span_attention_lse",
+    "span_attention_trains",
     "swiglu",
     "swiglu_applies",
     "swiglu_backward",

@@ -59,7 +59,7 @@ def _forward(
 ) -> tuple[Tensor, Tensor | None] | None:
     kernel = load("span_attention")
     R, H, N, D = query.shape
-    if kernel is None or not span_applies(query, key, value, start_Q, end_Q, widest):
+    if kernel is None or not _takes(query, key, value, start_Q, end_Q, widest):
         return None
     out = torch.empty((R, N, H, D), dtype=torch.float32)
     lse_QH = torch.empty((R * N, H), dtype=torch.float32) if lse else None
@@ -75,12 +75,25 @@ def _forward(
     return out, lse_QH
 
 
+def span_attention_trains(
+    query: Tensor, key: Tensor, value: Tensor, start_Q: Tensor, end_Q: Tensor, widest: int
+) -> bool:
+    """Whether `span_attention_lse` and `span_attention_backward` both take these
+    tensors: built, not switched off (`torch_path`), and of their layouts."""
+    return (
+        load("span_attention") is not None
+        and load("span_attention_backward") is not None
+        and _takes(query, key, value, start_Q, end_Q, widest)
+    )
+
+
 def span_attention_backward(
     query: Tensor,
     key: Tensor,
     value: Tensor,
     start_Q: Tensor,
     end_Q: Tensor,
+    widest: int,
     scale: float,
     out: Tensor,
     dout: Tensor,
@@ -88,13 +101,13 @@ def span_attention_backward(
 ) -> tuple[Tensor, Tensor, Tensor] | None:
     """The gradients `(dq [R, N, H, D], dk, dv [R, Hkv, S, D] contiguous)` of
     `span_attention_lse`'s output `out [R, N, H, D]` given its gradient `dout` (same
-    shape, contiguous) and `lse_QH`; None where the kernel does not apply."""
+    shape, contiguous) and `lse_QH`, over the forward's spans (`widest` theirs); None
+    where the kernel does not apply."""
     kernel = load("span_attention_backward")
     R, H, N, D = query.shape
-    widest = int((end_Q - start_Q).max()) if start_Q.numel() else 0
     if (
         kernel is None
-        or not span_applies(query, key, value, start_Q, end_Q, widest)
+        or not _takes(query, key, value, start_Q, end_Q, widest)
         or not all(t.is_cpu and t.dtype == torch.float32 for t in (out, dout, lse_QH))
         or not (out.is_contiguous() and dout.is_contiguous() and lse_QH.is_contiguous())
         or tuple(out.shape) != (R, N, H, D)
@@ -147,11 +160,10 @@ def _layout(
     )
 
 
-def span_applies(
+def _takes(
     query: Tensor, key: Tensor, value: Tensor, start_Q: Tensor, end_Q: Tensor, widest: int
 ) -> bool:
-    """Whether the span kernels take these tensors (see `span_attention`); that they are
-    built is the caller's question (`native_kernels`)."""
+    """Whether the span kernels take these tensors (see `span_attention`)."""
     R, H, N, _ = query.shape
     Hkv = int(key.shape[1])
     return not (

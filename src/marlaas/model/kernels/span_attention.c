@@ -157,17 +157,25 @@ static inline __attribute__((always_inline)) void attend(
 
 /* The head size D and the group size G as compile-time constants for the common shapes:
  * the inner loops unroll into a few vector instructions and the group's accumulators
- * stay in registers. */
+ * stay in registers. `SPECIALISED(CALL)` expands `CALL(D, G)` once per common shape and
+ * once with the runtime values (the forward and the backward dispatch alike). */
+#define BY_GROUP(CALL, DIM)                    \
+    switch (G) {                               \
+        case 1: CALL(DIM, 1); break;           \
+        case 2: CALL(DIM, 2); break;           \
+        case 4: CALL(DIM, 4); break;           \
+        case 8: CALL(DIM, 8); break;           \
+        default: CALL(DIM, G);                 \
+    }
+#define SPECIALISED(CALL)                      \
+    switch (D) {                               \
+        case 32: BY_GROUP(CALL, 32); break;    \
+        case 64: BY_GROUP(CALL, 64); break;    \
+        case 128: BY_GROUP(CALL, 128); break;  \
+        default: CALL(D, G);                   \
+    }
 #define ATTEND(DIM, GROUP) attend(R, N, H, Hkv, DIM, GROUP, q, q_sr, q_sh, q_sn, k, v, kv_sr, \
                                   kv_sh, kv_ss, start, end, scale, softcap, out, lse, scratch)
-#define ATTEND_GROUPS(DIM)                     \
-    switch (G) {                               \
-        case 1: ATTEND(DIM, 1); break;         \
-        case 2: ATTEND(DIM, 2); break;         \
-        case 4: ATTEND(DIM, 4); break;         \
-        case 8: ATTEND(DIM, 8); break;         \
-        default: ATTEND(DIM, G);               \
-    }
 
 void span_attention_f32(int64_t R, int64_t N, int64_t H, int64_t Hkv, int64_t D,
                           const float *q, int64_t q_sr, int64_t q_sh, int64_t q_sn,
@@ -176,12 +184,7 @@ void span_attention_f32(int64_t R, int64_t N, int64_t H, int64_t Hkv, int64_t D,
                           const int64_t *start, const int64_t *end,
                           float scale, float softcap, float *out, float *lse, float *scratch) {
     const int64_t G = H / Hkv;
-    switch (D) {
-        case 32: ATTEND_GROUPS(32); break;
-        case 64: ATTEND_GROUPS(64); break;
-        case 128: ATTEND_GROUPS(128); break;
-        default: ATTEND(D, G);
-    }
+    SPECIALISED(ATTEND)
 }
 
 /* The backward of `span_attention_f32` (the trainer's attention): given the forward's
@@ -269,13 +272,6 @@ static inline __attribute__((always_inline)) void attend_backward(
 #define BACKWARD(DIM, GROUP) attend_backward(R, N, H, Hkv, DIM, GROUP, q, q_sr, q_sh, q_sn, k, v, \
                                              kv_sr, kv_sh, kv_ss, start, end, scale, out, dout, \
                                              lse, dq, dk, dv)
-#define BACKWARD_GROUPS(DIM)                   \
-    switch (G) {                               \
-        case 1: BACKWARD(DIM, 1); break;       \
-        case 2: BACKWARD(DIM, 2); break;       \
-        case 4: BACKWARD(DIM, 4); break;       \
-        default: BACKWARD(DIM, G);             \
-    }
 
 void span_attention_backward_f32(int64_t R, int64_t N, int64_t H, int64_t Hkv, int64_t D,
                                  const float *q, int64_t q_sr, int64_t q_sh, int64_t q_sn,
@@ -285,10 +281,5 @@ void span_attention_backward_f32(int64_t R, int64_t N, int64_t H, int64_t Hkv, i
                                  const float *out, const float *dout, const float *lse,
                                  float *dq, float *dk, float *dv) {
     const int64_t G = H / Hkv;
-    switch (D) {
-        case 32: BACKWARD_GROUPS(32); break;
-        case 64: BACKWARD_GROUPS(64); break;
-        case 128: BACKWARD_GROUPS(128); break;
-        default: BACKWARD(D, G);
-    }
+    SPECIALISED(BACKWARD)
 }
