@@ -144,7 +144,7 @@ def sandbox(
     json_out: Path = typer.Option(Path("bench-sandbox.json"), "--json", help="Result file."),
     calls: int = typer.Option(20, min=1, help="Calls per backend."),
 ) -> None:
-    """Overhead of one sandboxed Python call, bubblewrap vs the rlimit fallback."""
+    """Overhead of one sandboxed Python call: bubblewrap warm and cold, the rlimit fallback."""
     from rich.console import Console
     from rich.table import Table
 
@@ -152,17 +152,19 @@ def sandbox(
 
     result = run_sandbox_bench(calls, json_out)
     table = Table(title="sandbox overhead per call (print(1))")
-    for col in ("backend", "mean ms", "median ms", "min ms", "concurrent calls/s"):
+    columns = ("backend", "mean ms", "median ms", "min ms", "machine CPU ms", "concurrent calls/s")
+    for col in columns:
         table.add_column(col)
     for row in result["rows"]:
         if not row["available"]:
-            table.add_row(row["backend"], "unavailable", "", "", row["reason"][:40])
+            table.add_row(row["backend"], "unavailable", "", "", "", row["reason"][:40])
             continue
         table.add_row(
             row["backend"],
             f"{row['mean_ms']:.1f}",
             f"{row['median_ms']:.1f}",
             f"{row['min_ms']:.1f}",
+            f"{row['machine_cpu_ms']:.1f}",
             f"{row['concurrent_calls_per_s']:.0f}",
         )
     Console().print(table)
