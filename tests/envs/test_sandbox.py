@@ -560,5 +560,7 @@ def test_the_sandbox_bench_measures_each_backend_side_by_side(tmp_path: Path) ->
     result = run_sandbox_bench(calls=3, json_path=tmp_path / "sandbox.json")
     rows = {row["backend"]: row for row in result["rows"]}
     assert list(rows) == ["bwrap", "bwrap cold", "rlimit"]
-    assert all(row["available"] and row["machine_cpu_ms"] > 0 for row in rows.values())
+    # /proc/stat counts in ticks of 10 ms: three warm calls may fit in none
+    assert all(row["available"] and row["mean_ms"] > 0 for row in rows.values())
+    assert all(row["machine_cpu_ms"] >= 0 for row in rows.values())
     assert (tmp_path / "sandbox.json").exists()

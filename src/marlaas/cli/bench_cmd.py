@@ -142,7 +142,9 @@ def trainer(
 @app.command("sandbox")
 def sandbox(
     json_out: Path = typer.Option(Path("bench-sandbox.json"), "--json", help="Result file."),
-    calls: int = typer.Option(20, min=1, help="Calls per backend."),
+    calls: int = typer.Option(
+        100, min=1, help="Calls per backend (the machine's CPU is counted in 10 ms ticks)."
+    ),
 ) -> None:
     """Overhead of one sandboxed Python call: bubblewrap warm and cold, the rlimit fallback."""
     from rich.console import Console

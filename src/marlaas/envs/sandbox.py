@@ -545,7 +545,7 @@ class _Pool:
         self.started = 0
         self.pid = os.getpid()
         self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
-        self._finalizer = weakref.finalize(self, _Pool._stop_all, self.idle)
+        self._finalizer = weakref.finalize(self, _Pool._stop_all, self.idle, self.pid)
 
     async def run(
         self, code_fd: int, stdin_fd: int, code_len: int, limits: SandboxLimits
@@ -583,6 +583,8 @@ class _Pool:
 
     async def _acquire(self) -> _Worker:
         if os.getpid() != self.pid:  # forked: the workers are the parent's
+            for worker in self.idle:
+                worker.sock.close()  # this process's copy only
             self.idle.clear()
             self.live, self.pid = 0, os.getpid()
         while True:
@@ -638,10 +640,14 @@ class _Pool:
 
     def close(self) -> None:
         self.live -= len(self.idle)
-        _Pool._stop_all(self.idle)
+        _Pool._stop_all(self.idle, self.pid)
 
     @staticmethod
-    def _stop_all(idle: list[_Worker]) -> None:
+    def _stop_all(idle: list[_Worker], owner: int) -> None:
+        """Stop the idle workers, in the process that started them (a forked copy of the
+        list, at its exit, must not stop the parent's)."""
+        if os.getpid() != owner:
+            return
         while idle:
             idle.pop().retire()
 
