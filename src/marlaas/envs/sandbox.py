@@ -78,32 +78,20 @@ user it counts all processes and threads of that user. For trusted code and test
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import dataclasses
 import functools
 import json
 import logging
-import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
-import time
-import weakref
-from collections.abc import Awaitable, Callable
-from typing import Any, Literal
+from typing import Literal
 
-from marlaas.envs.sandbox_child import (
-    MiB,
-    base_python,
-    bootstrap_args,
-    bwrap_argv,
-    child_env,
-    worker_argv,
-)
+from marlaas.envs.sandbox_call import SandboxLimits, SandboxResult, collect, kill_group, result
+from marlaas.envs.sandbox_child import base_python, bootstrap_args, bwrap_argv, child_env
+from marlaas.envs.sandbox_warm import CallSetupError, WorkerPool, default_workers
 from marlaas.errors import ConfigError, SandboxError
 
 __all__ = ["Sandbox", "SandboxLimits", "SandboxResult", "default_sandbox"]
@@ -113,51 +101,6 @@ _log = logging.getLogger(__name__)
 Backend = Literal["bwrap", "rlimit"]
 
 _INSTALL_HINT = "install it with `apt-get install bubblewrap`"
-#: How long the output pipes may drain once the child is gone.
-_DRAIN_S = 1.0
-#: How long a warm worker may take to start.
-_WORKER_START_S = 30.0
-
-
-def default_workers() -> int:
-    """Warm workers a sandbox runs at most by default: twice the cores, at least 4 (calls
-    are mostly short and CPU-bound; more would only contend for the cores)."""
-    return max(4, 2 * (os.cpu_count() or 1))
-
-
-@dataclasses.dataclass(frozen=True)
-class SandboxLimits:
-    """Resource limits of one call; every value must be positive."""
-
-    cpu_seconds: float = 2.0
-    wall_seconds: float = 5.0
-    memory_bytes: int = 512 * MiB
-    max_processes: int = 32
-    file_size_bytes: int = 1 * MiB
-    output_bytes: int = 64 * 1024
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if not value > 0:
-                raise ConfigError(f"SandboxLimits.{f.name} must be positive, got {value!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class SandboxResult:
-    """What one run did. `returncode` is the exit status, -N after death by signal N, or
-    None when the sandbox killed the program at a limit (timeout, output)."""
-
-    ok: bool
-    returncode: int | None
-    stdout: str
-    stderr: str
-    timed_out: bool
-    truncated: bool
-    #: "timeout", "output limit", "killed by signal ...", "exit code N", "sandbox worker
-    #: died" (the program killed its warm worker); None when ok.
-    reason: str | None
-    wall_s: float
 
 
 class Sandbox:
@@ -188,7 +131,7 @@ class Sandbox:
         size = workers if workers is not None else default_workers()
         if size < 1:
             raise ConfigError(f"Sandbox(workers=...) must be at least 1, got {size}")
-        self._pool = _Pool(size) if warm and backend == "bwrap" else None
+        self._pool = WorkerPool(size) if warm and backend == "bwrap" else None
 
     @property
     def backend_name(self) -> Backend:
@@ -217,7 +160,7 @@ class Sandbox:
             if self._pool is not None:
                 try:
                     return await self._pool.run(code_fd, stdin_fd, len(source), limits)
-                except _CallSetupError as exc:  # e.g. no nested user namespaces here
+                except CallSetupError as exc:  # e.g. no nested user namespaces here
                     _log.warning("sandbox: warm workers unavailable (%s); every call starts "
                                  "its own bubblewrap from now on", exc)  # fmt: skip
                     self._pool.close()
@@ -306,100 +249,12 @@ def _auto_backend() -> Backend:
     return "rlimit"
 
 
-class _Capture(asyncio.Protocol):
-    """Keeps the first `cap` bytes read from a pipe; one byte more sets `overflow`."""
-
-    def __init__(self, cap: int, overflow: asyncio.Event) -> None:
-        self.data = bytearray()
-        self.cap = cap
-        self.overflow = overflow
-        self.closed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-    def factory(self) -> _Capture:
-        return self
-
-    def data_received(self, data: bytes) -> None:
-        room = max(0, self.cap - len(self.data))
-        self.data += data[:room]
-        if len(data) > room:
-            self.overflow.set()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if not self.closed.done():
-            self.closed.set_result(None)
-
-
-class _CallSetupError(SandboxError):
-    """A warm worker's child could not isolate a call (nothing of the program ran)."""
-
-
-class _Call:
-    """One started call, as `_collect` drives it: `wait()` returns when the program has
-    exited; `stop()` kills whatever the call started (idempotent); `sweep_on_exit` says
-    whether that is needed after a normal exit too."""
+class _Process:
+    """A call that is a process of its own (the rlimit backend, a one-off bwrap), a
+    `sandbox_call.Call`: stopped by killing its process group (bwrap's: that ends its pid
+    namespace), after a normal exit too (what the program left)."""
 
     sweep_on_exit = True
-
-    async def wait(self) -> None:
-        raise NotImplementedError
-
-    def stop(self) -> None:
-        raise NotImplementedError
-
-
-async def _collect(
-    limits: SandboxLimits, launch: Callable[[int, int], Awaitable[_Call]]
-) -> tuple[_Call, bytearray, bytearray, bool, bool, float]:
-    """Start a call with `launch(stdout_w, stderr_w)` and wait for it under the wall limit
-    and the output cap; returns the call, its stdout and stderr, whether it was killed
-    (limit or cap), whether the output overflowed, and the wall time. The pipes are ours,
-    not asyncio's: in Python 3.11 `Process.wait()` also waits for its pipes, which a
-    writer left behind (or a full pipe) would hold open."""
-    loop = asyncio.get_running_loop()
-    overflow = asyncio.Event()
-    out, err = _Capture(limits.output_bytes, overflow), _Capture(limits.output_bytes, overflow)
-    start = time.monotonic()
-    (out_r, out_w), (err_r, err_w) = os.pipe(), os.pipe()
-    readers = [open(out_r, "rb", buffering=0), open(err_r, "rb", buffering=0)]  # noqa: SIM115
-    transports: list[asyncio.BaseTransport] = []
-    waiters: list[asyncio.Future[Any]] = []
-    try:
-        try:
-            call = await launch(out_w, err_w)
-        finally:
-            os.close(out_w)  # the child holds the write ends now; EOF comes when it is gone
-            os.close(err_w)
-        settled = False  # stopped, or ended without needing it
-        try:
-            for reader, capture in zip(readers, (out, err), strict=True):
-                transports.append((await loop.connect_read_pipe(capture.factory, reader))[0])
-            exited = asyncio.ensure_future(call.wait())
-            waiters = [exited, asyncio.ensure_future(overflow.wait())]
-            done, _ = await asyncio.wait(
-                waiters, timeout=limits.wall_seconds, return_when=asyncio.FIRST_COMPLETED
-            )
-            killed = exited not in done
-            if killed or call.sweep_on_exit:  # after a normal exit: what the program left
-                call.stop()
-            settled = True
-            await exited
-            await asyncio.wait([out.closed, err.closed], timeout=_DRAIN_S)
-        finally:
-            if not settled:
-                call.stop()
-    finally:
-        for waiter in waiters:
-            waiter.cancel()
-        for transport in transports:
-            transport.close()
-        for reader in readers:
-            reader.close()
-    return call, out.data, err.data, killed, overflow.is_set(), time.monotonic() - start
-
-
-class _Process(_Call):
-    """A call that is a process of its own (the rlimit backend, a one-off bwrap): stopped
-    by killing its process group (bwrap's: that ends its pid namespace)."""
 
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         self.proc = proc
@@ -408,7 +263,7 @@ class _Process(_Call):
         await self.proc.wait()
 
     def stop(self) -> None:
-        _kill_group(self.proc.pid)
+        kill_group(self.proc.pid)
 
 
 async def _execute(
@@ -424,7 +279,7 @@ async def _execute(
     """Run `argv` in a new session with bounded output and the wall limit, then kill its
     process group; `status_fd` is bwrap's status pipe when bwrap runs the program."""
 
-    async def launch(out_w: int, err_w: int) -> _Call:
+    async def launch(out_w: int, err_w: int) -> _Process:
         try:
             proc = await asyncio.create_subprocess_exec(
                 *argv,
@@ -440,226 +295,14 @@ async def _execute(
             raise SandboxError(f"could not start the sandbox ({argv[0]}): {exc}") from exc
         return _Process(proc)
 
-    call, out, err, killed, overflow, wall_s = await _collect(limits, launch)
-    assert isinstance(call, _Process)
-    rc = None if killed else call.proc.returncode
-    if status_fd is not None and not killed:
+    call, output = await collect(limits, launch)
+    rc = None if output.killed else call.proc.returncode
+    if status_fd is not None and not output.killed:
         if (code := _exit_code(status_fd)) is None:  # bwrap failed before the program ran
-            detail = bytes(err).decode(errors="replace").strip()
+            detail = bytes(output.stderr).decode(errors="replace").strip()
             raise SandboxError(f"bubblewrap could not set up the sandbox: {detail}")
         rc = 128 - code if 128 < code < 128 + signal.NSIG else code
-    return _result(rc, out, err, killed, overflow, wall_s)
-
-
-class _Worker(_Call):
-    """A warm worker (`sandbox_child.WORKER`) under its own bwrap, and the call it serves."""
-
-    sweep_on_exit = False  # the worker sweeps its pid namespace before it answers
-
-    def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
-        self.proc = proc
-        self.sock = sock
-        self.reply: dict[str, Any] | None = None
-
-    @staticmethod
-    async def start() -> _Worker:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            ours.setblocking(False)
-            try:
-                proc = subprocess.Popen(
-                    worker_argv(theirs.fileno()), stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd="/",
-                    env=child_env("/tmp"), pass_fds=(theirs.fileno(),), start_new_session=True,
-                )  # fmt: skip
-            except OSError as exc:
-                raise SandboxError(f"could not start the sandbox (bwrap): {exc}") from exc
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()
-        worker = _Worker(proc, ours)
-        try:
-            ready = await asyncio.wait_for(worker._line(), _WORKER_START_S)
-        except BaseException:
-            worker.retire()
-            raise
-        stderr = proc.stderr
-        if ready is None or not ready.get("ready"):
-            worker.retire()
-            detail = stderr.read().decode(errors="replace").strip() if stderr else ""
-            raise SandboxError(f"bubblewrap could not set up the sandbox: {detail[-2000:]}")
-        if stderr is not None:  # the worker's own stderr is /dev/null from here on
-            stderr.close()
-        return worker
-
-    async def _line(self) -> dict[str, Any] | None:
-        """The worker's next JSON line; None at EOF (the worker is gone)."""
-        loop, data = asyncio.get_running_loop(), b""
-        while not data.endswith(b"\n"):
-            chunk = await loop.sock_recv(self.sock, 4096)
-            if not chunk:
-                return None
-            data += chunk
-        return dict(json.loads(data))
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def send(self, fds: list[int], limits: SandboxLimits, tmp_size: int) -> None:
-        cpu = max(1, math.ceil(limits.cpu_seconds))
-        header = [cpu, limits.memory_bytes, limits.max_processes, limits.file_size_bytes, tmp_size]
-        socket.send_fds(self.sock, [json.dumps(header).encode()], fds)
-
-    async def wait(self) -> None:
-        self.reply = await self._line()
-
-    def stop(self) -> None:
-        """Kill the worker with everything it runs (its bwrap's pid namespace ends; a
-        pending `wait` then sees EOF)."""
-        _kill_group(self.proc.pid)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=1.0)  # SIGKILL: at once
-
-    def retire(self) -> None:
-        self.stop()
-        self.sock.close()
-
-
-class _SendFailed(SandboxError):
-    """A worker that looked alive could not take a call (it died meanwhile)."""
-
-
-class _Pool:
-    """A sandbox's warm workers: at most `size`, each serving one call at a time. A call
-    takes an idle worker, or starts one while there are fewer than `size`, or else waits
-    for one (outside its wall clock: a worker's call takes a few milliseconds, a worker's
-    start ~30 ms of CPU). Workers belong to the process that started them (a forked
-    process starts its own)."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self.idle: list[_Worker] = []
-        self.live = 0  # started and not retired: busy, idle or starting
-        self.started = 0
-        self.pid = os.getpid()
-        self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
-        self._finalizer = weakref.finalize(self, _Pool._stop_all, self.idle, self.pid)
-
-    async def run(
-        self, code_fd: int, stdin_fd: int, code_len: int, limits: SandboxLimits
-    ) -> SandboxResult:
-        tmp_size = code_len + 8 * limits.file_size_bytes + MiB
-        for attempt in range(2):  # an idle worker may have died meanwhile: then another
-            worker = await self._acquire()
-
-            async def launch(out_w: int, err_w: int, worker: _Worker = worker) -> _Call:
-                try:
-                    worker.send([code_fd, stdin_fd, out_w, err_w], limits, tmp_size)
-                except OSError as exc:
-                    raise _SendFailed(f"the worker could not take the call: {exc}") from exc
-                return worker
-
-            try:
-                _, out, err, killed, overflow, wall_s = await _collect(limits, launch)
-            except _SendFailed:
-                self._release(worker, healthy=False)
-                if attempt:
-                    raise
-                continue
-            except BaseException:  # cancelled: the worker was stopped
-                self._release(worker, healthy=False)
-                raise
-            break
-        reply = worker.reply
-        self._release(worker, healthy=not killed and reply is not None and "status" in reply)
-        if reply is not None and reply.get("setup"):
-            raise _CallSetupError(f"a warm worker could not set up the call: {reply['setup']}")
-        if reply is None and not killed:  # the program brought its worker down
-            return _result(None, out, err, killed, overflow, wall_s, "sandbox worker died")
-        rc = None if killed or reply is None else os.waitstatus_to_exitcode(reply["status"])
-        return _result(rc, out, err, killed, overflow, wall_s)
-
-    async def _acquire(self) -> _Worker:
-        if os.getpid() != self.pid:  # forked: the workers are the parent's
-            for worker in self.idle:
-                worker.sock.close()  # this process's copy only
-            self.idle.clear()
-            self.live, self.pid = 0, os.getpid()
-        while True:
-            while self.idle:
-                worker = self.idle.pop()
-                if worker.alive():
-                    return worker
-                self._retire(worker)
-            if self.live < self.size:
-                self.live += 1
-                try:
-                    worker = await _Worker.start()
-                except BaseException:
-                    self.live -= 1
-                    self._wake()
-                    raise
-                self.started += 1
-                return worker
-            waiter = asyncio.get_running_loop().create_future()
-            self.waiters.append(waiter)
-            try:
-                await waiter
-            except BaseException:
-                if waiter.done() and not waiter.cancelled():
-                    self._wake()  # woken, then cancelled: pass the turn on
-                else:
-                    with contextlib.suppress(ValueError):
-                        self.waiters.remove(waiter)
-                raise
-
-    def _release(self, worker: _Worker, *, healthy: bool) -> None:
-        if healthy and os.getpid() == self.pid:
-            self.idle.append(worker)
-        else:
-            self._retire(worker)
-        self._wake()
-
-    def _retire(self, worker: _Worker) -> None:
-        worker.retire()
-        self.live -= 1
-
-    def _wake(self) -> None:
-        """Let the longest-waiting call try again (on its own event loop)."""
-        while self.waiters:
-            waiter = self.waiters.popleft()
-            if waiter.done():
-                continue
-            try:
-                waiter.get_loop().call_soon_threadsafe(_wake_up, waiter)
-                return
-            except RuntimeError:  # its loop is closed
-                continue
-
-    def close(self) -> None:
-        self.live -= len(self.idle)
-        _Pool._stop_all(self.idle, self.pid)
-
-    @staticmethod
-    def _stop_all(idle: list[_Worker], owner: int) -> None:
-        """Stop the idle workers, in the process that started them (a forked copy of the
-        list, at its exit, must not stop the parent's)."""
-        if os.getpid() != owner:
-            return
-        while idle:
-            idle.pop().retire()
-
-
-def _wake_up(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
-
-
-def _kill_group(pgid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
+    return result(rc, output)
 
 
 def _exit_code(status_fd: int) -> int | None:
@@ -671,41 +314,3 @@ def _exit_code(status_fd: int) -> int | None:
             if b'"exit-code"' in line:
                 return int(json.loads(line)["exit-code"])
     return None
-
-
-def _result(
-    rc: int | None,
-    out: bytearray,
-    err: bytearray,
-    killed: bool,
-    truncated: bool,
-    wall_s: float,
-    failure: str | None = None,
-) -> SandboxResult:
-    timed_out = killed and not truncated
-    reason: str | None = failure
-    if reason is not None:
-        pass
-    elif truncated:
-        reason = "output limit"
-    elif timed_out:
-        reason = "timeout"
-    elif rc is not None and rc < 0:
-        reason = f"killed by signal {_signal_name(-rc)}"
-    elif rc != 0:
-        reason = f"exit code {rc}"
-    return SandboxResult(
-        ok=reason is None, returncode=rc, stdout=out.decode(errors="replace"),
-        stderr=err.decode(errors="replace"), timed_out=timed_out, truncated=truncated,
-        reason=reason, wall_s=wall_s,
-    )  # fmt: skip
-
-
-def _signal_name(signum: int) -> str:
-    """ "SIGXCPU (cpu limit)", "SIGKILL (memory or cpu limit?)", "SIGTERM", "signal 40"."""
-    try:
-        name = signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
-    hint = {"SIGXCPU": " (cpu limit)", "SIGKILL": " (memory or cpu limit?)"}.get(name, "")
-    return name + hint

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from marlaas.errors import SandboxError
 
 if TYPE_CHECKING:
-    from marlaas.envs.sandbox import SandboxLimits
+    from marlaas.envs.sandbox_call import SandboxLimits
 
 MiB = 1 << 20
 #: The unprivileged uid and gid the program runs as under bwrap.
@@ -234,7 +234,7 @@ except KeyboardInterrupt:  # printed by _RUN already; the interpreter exits by S
 # a forked worker): the threads it waits for, the atexit callbacks, the flushed streams.
 if "threading" in sys.modules:
     sys.modules["threading"]._shutdown()
-sys.modules["atexit"]._run_exitfuncs()
+atexit._run_exitfuncs()
 for stream in (sys.stdout, sys.stderr):
     try:
         stream.flush()
@@ -248,9 +248,15 @@ os._exit(status & 0xFF)
 """
 
 
-def bootstrap_args(limits: SandboxLimits, *, drop: bool, main: str) -> list[str]:
+def rlimit_values(limits: SandboxLimits) -> tuple[int, int, int, int]:
+    """What the child sets: CPU seconds (whole, at least 1), address space, processes,
+    file size."""
     cpu = max(1, math.ceil(limits.cpu_seconds))
-    numbers = (cpu, limits.memory_bytes, limits.max_processes, limits.file_size_bytes)
+    return cpu, limits.memory_bytes, limits.max_processes, limits.file_size_bytes
+
+
+def bootstrap_args(limits: SandboxLimits, *, drop: bool, main: str) -> list[str]:
+    numbers = rlimit_values(limits)
     return [*PYTHON_FLAGS, "-c", BOOTSTRAP, *map(str, numbers), str(int(drop)), main]
 
 
@@ -266,7 +272,7 @@ def base_python() -> str:
 def bwrap_argv(code_fd: int, status_fd: int, code_len: int, limits: SandboxLimits) -> list[str]:
     """The bwrap command line running the program in `code_fd` ("/tmp/main.py" inside)."""
     privileged = os.geteuid() == 0
-    tmp_size = code_len + 8 * limits.file_size_bytes + MiB
+    tmp_size = limits.tmp_bytes(code_len)
     argv = _bwrap(privileged, nested_users=False)
     argv += ["--json-status-fd", str(status_fd), "--perms", "1777", "--size", str(tmp_size),
              "--tmpfs", "/tmp", "--perms", "0444", "--file", str(code_fd), SANDBOX_MAIN,

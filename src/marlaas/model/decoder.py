@@ -28,7 +28,7 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import torch
 import torch.nn.functional as F
@@ -174,6 +174,22 @@ class DecoderStack:
     def logits(self, h: Tensor) -> Tensor:
         """The output head over the final norm of the residual stream `h`."""
         return F.linear(self.norm(h), self.head.weight, self.head.bias)
+
+
+class StackForward:
+    """A compact forward over a `DecoderStack`: the engine's
+    (`marlaas.rollout.decoder.CompactDecoder`) and the trainer's
+    (`marlaas.train.decoder.TrainDecoder`)."""
+
+    def __init__(self, stack: DecoderStack) -> None:
+        self.stack = stack
+
+    @classmethod
+    def of(cls, model: LoRAModel) -> Self | None:
+        """The compact forward of `model`'s base, or None where it does not reproduce
+        the base's own (`DecoderStack.of`)."""
+        stack = DecoderStack.of(model)
+        return None if stack is None else cls(stack)
 
 
 @dataclass(frozen=True)

@@ -33,25 +33,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from marlaas.model.attention import AttentionPlan, slot_attention
-from marlaas.model.decoder import DecoderStack, Norm
+from marlaas.model.decoder import Norm, StackForward
 from marlaas.model.fused import rotary
 from marlaas.model.kernels import add_rms_norm, rope_store
-from marlaas.model.lora import LoRAModel
 from marlaas.rollout.kv import SlotKV
 
 
-class CompactDecoder:
+class CompactDecoder(StackForward):
     """The engine's compact forward of one `LoRAModel`'s base (see the module doc)."""
-
-    def __init__(self, stack: DecoderStack) -> None:
-        self.stack = stack
-
-    @staticmethod
-    def of(model: LoRAModel) -> CompactDecoder | None:
-        """The compact forward of `model`'s base, or None where it does not reproduce
-        the base's own (`DecoderStack.of`)."""
-        stack = DecoderStack.of(model)
-        return None if stack is None else CompactDecoder(stack)
 
     def forward(
         self,

@@ -30,26 +30,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from marlaas.model.decoder import DecoderStack
+from marlaas.model.decoder import StackForward
 from marlaas.model.fused import rotary, span_attention, swiglu
-from marlaas.model.lora import LoRAModel
 
 #: Per layer: keys and values `[B, Hkv, columns, D]`.
 LayerCache = list[tuple[Tensor, Tensor]]
 
 
-class TrainDecoder:
+class TrainDecoder(StackForward):
     """The trainer's compact forward of one `LoRAModel`'s base (see the module doc)."""
-
-    def __init__(self, stack: DecoderStack) -> None:
-        self.stack = stack
-
-    @staticmethod
-    def of(model: LoRAModel) -> TrainDecoder | None:
-        """The compact forward of `model`'s base, or None where it does not reproduce
-        the base's own (`DecoderStack.of`)."""
-        stack = DecoderStack.of(model)
-        return None if stack is None else TrainDecoder(stack)
 
     def forward(
         self,
