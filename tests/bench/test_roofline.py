@@ -11,13 +11,16 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers.tiny_archs import WINDOW, tiny_config, tiny_model
 from marlaas.bench.cost import ModelCost
 from marlaas.bench.random_model import build_random_model
 from marlaas.bench.roofline import run_roofline_bench
+from marlaas.config.specs import ModelDType
 from marlaas.model.base import load_base
 from marlaas.model.lora import LoRAModel
+from marlaas.model.mixed import half_linears
 
 HIDDEN, INTER, LAYERS, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 64, 128, 2, 4, 2, 16, 258
 
@@ -41,13 +44,23 @@ def test_costs_follow_the_shapes_and_the_windows() -> None:
     n = 3 * WINDOW
     causal = per_context * (WINDOW * (WINDOW + 1) // 2 + (n - WINDOW) * WINDOW + n * (n + 1) // 2)
     assert gemma.causal_attention_flops(n) == causal
+    # Half linear weights over float32 activations: every matrix but the head's.
+    assert cost.half_weight_flops == 0.0
+    half_linears(model.base, torch.bfloat16)
+    half = ModelCost.of(model)
+    assert half.half_weight_flops == 2 * LAYERS * per_layer
+    assert half.half_flops(3) == 3 * half.half_weight_flops
+    assert half.kv_bytes == cost.kv_bytes  # the cache stays float32
 
 
-def test_every_row_is_scored_against_the_machine(tmp_path: Path) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_row_is_scored_against_the_machine(tmp_path: Path, dtype: ModelDType) -> None:
+    """In float32, and with bfloat16 linear weights over float32 activations, whose FLOPs
+    count at the machine's bfloat16 peak and the rest at its float32 one."""
     path = tmp_path / "model"
     (tmp_path / "config.json").write_text(json.dumps(tiny_config("qwen2", VOCAB).to_dict()))
     build_random_model(tmp_path / "config.json", path)
-    base, tokenizer = load_base(path)
+    base, tokenizer = load_base(path, dtype=dtype)
     model = LoRAModel(base, max_rank=8)
     out = tmp_path / "roofline.json"
     result = run_roofline_bench(
@@ -67,6 +80,9 @@ def test_every_row_is_scored_against_the_machine(tmp_path: Path) -> None:
     assert json.loads(out.read_text()) == result
     machine = result["machine"]
     assert machine["peak_flops"] >= machine["model_shape_flops"] > 0 and machine["bandwidth"] > 0
+    half_peak = machine["weights_flops"]
+    assert (half_peak > 0) == (dtype == "bfloat16")
+    assert machine["weights_dtype"] == (None if dtype == "float32" else dtype)
     kinds = [(r["kind"], r["rows"], r["adapters"]) for r in result["rows"]]
     assert kinds == [
         ("prefill", 16, 1),
@@ -78,7 +94,10 @@ def test_every_row_is_scored_against_the_machine(tmp_path: Path) -> None:
         ("train", 8, 2),
     ]
     for r in result["rows"]:
-        compute, memory = r["flops"] / machine["peak_flops"], r["bytes"] / machine["bandwidth"]
+        half = r["half_flops"]
+        assert (half > 0) == (dtype == "bfloat16") and half < r["flops"]
+        compute = (r["flops"] - half) / machine["peak_flops"] + (half / half_peak if half else 0)
+        memory = r["bytes"] / machine["bandwidth"]
         assert r["roofline_s"] == pytest.approx(max(compute, memory))
         assert r["efficiency"] == pytest.approx(r["roofline_s"] / r["seconds"])
         assert r["bound"] == ("compute" if compute >= memory else "memory")

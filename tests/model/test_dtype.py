@@ -1,5 +1,7 @@
 """The base's dtype: `auto` is the checkpoint's own on an accelerator and float32 on the
-CPU; an explicit dtype is used anywhere; LoRA slots stay float32."""
+CPU; an explicit dtype is the whole model's on an accelerator, and on the CPU a half
+dtype is the linear layers' weights only (`marlaas.model.mixed`: embeddings, norms, the
+head and the activations stay float32); LoRA slots stay float32."""
 
 from __future__ import annotations
 
@@ -8,13 +10,31 @@ from pathlib import Path
 import pytest
 import torch
 from arch_support import CONFIGS, char_tokenizer, save_model
-from transformers import AutoConfig
+from torch import nn
+from transformers import AutoConfig, PreTrainedModel
 
 from marlaas.config.specs import check_dtype, parse_target_modules
 from marlaas.errors import ConfigError
 from marlaas.model.bank import AdapterBank
 from marlaas.model.base import load_base, resolve_dtype
 from marlaas.model.lora import LoRAModel
+from marlaas.model.mixed import HalfLinear
+
+
+def _split_dtypes(base: PreTrainedModel) -> tuple[set[torch.dtype], set[torch.dtype]]:
+    """The dtypes of the linear layers' parameters (but the head's), and of the rest."""
+    head = base.get_output_embeddings()
+    linear = {
+        id(p)
+        for m in base.modules()
+        if isinstance(m, nn.Linear) and m is not head
+        for p in m.parameters()
+    }
+    params = list(base.parameters())
+    return (
+        {p.dtype for p in params if id(p) in linear},
+        {p.dtype for p in params if id(p) not in linear},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -36,14 +56,21 @@ def test_auto_is_the_checkpoints_dtype_on_an_accelerator(bf16_dir: Path) -> None
         check_dtype("half")
 
 
-def test_an_explicit_dtype_holds_on_the_cpu_and_slots_stay_float32(bf16_dir: Path) -> None:
+def test_a_half_dtype_on_the_cpu_is_the_linear_weights_and_slots_stay_float32(
+    bf16_dir: Path,
+) -> None:
     plain, _ = load_base(bf16_dir)
     assert {p.dtype for p in plain.parameters()} == {torch.float32}
+    assert not any(isinstance(m, HalfLinear) for m in plain.modules())
     base, _ = load_base(bf16_dir, dtype="bfloat16")
-    assert {p.dtype for p in base.parameters()} == {torch.bfloat16}
+    assert _split_dtypes(base) == ({torch.bfloat16}, {torch.float32})
+    assert type(base.get_output_embeddings()) is nn.Linear
+    assert sum(isinstance(m, HalfLinear) for m in base.modules()) == 7 * len(base.model.layers)
     model = LoRAModel(base, max_rank=4)
     bank = AdapterBank(model, num_slots=2)
-    assert model.dtype == torch.bfloat16 and bank.dtype == torch.float32
+    assert model.dtype == torch.float32 and bank.dtype == torch.float32
+    ids = torch.tensor([[1, 5, 9, 3]])
+    assert base(input_ids=ids).logits.dtype == torch.float32  # float32 activations
 
 
 def test_target_modules_on_the_command_line() -> None:
@@ -68,4 +95,4 @@ async def test_the_services_own_engine_loads_its_base_in_the_asked_dtype(
     engine = await open_engine(
         bf16_dir, max_rank=4, adapter_slots=2, device="cpu", dtype="bfloat16"
     )
-    assert {p.dtype for p in engine.model.base.parameters()} == {torch.bfloat16}
+    assert _split_dtypes(engine.model.base) == ({torch.bfloat16}, {torch.float32})

@@ -3,7 +3,8 @@ modules compute: the same logits and the same keys and values in the slot cache,
 every architecture it covers (grouped heads, sliding windows, biases, Qwen3's per-head
 norms), through prefill with left padding, a continued turn and decode steps, each row
 with its own adapter; with the native kernels and with torch's ops (what other devices
-run), in float32 and bfloat16. Architectures it does not cover are left to the modules."""
+run), in float32, bfloat16 and bfloat16 linear weights over float32 activations (a half
+dtype on the CPU). Architectures it does not cover are left to the modules."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from marlaas.model import kernels
 from marlaas.model.bank import AdapterBank
 from marlaas.model.decoder import MODEL_TYPES
 from marlaas.model.lora import LoRAModel
+from marlaas.model.mixed import half_linears
 from marlaas.model.tokenizer import build_tokenizer
 from marlaas.rollout.decoder import CompactDecoder
 from marlaas.rollout.forward import RowForward
@@ -125,3 +127,31 @@ def test_a_model_with_a_replaced_module_is_left_to_the_modules() -> None:
 
     mlp.__class__ = ScaledMLP
     assert CompactDecoder.of(LoRAModel(base, max_rank=4)) is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_half_linear_weights_give_the_modules_logits(arch: str) -> None:
+    """A half dtype on the CPU (`marlaas.model.mixed`: bfloat16 linear weights over
+    float32 activations): the compact decoder, the native kernels and the modules
+    multiply alike. Rounding an input to bfloat16 can turn a float32 ulp of difference
+    into a bfloat16 one, hence a wider tolerance than float32's."""
+    model, bank = _model(arch, torch.float32)
+    assert half_linears(model.base, torch.bfloat16) > 0
+    assert model.dtype == torch.float32 and CompactDecoder.of(model) is not None
+    _compare(_run(model, bank), _modules_path(model, bank), atol=2e-3)
+
+
+def test_half_linear_weights_are_closer_to_float32_than_a_bfloat16_model() -> None:
+    """What the float32 activations buy: the logits of bfloat16 linear weights over float32
+    activations stay nearer the float32 model's than those of the whole model in
+    bfloat16 (the same rounded weights, bfloat16 activations and cache)."""
+    want = _run(*_model("llama", torch.float32))[0]
+    mixed_model, mixed_bank = _model("llama", torch.float32)
+    half_linears(mixed_model.base, torch.bfloat16)
+    mixed = _run(mixed_model, mixed_bank)[0]
+    whole = _run(*_model("llama", torch.bfloat16))[0]
+
+    def error(got: list[Tensor]) -> float:
+        return max(float((a.float() - b).abs().max()) for a, b in zip(got, want, strict=True))
+
+    assert error(mixed) < error(whole) / 2

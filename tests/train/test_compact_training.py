@@ -8,6 +8,7 @@ modules."""
 from __future__ import annotations
 
 import pytest
+import torch
 from test_shared_prefix import _data
 from test_trainer import TENANTS, _register
 from torch import Tensor
@@ -19,6 +20,7 @@ from helpers.tiny_archs import ARCHS, tiny_model
 from marlaas.model import kernels
 from marlaas.model.decoder import MODEL_TYPES
 from marlaas.model.lora import LoRAModel
+from marlaas.model.mixed import half_linears
 from marlaas.train.decoder import TrainDecoder
 from marlaas.train.grpo import GRPOTrainer
 
@@ -61,6 +63,21 @@ def test_gradients_and_losses_equal_the_modules(
         assert got_loss[name] == pytest.approx(want_loss[name], rel=1e-5, abs=1e-6), name
         rel = float((got[name] - want[name]).norm() / want[name].norm())
         assert rel < 1e-5, (name, rel)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_half_linear_weights_train_like_the_modules(arch: str) -> None:
+    """bfloat16 linear weights over float32 activations (a half dtype on the CPU): the
+    compact forward and its backward multiply as the modules do (`marlaas.model.mixed`);
+    a float32 ulp of difference may round to a bfloat16 one, hence the tolerance."""
+    model = LoRAModel(tiny_model(arch, VOCAB), max_rank=16)
+    assert half_linears(model.base, torch.bfloat16) > 0
+    got, got_loss = _gradients(model, modules=False, shared=True)
+    want, want_loss = _gradients(model, modules=True, shared=True)
+    for name in TENANTS:
+        assert got_loss[name] == pytest.approx(want_loss[name], rel=1e-4, abs=1e-4), name
+        rel = float((got[name] - want[name]).norm() / want[name].norm())
+        assert rel < 5e-3, (name, rel)
 
 
 @pytest.mark.parametrize("arch", [a for a in ARCHS if a not in MODEL_TYPES])

@@ -35,6 +35,9 @@ class ModelCost:
 
     #: FLOPs of the weight matrices for one token (decoder layers and output head).
     weight_flops: float
+    #: The part of `weight_flops` whose weights are of another dtype than the
+    #: activations (half linear layers on the CPU, `marlaas.model.mixed`); else 0.
+    half_weight_flops: float
     #: Bytes of those weights in the model's dtype (read once per forward).
     weight_bytes: float
     #: Attention FLOPs per token per context token, in one attention layer.
@@ -57,12 +60,16 @@ class ModelCost:
         layers = int(config.num_hidden_layers)
         elem = next(model.base.parameters()).element_size()
         weight_flops = 0.0
+        half_weight_flops = 0.0
         weight_bytes = 0.0
         for matrix in weight_matrices(model.base):
             weight_flops += 2.0 * matrix.numel()
+            if matrix.dtype != model.dtype:
+                half_weight_flops += 2.0 * matrix.numel()
             weight_bytes += matrix.numel() * matrix.element_size()
         return ModelCost(
             weight_flops=weight_flops,
+            half_weight_flops=half_weight_flops,
             weight_bytes=weight_bytes,
             attention_flops_per_context=4.0 * heads * head_dim,
             windows=tuple(_windows(config, layers)),
@@ -99,6 +106,11 @@ class ModelCost:
             else:  # the first w tokens see 1..w, the rest w each
                 seen += w * (w + 1) // 2 + (n - w) * w
         return self.attention_flops_per_context * seen
+
+    def half_flops(self, tokens: float) -> float:
+        """The FLOPs of half linear weights (`half_weight_flops`) in a forward of
+        `tokens` tokens (a training step's forward and backward: twice its tokens)."""
+        return tokens * self.half_weight_flops
 
     def prefill_flops(self, length: int, lora: float) -> float:
         """FLOPs of prefilling a prompt of `length` tokens (causal attention)."""

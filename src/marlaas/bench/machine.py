@@ -11,6 +11,10 @@
   `torch.cuda.is_bf16_supported` on a GPU) and, for a float32 run, its matmul peak at
   the model's shapes: the measurement behind the engine's dtype default (float32 on a
   CPU unless bfloat16 is measured faster).
+- A model whose linear weights are of another dtype than its activations (a half dtype
+  on the CPU, `marlaas.model.mixed`): the matmul peak at the model's shapes in the
+  weights' dtype, the ceiling of the FLOPs of those weights (`roofline_s`'s
+  `half_flops`); the attention, the LoRA updates and the head stay at the activations'.
 
 Every figure is the best of several timed repeats after a warm-up (the least disturbed
 by other processes), in the thread count and dtype of the run.
@@ -48,15 +52,26 @@ class Machine:
     bf16_hardware: bool = False
     #: bfloat16 matmul FLOP/s at the model's shapes (measured in float32 runs; else 0).
     bf16_model_shape_flops: float = 0.0
+    #: Matmul FLOP/s at the model's shapes in its linear weights' dtype, where that is
+    #: not the activations' `dtype` (a half dtype on the CPU); else 0.
+    weights_flops: float = 0.0
+    weights_dtype: str | None = None
 
     @property
     def peak_flops(self) -> float:
         """The roofline's compute ceiling: the better of the two matmul peaks."""
         return max(self.model_shape_flops, self.square_flops)
 
-    def roofline_s(self, flops: float, nbytes: float) -> float:
+    def compute_s(self, flops: float, half_flops: float = 0.0) -> float:
+        """The time of `flops` at the matmul peak, `half_flops` of them (those of linear
+        weights in `weights_dtype`) at that dtype's peak."""
+        if not self.weights_flops:
+            return flops / self.peak_flops
+        return (flops - half_flops) / self.peak_flops + half_flops / self.weights_flops
+
+    def roofline_s(self, flops: float, nbytes: float, half_flops: float = 0.0) -> float:
         """The time the work needs at this machine's limits: max(compute, memory)."""
-        return max(flops / self.peak_flops, nbytes / self.bandwidth)
+        return max(self.compute_s(flops, half_flops), nbytes / self.bandwidth)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self) | {"peak_flops": self.peak_flops}
@@ -75,6 +90,8 @@ class Machine:
             bandwidth=max(a.bandwidth, b.bandwidth),
             bf16_hardware=a.bf16_hardware,
             bf16_model_shape_flops=max(a.bf16_model_shape_flops, b.bf16_model_shape_flops),
+            weights_flops=max(a.weights_flops, b.weights_flops),
+            weights_dtype=a.weights_dtype,
         )
 
 
@@ -100,11 +117,16 @@ def measure_machine(
     gpu = device.type == "cuda"
     square = square or (8192 if gpu else 1024)
     copy_mb = copy_mb or (1024 if gpu else 256)
-    shapes = Counter(tuple(w.shape) for w in weight_matrices(model.base))
+    matrices = weight_matrices(model.base)
+    shapes = Counter(tuple(w.shape) for w in matrices)
     model_shape_flops = _shape_flops(shapes, rows, device, dtype)
     bf16 = 0.0
     if dtype == torch.float32:
         bf16 = _shape_flops(shapes, rows, device, torch.bfloat16)
+    half = next((w.dtype for w in matrices if w.dtype != dtype), None)
+    weights_flops = 0.0
+    if half is not None:
+        weights_flops = bf16 if half == torch.bfloat16 else _shape_flops(shapes, rows, device, half)
     a = torch.randn(square, square, device=device, dtype=dtype)
     t_square = best_time(lambda: a @ a, device, repeats=3)
     n = copy_mb * 2**20 // 4
@@ -122,6 +144,8 @@ def measure_machine(
         bandwidth=2.0 * n * 4 / t_copy,
         bf16_hardware=bf16_hardware(device),
         bf16_model_shape_flops=bf16,
+        weights_flops=weights_flops,
+        weights_dtype=None if half is None else str(half).removeprefix("torch."),
     )
 
 

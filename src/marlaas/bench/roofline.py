@@ -144,7 +144,8 @@ def _prefill_row(rig: _Rig, adapters: int, context: int, repeats: int) -> dict[s
     flops = sum(rig.cost.prefill_flops(n, rig.lora_flops) for n in lengths)
     nbytes = rig.cost.prefill_bytes(lengths, used * rig.adapter_bytes)
     best, on_torch = _fastest(times)
-    return _row("prefill", PREFILL_ROWS, used, context, best, flops, nbytes, on_torch)
+    row = _row("prefill", PREFILL_ROWS, used, context, best, flops, nbytes, on_torch)
+    return row | {"half_flops": rig.cost.half_flops(sum(lengths))}
 
 
 def _decode_row(
@@ -178,7 +179,8 @@ def _decode_row(
     flops = rig.cost.decode_flops(contexts, rig.lora_flops)
     nbytes = rig.cost.decode_bytes(contexts, used * rig.adapter_bytes)
     best, on_torch = _fastest(times)
-    return _row("decode", batch, used, context, best, flops, nbytes, on_torch)
+    row = _row("decode", batch, used, context, best, flops, nbytes, on_torch)
+    return row | {"half_flops": rig.cost.half_flops(batch)}
 
 
 def _train_step(trainer: GRPOTrainer, batches: Sequence[TrainBatch]) -> None:
@@ -217,6 +219,7 @@ def _trainer_row(rig: _Rig, tenants: int, steps: int) -> dict[str, Any]:
         "train", len(lengths), tenants, round(statistics.fmean(lengths)), median, flops, nbytes
     )
     row["tokens"] = sum(lengths)
+    row["half_flops"] = rig.cost.half_flops(2 * sum(lengths))  # forward and backward
     return row
 
 
@@ -319,10 +322,11 @@ def run_roofline_bench(
 
 
 def _score(row: dict[str, Any], machine: Machine) -> None:
-    row["roofline_s"] = machine.roofline_s(row["flops"], row["bytes"])
+    half = row.get("half_flops", 0.0)
+    row["roofline_s"] = machine.roofline_s(row["flops"], row["bytes"], half)
     row["bound"] = (
         "compute"
-        if row["flops"] / machine.peak_flops >= row["bytes"] / machine.bandwidth
+        if machine.compute_s(row["flops"], half) >= row["bytes"] / machine.bandwidth
         else "memory"
     )
     row["efficiency"] = row["roofline_s"] / row["seconds"]
@@ -347,6 +351,12 @@ def print_roofline(result: dict[str, Any]) -> None:
         console.print(
             f"bfloat16 at the model's shapes: {m['bf16_model_shape_flops'] / 1e9:.1f} GFLOP/s "
             f"(native bfloat16: {'yes' if m['bf16_hardware'] else 'no'})"
+        )
+    if m.get("weights_flops"):
+        console.print(
+            f"linear weights in {m['weights_dtype']} over {m['dtype']} activations: their "
+            f"FLOPs count at {m['weights_flops'] / 1e9:.1f} GFLOP/s, the rest at "
+            f"{m['peak_flops'] / 1e9:.1f}"
         )
     table = Table(title=f"roofline: {result['model']}, LoRA rank {result['rank']}")
     for name in (

@@ -311,8 +311,9 @@ class PipelineSpec(Spec):
     dtype: ModelDType = Field(
         "auto",
         description="The base's weights in memory: float32, bfloat16 or float16; auto: the "
-        "checkpoint's own dtype on an accelerator, float32 on the CPU. LoRA weights, "
-        "optimizer state and log-probs stay float32 whatever the base.",
+        "checkpoint's own dtype on an accelerator, float32 on the CPU. On the CPU a half "
+        "dtype is the linear layers' weights only, over float32 activations. LoRA "
+        "weights, optimizer state and log-probs stay float32 whatever the base.",
     )
     default_target_modules: TargetModules = Field(
         None,

@@ -4,8 +4,11 @@ Invariants:
 - The returned model is in eval mode and every one of its parameters has
   `requires_grad == False`; nothing in marlaas ever writes to these weights.
 - Loading never touches the network (`local_files_only=True`).
-- `dtype="auto"` is the checkpoint's own dtype (`config.json` `dtype`) on an accelerator and float32 on the CPU, where half-precision matmuls
-  are slow and imprecise; an explicit dtype is used anywhere.
+- `dtype="auto"` is the checkpoint's own dtype (`config.json` `dtype`) on an accelerator
+  and float32 on the CPU. An explicit dtype is the whole model's on an accelerator; on
+  the CPU a half dtype is the linear layers' weights only, over float32 activations
+  (`marlaas.model.mixed`: torch's half-precision element-wise CPU ops are slow, its
+  matmuls fast where the CPU has native bfloat16).
 - A bad path fails with `ModelError` naming the path, never with a bare Hugging Face
   traceback.
 """
@@ -25,6 +28,7 @@ from transformers import (
 
 from marlaas.config.specs import ModelDType
 from marlaas.errors import ConfigError, ModelError
+from marlaas.model.mixed import HALF_DTYPES, half_linears
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -86,9 +90,13 @@ def load_base(
     except (OSError, ValueError, KeyError) as e:
         raise ModelError(f"cannot read the model config in {str(root)!r}: {e}") from e
     torch_dtype = resolve_dtype(dtype, device, config)
+    half_on_cpu = torch.device(device).type == "cpu" and torch_dtype in HALF_DTYPES
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            root, config=config, dtype=torch_dtype, local_files_only=True
+            root,
+            config=config,
+            dtype=torch.float32 if half_on_cpu else torch_dtype,
+            local_files_only=True,
         )
     except ValueError as e:
         raise ModelError(
@@ -104,6 +112,8 @@ def load_base(
     if not isinstance(tokenizer, PreTrainedTokenizerBase):
         raise ModelError(f"{str(root)!r} does not hold a Hugging Face tokenizer")
 
+    if half_on_cpu:
+        half_linears(model, torch_dtype)
     model = model.to(torch.device(device))  # type: ignore[arg-type]  # HF's to() stub
     model.eval()
     model.requires_grad_(False)

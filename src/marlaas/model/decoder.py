@@ -20,7 +20,9 @@ reproduce) and returns None for any other, which keeps running its modules.
 
 Invariants:
 - Parameters are the modules' own tensors (nothing copied); the LoRA updates are the
-  injected layers' own (`LoRAModel.add_lora`, the same lane plan and kernels).
+  injected layers' own (`LoRAModel.add_lora`, the same lane plan and kernels); half
+  precision linear layers over float32 activations (`marlaas.model.mixed`) multiply as
+  their modules do.
 - The rotary tables come from the model's rotary module (every RoPE scaling it
   implements); the rotary covers every feature of a head.
 """
@@ -35,6 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from marlaas.model.lora import LoRAModel, MultiLoRALinear
+from marlaas.model.mixed import HalfLinear, linear
 
 #: `config.model_type`s whose decoder layers the compact forwards reproduce (`_classes`;
 #: each checked against the Hugging Face forward by the tests).
@@ -57,7 +60,7 @@ class Linear:
             module = module.base_layer
         else:
             path = None
-        if type(module) is not nn.Linear:
+        if not isinstance(module, nn.Linear) or type(module) not in (nn.Linear, HalfLinear):
             return None
         return Linear(module.weight, module.bias, path)
 
@@ -168,7 +171,7 @@ class DecoderStack:
     def linear(self, x: Tensor, lin: Linear) -> Tensor:
         """`x W^T (+ b)` plus the LoRA update of the rows' adapters (the lane batch of the
         current `lanes()` context)."""
-        y = F.linear(x, lin.weight, lin.bias)
+        y = linear(x, lin.weight, lin.bias)
         return y if lin.path is None else self.model.add_lora(lin.path, x, y)
 
     def logits(self, h: Tensor) -> Tensor:

@@ -210,7 +210,11 @@ def run_rollout_bench(
             "iterations": iterations,
             "flops": flops,
             "bytes": nbytes,
-            "efficiency": machine.roofline_s(flops, nbytes) / t_mixed,
+            # Every prompt token and every new token but the last runs a forward.
+            "efficiency": machine.roofline_s(
+                flops, nbytes, cost.half_flops(sum(len(p) + max_new_tokens - 1 for p in prompts))
+            )
+            / t_mixed,
         }
         if peft_model is not None:
             hf = partial(_hf_run, peft_model, tokenizer, prompts, mixed, max_new_tokens)

@@ -1,0 +1,69 @@
+"""Half-precision linear layers over float32 activations: a half dtype on the CPU.
+
+A CPU with native bfloat16 arithmetic (AVX512-BF16, AMX) multiplies bfloat16 matrices
+about three times as fast as float32 ones (`marlaas bench roofline --dtype bfloat16`
+prints both peaks: 111 vs 341 GFLOP/s at the embedded base's shapes on a 2-core EPYC),
+but torch's element-wise CPU ops in bfloat16 are slower than in float32 and the native
+kernels (`marlaas.model.kernels`) are float32 only: a whole base in bfloat16 decoded 256
+rows in 14.7 ms where float32 took 8.6. So on the CPU a half dtype applies to the
+weights of the base's linear layers only (`half_linears`): each becomes a `HalfLinear`
+that rounds its float32 input to the half dtype, multiplies (products summed in float32
+by the hardware) and returns float32. The embeddings, norms and output head stay float32,
+and with them the residual stream, attention, the KV cache, the LoRA updates and every
+log-prob; the compact forwards multiply through `linear` the same way, so they and the
+Hugging Face modules still compute the same thing.
+
+Invariants:
+- The weights are converted in place and exist once (the float32 copy is freed).
+- `linear(x, w, b)` on a float32 `x` with a half `w` equals `HalfLinear`'s forward
+  exactly (one function: the compact forwards and the modules round alike).
+- The output head is never converted: logits, and the log-probs behind every importance
+  ratio, come from float32 arithmetic over the final norm.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+#: The dtypes `half_linears` takes.
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """`x W^T (+ b)` in `x`'s dtype; a weight of another dtype (a `HalfLinear`'s)
+    multiplies `x` rounded to its dtype and the result is cast back."""
+    if weight.dtype == x.dtype:
+        return F.linear(x, weight, bias)
+    return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
+
+
+class HalfLinear(nn.Linear):
+    """An `nn.Linear` whose weight (and bias) are half precision, used on float32 inputs
+    and returning float32 (the module doc)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+def half_linears(model: nn.Module, dtype: torch.dtype) -> int:
+    """Make every `nn.Linear` of `model` but its output head a `HalfLinear` in `dtype`
+    (in place, weights converted); returns how many. The rest of the model keeps its
+    dtype."""
+    if dtype not in HALF_DTYPES:
+        raise ValueError(f"half_linears takes {HALF_DTYPES}, got {dtype}")
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    converted = 0
+    for module in model.modules():
+        if type(module) is nn.Linear and module is not head:
+            module.to(dtype)
+            module.__class__ = HalfLinear
+            converted += 1
+    return converted
+
+
+def has_half_linears(model: nn.Module) -> bool:
+    """Whether `model` holds any `HalfLinear` (it was made by `half_linears`)."""
+    return any(isinstance(module, HalfLinear) for module in model.modules())
