@@ -54,7 +54,7 @@ from marlaas.config.job import JobSpec
 from marlaas.config.specs import ModelDType
 from marlaas.envs.base import Example, TaskFamily
 from marlaas.errors import ConfigError, ModelError
-from marlaas.model.base import resolve_dtype
+from marlaas.model.base import load_weights, resolve_dtype
 from marlaas.model.peft_io import peft_target_modules
 from marlaas.pipeline.data import ExampleStream, build_task, eval_examples
 
@@ -154,14 +154,12 @@ def _lora_config(job: JobSpec) -> Any:
 def _load(base_path: Path, dtype: ModelDType) -> tuple[Any, Any, list[int]]:
     """The base (in `dtype`, as marlaas resolves it on the device TRL trains on) and
     tokenizer, with the newline added to the EOS ids (a turn's end)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     try:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         config = AutoConfig.from_pretrained(base_path, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(
-            base_path, dtype=resolve_dtype(dtype, device, config), local_files_only=True
-        )
+        model = load_weights(base_path, config, resolve_dtype(dtype, device, config), device)
         tokenizer = AutoTokenizer.from_pretrained(base_path, local_files_only=True)
     except (OSError, ValueError) as e:
         raise ModelError(f"TRL baseline: cannot load the base from {str(base_path)!r}: {e}") from e

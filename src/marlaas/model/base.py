@@ -64,6 +64,21 @@ def resolve_dtype(
     return own if isinstance(own, torch.dtype) and own in _DTYPES.values() else torch.float32
 
 
+def load_weights(
+    root: str | Path, config: object, dtype: torch.dtype, device: str | torch.device
+) -> PreTrainedModel:
+    """`AutoModelForCausalLM.from_pretrained` in `dtype` as placed on `device`: the whole
+    model's on an accelerator; on the CPU a half dtype is the linear layers' only
+    (`half_linears`, the module doc). Hugging Face's errors pass through."""
+    half = torch.device(device).type == "cpu" and dtype in HALF_DTYPES
+    model = AutoModelForCausalLM.from_pretrained(
+        root, config=config, dtype=torch.float32 if half else dtype, local_files_only=True
+    )
+    if half:
+        half_linears(model, dtype)
+    return model
+
+
 def load_base(
     path: str | Path,
     dtype: ModelDType | torch.dtype = "auto",
@@ -90,14 +105,8 @@ def load_base(
     except (OSError, ValueError, KeyError) as e:
         raise ModelError(f"cannot read the model config in {str(root)!r}: {e}") from e
     torch_dtype = resolve_dtype(dtype, device, config)
-    half_on_cpu = torch.device(device).type == "cpu" and torch_dtype in HALF_DTYPES
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            root,
-            config=config,
-            dtype=torch.float32 if half_on_cpu else torch_dtype,
-            local_files_only=True,
-        )
+        model = load_weights(root, config, torch_dtype, device)
     except ValueError as e:
         raise ModelError(
             f"{str(root)!r} holds a {type(config).__name__}, which is not a causal language "
@@ -112,8 +121,6 @@ def load_base(
     if not isinstance(tokenizer, PreTrainedTokenizerBase):
         raise ModelError(f"{str(root)!r} does not hold a Hugging Face tokenizer")
 
-    if half_on_cpu:
-        half_linears(model, torch_dtype)
     model = model.to(torch.device(device))  # type: ignore[arg-type]  # HF's to() stub
     model.eval()
     model.requires_grad_(False)
