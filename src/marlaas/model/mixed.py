@@ -62,8 +62,3 @@ def half_linears(model: nn.Module, dtype: torch.dtype) -> int:
             module.__class__ = HalfLinear
             converted += 1
     return converted
-
-
-def has_half_linears(model: nn.Module) -> bool:
-    """Whether `model` holds any `HalfLinear` (it was made by `half_linears`)."""
-    return any(isinstance(module, HalfLinear) for module in model.modules())
