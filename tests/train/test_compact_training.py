@@ -49,6 +49,20 @@ def _gradients(
     }
 
 
+def _trains_like_the_modules(
+    model: LoRAModel, shared: bool, loss_tol: tuple[float, float], grad_rel: float
+) -> None:
+    """The compact forward's losses (`loss_tol`: rel, abs) and gradients (relative norm of
+    the difference below `grad_rel`) against the modules', every tenant."""
+    got, got_loss = _gradients(model, modules=False, shared=shared)
+    want, want_loss = _gradients(model, modules=True, shared=shared)
+    rel_tol, abs_tol = loss_tol
+    for name in TENANTS:
+        assert got_loss[name] == pytest.approx(want_loss[name], rel=rel_tol, abs=abs_tol), name
+        rel = float((got[name] - want[name]).norm() / want[name].norm())
+        assert rel < grad_rel, (name, rel)
+
+
 @pytest.mark.parametrize("shared", [True, False])
 @pytest.mark.parametrize("arch", MODEL_TYPES)
 def test_gradients_and_losses_equal_the_modules(
@@ -57,12 +71,7 @@ def test_gradients_and_losses_equal_the_modules(
     if not shared:
         monkeypatch.setattr(prefix, "MAX_COST", 0.0)  # never pays: plain micro-batches
     model = LoRAModel(tiny_model(arch, VOCAB), max_rank=16)
-    got, got_loss = _gradients(model, modules=False, shared=shared)
-    want, want_loss = _gradients(model, modules=True, shared=shared)
-    for name in TENANTS:
-        assert got_loss[name] == pytest.approx(want_loss[name], rel=1e-5, abs=1e-6), name
-        rel = float((got[name] - want[name]).norm() / want[name].norm())
-        assert rel < 1e-5, (name, rel)
+    _trains_like_the_modules(model, shared, (1e-5, 1e-6), 1e-5)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -72,12 +81,7 @@ def test_half_linear_weights_train_like_the_modules(arch: str) -> None:
     a float32 ulp of difference may round to a bfloat16 one, hence the tolerance."""
     model = LoRAModel(tiny_model(arch, VOCAB), max_rank=16)
     assert half_linears(model.base, torch.bfloat16) > 0
-    got, got_loss = _gradients(model, modules=False, shared=True)
-    want, want_loss = _gradients(model, modules=True, shared=True)
-    for name in TENANTS:
-        assert got_loss[name] == pytest.approx(want_loss[name], rel=1e-4, abs=1e-4), name
-        rel = float((got[name] - want[name]).norm() / want[name].norm())
-        assert rel < 5e-3, (name, rel)
+    _trains_like_the_modules(model, True, (1e-4, 1e-4), 5e-3)
 
 
 @pytest.mark.parametrize("arch", [a for a in ARCHS if a not in MODEL_TYPES])
@@ -93,8 +97,4 @@ def test_repeated_key_value_heads_give_the_same_gradients(
     monkeypatch.setattr(decoder, "sdpa_groups_heads", lambda device: False)
     model = LoRAModel(tiny_model("qwen2", VOCAB), max_rank=16)
     assert model.base.config.num_key_value_heads < model.base.config.num_attention_heads
-    got, got_loss = _gradients(model, modules=False, shared=True)
-    want, want_loss = _gradients(model, modules=True, shared=True)
-    for name in TENANTS:
-        assert got_loss[name] == pytest.approx(want_loss[name], rel=1e-5, abs=1e-6), name
-        assert float((got[name] - want[name]).norm() / want[name].norm()) < 1e-5, name
+    _trains_like_the_modules(model, True, (1e-5, 1e-6), 1e-5)
