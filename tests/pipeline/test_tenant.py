@@ -34,7 +34,9 @@ def group(tenant: str, version: int, G: int = 2) -> list[Trajectory]:
 def result_for(batch: TrainBatch) -> TenantStepResult:
     sums: dict[str, float] = {}
     sums["tokens"] = 4.0
-    return TenantStepResult.from_sums(batch, batch.step + 1, sums, 0.0, 1e-3, False)
+    return TenantStepResult.from_sums(
+        batch, batch.step + 1, sums, 0.0, 1e-3, False, len(batch.trajectories)
+    )
 
 
 def running(**kw: object) -> TenantState:
@@ -126,7 +128,7 @@ def test_version_goes_up_by_exactly_one() -> None:
     state.group_done(group("t", 0))
     batch = state.take_batch()
     assert batch is not None
-    wrong = TenantStepResult.from_sums(batch, 2, {}, 0.0, 1e-3, False)
+    wrong = TenantStepResult.from_sums(batch, 2, {}, 0.0, 1e-3, False, 0)
     with pytest.raises(PipelineError, match="exactly one"):
         state.on_trained(batch, wrong)
     state.on_trained(batch, result_for(batch))

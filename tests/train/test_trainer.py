@@ -22,12 +22,14 @@ from marlaas.train.batch import (
     Rows,
     TrainBatch,
     TrainBatchError,
+    batch_data,
     plan_microbatches,
     tensorise,
 )
 from marlaas.train.bench import run_trainer_bench, tenant_lengths
 from marlaas.train.grpo import GRPOTrainer
 from marlaas.train.losses import policy_loss, token_logprobs
+from marlaas.train.records import TrainInput
 
 SMALL: dict[str, Any] = {"group_size": 4, "prompts_per_step": 2}
 
@@ -468,3 +470,55 @@ def test_benchmark_with_mixed_lengths_gives_tenants_different_lengths(
     assert result["config"]["mixed_lengths"] is True
     assert result["config"]["max_tokens_per_microbatch"] == 64
     assert set(result["speedup"]["3"]) == {"multi_vs_single"}
+
+
+def _uniform_groups(batch: TrainBatch, groups: set[int], group_size: int) -> TrainBatch:
+    """`batch` with every sample of `groups` rewarded alike (advantage 0 there)."""
+    trajs = [
+        replace(t, reward=1.0) if i // group_size in groups else t
+        for i, t in enumerate(batch.trajectories)
+    ]
+    chunks = [trajs[i : i + group_size] for i in range(0, len(trajs), group_size)]
+    return TrainBatch.from_groups(batch.tenant, batch.step, chunks, scale_rewards=True)
+
+
+def _every_row_run(model: LoRAModel, name: str, seed: int, batch: TrainBatch) -> AdapterTensors:
+    """The step of `batch` with all its rows run (the objective and weights of
+    `GRPOTraining`, none of its row selection)."""
+    trainer = GRPOTrainer(model)
+    _register(trainer, name, seed)
+    training = trainer.training(name)
+    data = batch_data(batch, training.algo.loss_norm, training.constant_norm_tokens)
+    every = TrainInput(name, data, training.objective, training.temperature, batch.step)
+    trainer.trainer.forward_backward([every])
+    trainer.trainer.optim_step([(name, training.adam)])
+    return trainer.adapter(name)
+
+
+@pytest.mark.parametrize(
+    ("name", "uniform", "run"),
+    [
+        ("t-rank2", {0}, 4),  # one group of two has advantage 0: its rows are not run
+        ("t-rank16-mlp", {0, 1}, 1),  # no row carries a gradient: one runs, for the sums
+        ("t-rank8-kl", {0}, 8),  # a KL term has a gradient at advantage 0: every row runs
+    ],
+)
+def test_rows_of_advantage_zero_are_not_run_and_change_nothing(
+    lora_model: LoRAModel, name: str, uniform: set[int], run: int
+) -> None:
+    _, algo, temperature, _ = TENANTS[name]
+    batch = make_batch(name, 0, algo, seed=7, model=lora_model, temperature=temperature)
+    batch = _uniform_groups(batch, uniform, algo.group_size)
+    zero = sum(1 for a in batch.advantages if a == 0)
+    assert zero == algo.group_size * len(uniform)
+    trainer = GRPOTrainer(lora_model)
+    _register(trainer, name, seed=3)
+    result = trainer.step([batch])[name]
+    assert trainer.stats.rows == run
+    assert (result.rows, result.rows_trained) == (len(batch.trajectories), run)
+    assert result.tokens == sum(sum(t.loss_mask_T) for t in batch.trajectories)
+    init = lora_model.init_adapter(TENANTS[name][0], 3)
+    want = _every_row_run(lora_model, name, 3, batch)
+    assert _rel_diff(trainer.adapter(name), want) < 1e-6
+    if run > 1:  # it did train
+        assert _rel_diff(want, init) > 1e-3

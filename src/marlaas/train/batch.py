@@ -154,7 +154,11 @@ def batch_data(
 
 @dataclass(frozen=True)
 class TenantStepResult:
-    """What one GRPO optimizer step did for one tenant. Means are over its valid tokens."""
+    """What one GRPO optimizer step did for one tenant. `tokens` and `rows` are the
+    batch's (its valid tokens, its trajectories); the objective's means (`clip_frac`,
+    `ratio_mean`, the KLs, `entropy`) are over the valid tokens of the rows it was run on,
+    `rows_trained` of them (`GRPOTraining.carried`: rows of advantage 0 carry no gradient
+    and are not run)."""
 
     tenant: str
     version: int  # the new adapter version
@@ -174,6 +178,7 @@ class TenantStepResult:
     staleness_mean: float
     grad_norm: float  # before clipping
     lr: float
+    rows_trained: int
 
     @classmethod
     def from_sums(
@@ -184,10 +189,11 @@ class TenantStepResult:
         grad_norm: float,
         lr: float,
         has_kl: bool,
+        rows_trained: int,
     ) -> TenantStepResult:
         """Token-weighted means from the step's sums (the names of
-        `objectives.PolicyGradient`; missing ones count 0); batch statistics from
-        `batch`."""
+        `objectives.PolicyGradient`; missing ones count 0) over the `rows_trained` rows
+        they were summed on; batch statistics from `batch`."""
         tokens = sums.get("tokens", 0.0)
         n = max(tokens, 1.0)
         staleness = batch.staleness()
@@ -204,12 +210,13 @@ class TenantStepResult:
             reward_std=pstdev(batch.rewards),
             advantage_mean=fmean(batch.advantages),
             advantage_std=pstdev(batch.advantages),
-            tokens=round(tokens),
+            tokens=sum(sum(1 for m in t.loss_mask_T if m) for t in batch.trajectories),
             rows=len(batch.trajectories),
             staleness_max=max(staleness),
             staleness_mean=fmean(staleness),
             grad_norm=grad_norm,
             lr=lr,
+            rows_trained=rows_trained,
         )
 
 

@@ -68,14 +68,16 @@ class TrainOutput:
 
     `version` is the adapter version the pass ran at. `sums` are the objective's
     per-token sums over the tenant's data (`loss`, `tokens`, ...; they add up across
-    calls: divide by `tokens` for means). `logprobs`, when asked for, holds per datum the
-    log-prob of every target (0.0 where not computed: never on a weighted position).
+    calls: divide by `tokens` for means), `rows` the number of its data. `logprobs`, when
+    asked for, holds per datum the log-prob of every target (0.0 where not computed:
+    never on a weighted position).
     """
 
     tenant: str
     version: int
     sums: Mapping[str, float]
     logprobs: tuple[tuple[float, ...], ...] | None = None
+    rows: int = 0
 
     @property
     def loss(self) -> float:

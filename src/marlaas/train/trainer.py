@@ -309,7 +309,9 @@ class MultiLaneTrainer:
                     for i, d in enumerate(inp.data)
                 )
             first += len(inp.data)
-            out[inp.tenant] = TrainOutput(inp.tenant, state.version, by_tenant[k], logprobs)
+            out[inp.tenant] = TrainOutput(
+                inp.tenant, state.version, by_tenant[k], logprobs, rows=len(inp.data)
+            )
         return out
 
     def _logits(self, ids_BT: Tensor, attn_BT: Tensor) -> Tensor:
