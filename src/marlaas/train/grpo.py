@@ -5,13 +5,18 @@ One optimizer step of one tenant is `forward_backward` of its batch (`TrainBatch
 normalisation over the whole batch, the `PolicyGradient` objective at the sampling
 temperature) followed by `optim_step` with the tenant's AdamW parameters and schedule.
 
-Rows of advantage 0 are not run (`GRPOTraining.carried`): without a KL term every term of
-the objective is a multiple of its row's advantage, so such a row (each sample of a group
-that got the same reward as all its group: 51-67% of the rows of `bench paper`'s
-regimes at N = 32) adds exactly nothing to the gradient, while its tokens still count in
-the other rows' weights (`batch_data` weighs the whole batch). The step's gradient, hence
-its adapter, is the one of every row run (tests); the objective's means in the result are
-over the rows run.
+Not every row is run (`GRPOTraining.carried`), and the step's gradient, hence its
+adapter, is still the one of every row run (tests); the objective's means in the result
+are over the rows run:
+- Rows of advantage 0: without a KL term every term of the objective is a multiple of
+  its row's advantage, so such a row (a sample of a group whose samples were all
+  rewarded alike: 51-67% of the rows of `bench paper`'s regimes at N = 32) adds exactly
+  nothing to the gradient, while its tokens still count in the other rows' weights
+  (`batch_data` weighs the whole batch).
+- Copies: rows equal in tokens, behaviour log-probs and advantages (a group's samples
+  that said the same thing: 44% of the compute regime's remaining rows, 18% of the paper
+  regime's) have equal terms, and the loss is a sum weighted per token, so one of them
+  runs with the sum of their weights.
 `GRPOTraining` holds the per-tenant settings and makes those two calls' arguments, and
 turns their results into a `TenantStepResult`; the pipeline sends them through the
 device port, `GRPOTrainer` straight to an in-process `MultiLaneTrainer` (benchmarks and
@@ -23,8 +28,10 @@ and the `GRPOTraining` settings it was trained with.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from marlaas.config.specs import GRPOSpec, LoRASpec
 from marlaas.errors import ConfigError
@@ -95,18 +102,32 @@ class GRPOTraining:
         )
 
     def carried(self, data: tuple[Datum, ...]) -> tuple[Datum, ...]:
-        """The rows of `data` that carry a gradient (the module doc): all of them with a
-        KL term, else those with a non-zero advantage, and the first row where none has
-        one (a step's sums come from the rows run; its gradient is then 0)."""
-        if self.algo.kl_coef > 0:
-            return data
-        kept = tuple(d for d in data if any(a != 0 for a in d.advantages_T or ()))
-        return kept or data[:1]
+        """The rows of `data` to run (the module doc): without a KL term, those with a
+        non-zero advantage; and each distinct row once, carrying the weights of its
+        copies. The first row where none is left (a step's sums come from the rows run;
+        its gradient is then 0)."""
+        rows = data
+        if self.algo.kl_coef == 0:
+            rows = tuple(d for d in data if any(a != 0 for a in d.advantages_T))
+        copies: dict[tuple[tuple[Any, ...], ...], list[Datum]] = {}
+        for d in rows:
+            key = (d.input_ids, d.target_ids, d.sampling_logprobs_T, d.advantages_T)
+            copies.setdefault(key, []).append(d)
+        merged = tuple(
+            same[0] if len(same) == 1 else dataclasses.replace(same[0], weights_T=_summed(same))
+            for same in copies.values()
+        )
+        return merged or data[:1]
 
     def result(self, batch: TrainBatch, out: TrainOutput, step: OptimResult) -> TenantStepResult:
         return TenantStepResult.from_sums(
             batch, step.version, out.sums, step.grad_norm, step.lr, self.algo.kl_coef > 0, out.rows
         )
+
+
+def _summed(copies: list[Datum]) -> tuple[float, ...]:
+    """The per-token sums of equal rows' weights (equal rows have equal lengths)."""
+    return tuple(map(sum, zip(*(d.weights_T for d in copies), strict=True)))
 
 
 @dataclass(frozen=True)
