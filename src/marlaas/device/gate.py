@@ -44,7 +44,6 @@ other requests when the job is removed; it never jumps ahead as inference does.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import threading
 import time
@@ -54,7 +53,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from marlaas.rollout.batch import Deliver, TokenListener
-from marlaas.rollout.engine import on_loop, settle
+from marlaas.rollout.engine import on_loop, post, settle
 from marlaas.types import Completion, RolloutRequest
 
 
@@ -319,5 +318,4 @@ class _Deliver:
 
 
 def _resolve(item: _Waiting, result: Completion | BaseException) -> None:
-    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
-        item.loop.call_soon_threadsafe(settle, item.future, result)
+    post(item.loop, settle, item.future, result)
