@@ -17,6 +17,7 @@ are over the rows run:
   that said the same thing: 44% of the compute regime's remaining rows, 18% of the paper
   regime's) have equal terms, and the loss is a sum weighted per token, so one of them
   runs with the sum of their weights.
+
 `GRPOTraining` holds the per-tenant settings and makes those two calls' arguments, and
 turns their results into a `TenantStepResult`; the pipeline sends them through the
 device port, `GRPOTrainer` straight to an in-process `MultiLaneTrainer` (benchmarks and
