@@ -48,6 +48,10 @@ class StepMetrics:
     #: Mean and standard deviation of the step's rewards (over all G x P samples).
     reward_mean: float | None = None
     reward_std: float | None = None
+    #: Rows the step ran: a GRPO step skips rows of advantage 0 (without a KL term) and
+    #: runs copies once (`train.grpo`); `clip_frac`, `ratio_mean`, `kl_behaviour` and
+    #: `entropy` are over those rows' tokens, `tokens` and `rows` are the batch's.
+    rows_trained: float | None = None
     #: Fraction of tokens whose importance ratio was clipped.
     clip_frac: float | None = None
     ratio_mean: float | None = None

@@ -272,6 +272,7 @@ class TenantRuntime:
             staleness_mean=result.staleness_mean,
             tokens=float(result.tokens),
             rows=float(result.rows),
+            rows_trained=float(result.rows_trained),
             grad_norm=result.grad_norm,
             lr=result.lr,
             step_time_s=now - self._last_step_at,
