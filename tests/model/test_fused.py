@@ -12,6 +12,7 @@ from torch import Tensor
 
 from marlaas.model import fused, kernels
 from marlaas.model.fused import rotary, swiglu
+from marlaas.model.kernels import Spans
 
 
 def _rotary_reference(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -78,7 +79,7 @@ def test_the_kernels_decline_without_writing() -> None:
     assert kernels.rotary(x.transpose(1, 2).contiguous().transpose(1, 2), cos, cos) is None
 
 
-def _spans(lengths: list[int], firsts: list[int], past: int, new: int, window: int | None):
+def _spans(lengths: list[int], firsts: list[int], past: int, new: int, window: int | None) -> Spans:
     """Row b's valid keys are columns [firsts[b], past + lengths[b]); its query t attends
     them up to its own column (within `window`), a padding query its own column."""
     start, end = [], []
@@ -91,7 +92,7 @@ def _spans(lengths: list[int], firsts: list[int], past: int, new: int, window: i
                 start.append(stop - 1)
             end.append(stop)
     s, e = torch.tensor(start), torch.tensor(end)
-    return s, e, int((e - s).max())
+    return Spans(s, e, int((e - s).max()))
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from marlaas.model import kernels
 from marlaas.model.attention import AttentionPlan, slot_attention
-from marlaas.model.kernels import build
+from marlaas.model.kernels import Spans, build
 
 
 def reference(
@@ -68,8 +68,7 @@ def test_equals_attention_over_each_rows_own_columns(
     v = torch.randn(R + 2, kv_heads, cap, dim, generator=g)[1 : R + 1, :, :columns]
     q = torch.randn(R, heads, 1, dim, generator=g)
     plan = AttentionPlan.build(pos_R[:, None], columns, [window])
-    start_R, end_R, widest = plan.span(window)
-    out = kernels.span_attention(q, k, v, start_R, end_R, widest, dim**-0.5, softcap)
+    out = kernels.span_attention(q, k, v, plan.span(window), dim**-0.5, softcap)
     assert out is not None
     want = reference(q, k, v, pos_R[:, None], window, softcap)
     torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=1e-5)
@@ -94,8 +93,7 @@ def test_a_prefill_chunk_attends_each_tokens_causal_span(
     v = torch.randn(R, kv_heads, cap, dim, generator=g)[:, :, :columns]
     q = torch.randn(R, N, heads, dim, generator=g).transpose(1, 2)  # as the HF modules pass it
     plan = AttentionPlan.build(pos_RN, columns, [window])
-    start_Q, end_Q, widest = plan.span(window)
-    out = kernels.span_attention(q, k, v, start_Q, end_Q, widest, dim**-0.5, softcap)
+    out = kernels.span_attention(q, k, v, plan.span(window), dim**-0.5, softcap)
     assert out is not None
     want = reference(q, k, v, pos_RN, window, softcap)
     torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=1e-5)
@@ -106,21 +104,31 @@ def test_a_prefill_chunk_attends_each_tokens_causal_span(
 def test_declines_what_it_does_not_take() -> None:
     q, k = torch.randn(2, 2, 1, 8), torch.randn(2, 1, 4, 8)
     start, end = torch.tensor([0, 0]), torch.tensor([2, 4])
-    assert kernels.span_attention(q, k, k, start, end, 4, 1.0, None) is not None
+    assert kernels.span_attention(q, k, k, Spans(start, end, 4), 1.0, None) is not None
     assert (
-        kernels.span_attention(q.double(), k.double(), k.double(), start, end, 4, 1.0, None) is None
-    )
-    assert (
-        kernels.span_attention(q.bfloat16(), k.bfloat16(), k.bfloat16(), start, end, 4, 1.0, None)
+        kernels.span_attention(q.double(), k.double(), k.double(), Spans(start, end, 4), 1.0, None)
         is None
     )
-    assert kernels.span_attention(q, k, k, start, end, 0, 1.0, None) is None  # a row of no column
-    assert kernels.span_attention(q, k, k, start, end, 5, 1.0, None) is None  # past the columns
-    # Spans for another number of queries than the query holds.
-    assert kernels.span_attention(torch.randn(2, 2, 3, 8), k, k, start, end, 4, 1.0, None) is None
     assert (
         kernels.span_attention(
-            q, k.transpose(2, 3).contiguous().transpose(2, 3), k, start, end, 4, 1.0, None
+            q.bfloat16(), k.bfloat16(), k.bfloat16(), Spans(start, end, 4), 1.0, None
+        )
+        is None
+    )
+    assert (
+        kernels.span_attention(q, k, k, Spans(start, end, 0), 1.0, None) is None
+    )  # a row of no column
+    assert (
+        kernels.span_attention(q, k, k, Spans(start, end, 5), 1.0, None) is None
+    )  # past the columns
+    # Spans for another number of queries than the query holds.
+    assert (
+        kernels.span_attention(torch.randn(2, 2, 3, 8), k, k, Spans(start, end, 4), 1.0, None)
+        is None
+    )
+    assert (
+        kernels.span_attention(
+            q, k.transpose(2, 3).contiguous().transpose(2, 3), k, Spans(start, end, 4), 1.0, None
         )
         is None
     )
@@ -129,7 +137,9 @@ def test_declines_what_it_does_not_take() -> None:
 def test_switched_off_it_declines_everything(no_native_kernels: None) -> None:
     q, k = torch.randn(2, 2, 1, 8), torch.randn(2, 1, 4, 8)
     assert not kernels.native_kernels()
-    out = kernels.span_attention(q, k, k, torch.tensor([0, 0]), torch.tensor([2, 4]), 4, 1.0, None)
+    out = kernels.span_attention(
+        q, k, k, Spans(torch.tensor([0, 0]), torch.tensor([2, 4]), 4), 1.0, None
+    )
     assert out is None
 
 

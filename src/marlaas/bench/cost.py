@@ -132,10 +132,11 @@ class ModelCost:
 
     def generation(
         self, prompts: Sequence[int], new_tokens: int, iterations: int, lora: float, adapters: float
-    ) -> tuple[float, float]:
-        """`(FLOPs, bytes)` of generating `new_tokens` after each prompt in `iterations`
-        engine iterations: each prompt prefilled, then each new token but the last fed at
-        its context; weights and `adapters` bytes read once per iteration."""
+    ) -> tuple[float, float, float]:
+        """`(FLOPs, half FLOPs, bytes)` of generating `new_tokens` after each prompt in
+        `iterations` engine iterations: each prompt prefilled, then each new token but the
+        last fed at its context (`half_flops` of those tokens); weights and `adapters`
+        bytes read once per iteration."""
         flops = 0.0
         kv = 0.0
         for n in prompts:
@@ -143,8 +144,9 @@ class ModelCost:
             contexts = range(n + 1, n + new_tokens)
             flops += sum(self.weight_flops + lora + self.attention_flops(c) for c in contexts)
             kv += self.kv_bytes * (n + sum(contexts))
+        half = self.half_flops(sum(prompts) + len(prompts) * (new_tokens - 1))
         logits = len(prompts) * new_tokens * self.vocab * 4.0
-        return flops, iterations * (self.weight_bytes + adapters) + kv + logits
+        return flops, half, iterations * (self.weight_bytes + adapters) + kv + logits
 
     def train_flops(self, lengths: Sequence[int], lora: float) -> float:
         """FLOPs of a forward and backward over sequences of `lengths` tokens."""

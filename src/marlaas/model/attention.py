@@ -43,7 +43,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from marlaas.errors import ModelError
-from marlaas.model.kernels import span_attention
+from marlaas.model.kernels import Spans, span_attention
 
 #: The forward keyword that carries an `AttentionPlan` down to every attention layer.
 PLAN_KWARG = "marlaas_attention"
@@ -68,7 +68,7 @@ class AttentionPlan:
     biases: dict[tuple[int | None, torch.dtype], Tensor] = field(default_factory=dict)
     #: window -> each query's attended columns `[start_Q, end_Q)` (CPU int64, the
     #: `R * N` queries in row-major order) and the most columns a query attends.
-    spans: dict[int | None, tuple[Tensor, Tensor, int]] = field(default_factory=dict)
+    spans: dict[int | None, Spans] = field(default_factory=dict)
 
     @staticmethod
     def build(positions_RN: Tensor, columns: int, windows: Iterable[int | None]) -> AttentionPlan:
@@ -90,7 +90,7 @@ class AttentionPlan:
             self.biases[key] = torch.where(mask, zero, float("-inf"))
         return self.biases[key]
 
-    def span(self, window: int | None) -> tuple[Tensor, Tensor, int]:
+    def span(self, window: int | None) -> Spans:
         """Each query's columns for `window`, `[start_Q, end_Q)` over the `R * N`
         queries in row-major order, the same columns as its mask (a padding query:
         column 0), and the widest span; made once per forward, on the host, for the
@@ -102,7 +102,7 @@ class AttentionPlan:
             start_Q = (
                 (end_Q - window).clamp_(min=0) if window is not None else torch.zeros_like(end_Q)
             )
-            self.spans[window] = (start_Q, end_Q, int((end_Q - start_Q).max()))
+            self.spans[window] = Spans(start_Q, end_Q, int((end_Q - start_Q).max()))
         return self.spans[window]
 
     def mask(self, window: int | None) -> Tensor:
@@ -144,8 +144,7 @@ def slot_attention(
     G = H // Hkv
     scale = scaling if scaling is not None else D**-0.5
     if query.device.type == "cpu":
-        start_Q, end_Q, widest = plan.span(window)
-        native = span_attention(query, key, value, start_Q, end_Q, widest, scale, softcap)
+        native = span_attention(query, key, value, plan.span(window), scale, softcap)
         if native is not None:
             return native
     mask_R1NS = plan.mask(window)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from marlaas.model import kernels
+from marlaas.model.kernels import Spans
 
 
 def swiglu(g: Tensor, u: Tensor) -> Tensor:
@@ -88,30 +89,23 @@ class _Rotary(torch.autograd.Function):
 
 
 def span_attention(
-    q_BTHD: Tensor,
-    k_BHKD: Tensor,
-    v_BHKD: Tensor,
-    spans: tuple[Tensor, Tensor, int],
-    scale: float,
+    q_BTHD: Tensor, k_BHKD: Tensor, v_BHKD: Tensor, spans: Spans, scale: float
 ) -> Tensor | None:
     """Attention of the queries `q [B, T, H, D]` over keys and values `[B, Hkv, K, D]`,
-    query `b * T + t` over its columns `[start, end)` of `spans` (`(start_Q, end_Q,
-    widest)`, CPU int64); `[B, T, H, D]`, or None where the native kernels do not take
-    these tensors."""
-    start_Q, end_Q, widest = spans
+    query `b * T + t` over its columns of `spans`; `[B, T, H, D]`, or None where the
+    native kernels do not take these tensors."""
     if not (
         q_BTHD.is_contiguous()
-        and kernels.span_attention_trains(
-            q_BTHD.transpose(1, 2), k_BHKD, v_BHKD, start_Q, end_Q, widest
-        )
+        and kernels.span_attention_trains(q_BTHD.transpose(1, 2), k_BHKD, v_BHKD, spans)
     ):
         return None
-    out = _SpanAttention.apply(q_BTHD, k_BHKD, v_BHKD, start_Q, end_Q, widest, scale)
+    out = _SpanAttention.apply(q_BTHD, k_BHKD, v_BHKD, *spans, scale)
     assert isinstance(out, Tensor)
     return out
 
 
 class _SpanAttention(torch.autograd.Function):
+    # The spans go in as their parts: `apply` takes tensors and plain values.
     @staticmethod
     def forward(
         ctx: Any,
@@ -123,9 +117,8 @@ class _SpanAttention(torch.autograd.Function):
         widest: int,
         scale: float,
     ) -> Tensor:
-        result = kernels.span_attention_lse(
-            q_BTHD.transpose(1, 2), k, v, start_Q, end_Q, widest, scale
-        )
+        spans = Spans(start_Q, end_Q, widest)
+        result = kernels.span_attention_lse(q_BTHD.transpose(1, 2), k, v, spans, scale)
         assert result is not None  # `span_attention` checked the kernel applies
         out, lse = result
         ctx.save_for_backward(q_BTHD, k, v, out, lse, start_Q, end_Q)
@@ -135,29 +128,24 @@ class _SpanAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse, start_Q, end_Q = ctx.saved_tensors
+        spans = Spans(start_Q, end_Q, ctx.widest)
         dout = grads[0].contiguous()
         result = kernels.span_attention_backward(
-            q.transpose(1, 2), k, v, start_Q, end_Q, ctx.widest, ctx.scale, out, dout, lse
+            q.transpose(1, 2), k, v, spans, ctx.scale, out, dout, lse
         )
         if result is None:  # the kernels were switched off since the forward
-            result = _span_attention_grads(q, k, v, start_Q, end_Q, ctx.scale, dout)
+            result = _span_attention_grads(q, k, v, spans, ctx.scale, dout)
         dq, dk, dv = result
         return dq, dk, dv, None, None, None, None
 
 
 def _span_attention_grads(
-    q_BTHD: Tensor,
-    k: Tensor,
-    v: Tensor,
-    start_Q: Tensor,
-    end_Q: Tensor,
-    scale: float,
-    dout: Tensor,
+    q_BTHD: Tensor, k: Tensor, v: Tensor, spans: Spans, scale: float, dout: Tensor
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The same gradients through SDPA with the spans as a mask (torch's ops)."""
     B, T, H, _ = q_BTHD.shape
     col_K = torch.arange(int(k.shape[2]))
-    mask = (col_K >= start_Q[:, None]) & (col_K < end_Q[:, None])
+    mask = (col_K >= spans.start_Q[:, None]) & (col_K < spans.end_Q[:, None])
     with torch.enable_grad():
         q_, k_, v_ = (t.detach().requires_grad_() for t in (q_BTHD, k, v))
         out = F.scaled_dot_product_attention(

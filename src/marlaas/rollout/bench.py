@@ -191,7 +191,7 @@ def run_rollout_bench(
             partial(_engine_run, engine, prompts, mixed, max_new_tokens), repeats
         )
         iterations = (engine.stats.iterations - before) / repeats
-        flops, nbytes = cost.generation(
+        flops, half_flops, nbytes = cost.generation(
             [len(p) for p in prompts],
             max_new_tokens,
             round(iterations),
@@ -210,11 +210,7 @@ def run_rollout_bench(
             "iterations": iterations,
             "flops": flops,
             "bytes": nbytes,
-            # Every prompt token and every new token but the last runs a forward.
-            "efficiency": machine.roofline_s(
-                flops, nbytes, cost.half_flops(sum(len(p) + max_new_tokens - 1 for p in prompts))
-            )
-            / t_mixed,
+            "efficiency": machine.roofline_s(flops, nbytes, half_flops) / t_mixed,
         }
         if peft_model is not None:
             hf = partial(_hf_run, peft_model, tokenizer, prompts, mixed, max_new_tokens)

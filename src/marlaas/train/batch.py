@@ -122,6 +122,11 @@ class TrainBatch:
     def rewards(self) -> tuple[float, ...]:
         return tuple(t.reward for t in self.trajectories)
 
+    @property
+    def tokens(self) -> int:
+        """The tokens the model wrote (loss mask 1): the positions a step trains on."""
+        return sum(sum(t.loss_mask_T) for t in self.trajectories)
+
 
 def batch_data(
     batch: TrainBatch, loss_norm: LossNorm, constant_norm_tokens: float | None = None
@@ -210,7 +215,7 @@ class TenantStepResult:
             reward_std=pstdev(batch.rewards),
             advantage_mean=fmean(batch.advantages),
             advantage_std=pstdev(batch.advantages),
-            tokens=sum(sum(1 for m in t.loss_mask_T if m) for t in batch.trajectories),
+            tokens=batch.tokens,
             rows=len(batch.trajectories),
             staleness_max=max(staleness),
             staleness_mean=fmean(staleness),

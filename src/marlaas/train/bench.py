@@ -250,10 +250,7 @@ def run_trainer_bench(
                     else (prompt_len, completion_len)
                 )
                 data |= synthetic_batches([name], steps + 1, algo, vocab, p_len, c_len, seed + i)
-            tokens = [
-                sum(sum(t.loss_mask_T) for n in names for t in data[n][k].trajectories)
-                for k in range(1, steps + 1)
-            ]
+            tokens = [sum(data[n][k].tokens for n in names) for k in range(1, steps + 1)]
             for mode in modes:
                 if mode == "peft":
                     times = _bench_peft(path, data, lora, algo, steps, dtype)

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from marlaas.model.decoder import StackForward
 from marlaas.model.fused import rotary, span_attention, swiglu
+from marlaas.model.kernels import Spans
 
 #: Per layer: keys and values `[B, Hkv, columns, D]`.
 LayerCache = list[tuple[Tensor, Tensor]]
@@ -120,7 +121,7 @@ class _Masks:
         self.key_K = torch.arange(past + new, device=device)
         self.query_T = torch.arange(new, device=device) + past
         self.masks: dict[int | None, Tensor] = {}
-        self._spans: dict[int | None, tuple[Tensor, Tensor, int] | None] = {}
+        self._spans: dict[int | None, Spans] = {}
         self._runs: tuple[Tensor, Tensor] | None = None
         if device.type == "cpu":
             first_B = key_mask_BK.int().argmax(1)
@@ -129,7 +130,7 @@ class _Masks:
             if torch.equal(run_BK, key_mask_BK):
                 self._runs = (first_B, key_mask_BK[:, past:])
 
-    def spans(self, window: int | None) -> tuple[Tensor, Tensor, int] | None:
+    def spans(self, window: int | None) -> Spans | None:
         """Each query's columns `[start, end)` (`b * T + t` order, CPU int64) and the
         widest: its run's valid keys at or before its column, within `window`; a padding
         query its own column (a finite result nothing reads). None where a row's valid
@@ -144,7 +145,7 @@ class _Masks:
                 start_BT = torch.maximum(start_BT, end_BT - window)
             start_BT = torch.where(query_valid_BT, start_BT, end_BT - 1)
             start_Q, end_Q = start_BT.reshape(-1).contiguous(), end_BT.reshape(-1).contiguous()
-            self._spans[window] = (start_Q, end_Q, int((end_Q - start_Q).max()))
+            self._spans[window] = Spans(start_Q, end_Q, int((end_Q - start_Q).max()))
         return self._spans[window]
 
     def get(self, window: int | None) -> Tensor:

@@ -76,8 +76,8 @@ class TrainOutput:
     tenant: str
     version: int
     sums: Mapping[str, float]
+    rows: int
     logprobs: tuple[tuple[float, ...], ...] | None = None
-    rows: int = 0
 
     @property
     def loss(self) -> float:

@@ -310,7 +310,7 @@ class MultiLaneTrainer:
                 )
             first += len(inp.data)
             out[inp.tenant] = TrainOutput(
-                inp.tenant, state.version, by_tenant[k], logprobs, rows=len(inp.data)
+                inp.tenant, state.version, by_tenant[k], len(inp.data), logprobs
             )
         return out
 

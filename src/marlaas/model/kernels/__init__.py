@@ -38,6 +38,7 @@ None too. The kernel runs in the calling thread (one core, as the engine's defau
 """
 
 from marlaas.model.kernels.attention import (
+    Spans,
     span_attention,
     span_attention_backward,
     span_attention_lse,
@@ -56,6 +57,7 @@ from marlaas.model.kernels.lora import LORA_ROWS_MAX_RANK, lora_rows
 
 __all__ = [
     "LORA_ROWS_MAX_RANK",
+    "Spans",
     "_library",
     "add_rms_norm",
     "lora_rows",

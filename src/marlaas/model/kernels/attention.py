@@ -2,44 +2,41 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
 from marlaas.model.kernels.build import kernel as load
 
 
+class Spans(NamedTuple):
+    """Each query's columns: query `q` attends `[start_Q[q], end_Q[q])` (contiguous int64
+    CPU tensors, `0 <= start < end`), and `widest`, the largest `end - start` (0: some
+    query attends no column, which the kernels do not take)."""
+
+    start_Q: Tensor
+    end_Q: Tensor
+    widest: int
+
+
 def span_attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    start_Q: Tensor,
-    end_Q: Tensor,
-    widest: int,
-    scale: float,
-    softcap: float | None,
+    query: Tensor, key: Tensor, value: Tensor, spans: Spans, scale: float, softcap: float | None
 ) -> Tensor | None:
     """Attention of `query [R, H, N, D]` (N tokens per cache row) where query token `n`
-    of row `r`, `q = r * N + n`, attends columns `[start_Q[q], end_Q[q])` of row `r` of
-    `key`/`value [R, Hkv, S, D]`; `[R, N, H, D]`, or None where the kernel does not
-    apply (see the module doc). `start_Q`/`end_Q` are contiguous int64 CPU tensors of
-    `R * N` entries with `0 <= start < end <= S`; `widest` is the largest `end - start`
-    (0: some query attends no column, which the kernel does not take)."""
-    out = _forward(query, key, value, start_Q, end_Q, widest, scale, softcap, lse=False)
+    of row `r`, `q = r * N + n`, attends its `spans` columns (`R * N` of them, each at
+    most `S`) of row `r` of `key`/`value [R, Hkv, S, D]`; `[R, N, H, D]`, or None where
+    the kernel does not apply (see the module doc)."""
+    out = _forward(query, key, value, spans, scale, softcap, lse=False)
     return None if out is None else out[0]
 
 
 def span_attention_lse(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    start_Q: Tensor,
-    end_Q: Tensor,
-    widest: int,
-    scale: float,
+    query: Tensor, key: Tensor, value: Tensor, spans: Spans, scale: float
 ) -> tuple[Tensor, Tensor] | None:
     """`span_attention` (no soft-capping) and each query head's log-sum-exp of its scaled
     scores `[R * N, H]`: what `span_attention_backward` needs."""
-    out = _forward(query, key, value, start_Q, end_Q, widest, scale, None, lse=True)
+    out = _forward(query, key, value, spans, scale, None, lse=True)
     if out is None:
         return None
     assert out[1] is not None
@@ -50,22 +47,20 @@ def _forward(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    start_Q: Tensor,
-    end_Q: Tensor,
-    widest: int,
+    spans: Spans,
     scale: float,
     softcap: float | None,
     lse: bool,
 ) -> tuple[Tensor, Tensor | None] | None:
     kernel = load("span_attention")
     R, H, N, D = query.shape
-    if kernel is None or not _takes(query, key, value, start_Q, end_Q, widest):
+    if kernel is None or not _takes(query, key, value, spans):
         return None
     out = torch.empty((R, N, H, D), dtype=torch.float32)
     lse_QH = torch.empty((R * N, H), dtype=torch.float32) if lse else None
-    scratch = torch.empty((H // int(key.shape[1])) * widest, dtype=torch.float32)
+    scratch = torch.empty((H // int(key.shape[1])) * spans.widest, dtype=torch.float32)
     kernel(
-        *_layout(query, key, value, start_Q, end_Q),
+        *_layout(query, key, value, spans),
         float(scale),
         float(softcap or 0.0),
         out.data_ptr(),
@@ -75,15 +70,13 @@ def _forward(
     return out, lse_QH
 
 
-def span_attention_trains(
-    query: Tensor, key: Tensor, value: Tensor, start_Q: Tensor, end_Q: Tensor, widest: int
-) -> bool:
+def span_attention_trains(query: Tensor, key: Tensor, value: Tensor, spans: Spans) -> bool:
     """Whether `span_attention_lse` and `span_attention_backward` both take these
     tensors: built, not switched off (`torch_path`), and of their layouts."""
     return (
         load("span_attention") is not None
         and load("span_attention_backward") is not None
-        and _takes(query, key, value, start_Q, end_Q, widest)
+        and _takes(query, key, value, spans)
     )
 
 
@@ -91,9 +84,7 @@ def span_attention_backward(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    start_Q: Tensor,
-    end_Q: Tensor,
-    widest: int,
+    spans: Spans,
     scale: float,
     out: Tensor,
     dout: Tensor,
@@ -101,13 +92,13 @@ def span_attention_backward(
 ) -> tuple[Tensor, Tensor, Tensor] | None:
     """The gradients `(dq [R, N, H, D], dk, dv [R, Hkv, S, D] contiguous)` of
     `span_attention_lse`'s output `out [R, N, H, D]` given its gradient `dout` (same
-    shape, contiguous) and `lse_QH`, over the forward's spans (`widest` theirs); None
-    where the kernel does not apply."""
+    shape, contiguous) and `lse_QH`, over the forward's spans; None where the kernel
+    does not apply."""
     kernel = load("span_attention_backward")
     R, H, N, D = query.shape
     if (
         kernel is None
-        or not _takes(query, key, value, start_Q, end_Q, widest)
+        or not _takes(query, key, value, spans)
         or not all(t.is_cpu and t.dtype == torch.float32 for t in (out, dout, lse_QH))
         or not (out.is_contiguous() and dout.is_contiguous() and lse_QH.is_contiguous())
         or tuple(out.shape) != (R, N, H, D)
@@ -123,7 +114,7 @@ def span_attention_backward(
         key, value = key.contiguous(), value.contiguous()
     dq = torch.empty((R, N, H, D), dtype=torch.float32)
     kernel(
-        *_layout(query, key, value, start_Q, end_Q),
+        *_layout(query, key, value, spans),
         float(scale),
         out.data_ptr(),
         dout.data_ptr(),
@@ -135,9 +126,7 @@ def span_attention_backward(
     return dq, dk, dv
 
 
-def _layout(
-    query: Tensor, key: Tensor, value: Tensor, start_Q: Tensor, end_Q: Tensor
-) -> tuple[int, ...]:
+def _layout(query: Tensor, key: Tensor, value: Tensor, spans: Spans) -> tuple[int, ...]:
     """The kernels' leading arguments: the sizes, the tensors and their strides."""
     R, H, N, D = query.shape
     return (
@@ -155,17 +144,16 @@ def _layout(
         key.stride(0),
         key.stride(1),
         key.stride(2),
-        start_Q.data_ptr(),
-        end_Q.data_ptr(),
+        spans.start_Q.data_ptr(),
+        spans.end_Q.data_ptr(),
     )
 
 
-def _takes(
-    query: Tensor, key: Tensor, value: Tensor, start_Q: Tensor, end_Q: Tensor, widest: int
-) -> bool:
+def _takes(query: Tensor, key: Tensor, value: Tensor, spans: Spans) -> bool:
     """Whether the span kernels take these tensors (see `span_attention`)."""
     R, H, N, _ = query.shape
     Hkv = int(key.shape[1])
+    start_Q, end_Q, widest = spans
     return not (
         widest < 1
         or widest > int(key.shape[2])
