@@ -9,6 +9,7 @@ import collections
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import weakref
@@ -96,7 +97,12 @@ class Worker:
 
     def stop(self) -> None:
         """Kill the worker with everything it runs (its bwrap's pid namespace ends; a
-        pending `wait` then sees EOF)."""
+        pending `wait` then sees EOF). The namespace's init, bwrap's child, is killed
+        directly as well as through its parent-death signal (bwrap's
+        ``--die-with-parent``): the namespace ends with it, whatever that signal does."""
+        for pid in _children(self.proc.pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
         kill_group(self.proc.pid)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=1.0)  # SIGKILL: at once
@@ -232,6 +238,16 @@ def _result(reply: dict[str, Any] | None, output: Output) -> SandboxResult:
     return call_result(
         None if output.killed else os.waitstatus_to_exitcode(reply["status"]), output
     )
+
+
+def _children(pid: int) -> list[int]:
+    """The live children of process `pid` ([] where it is gone or the kernel does not
+    list them)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(child) for child in f.read().split()]
+    except OSError:
+        return []
 
 
 def _wake_up(waiter: asyncio.Future[None]) -> None:
