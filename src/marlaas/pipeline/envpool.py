@@ -154,7 +154,9 @@ async def play_episode(
     for attempt in range(retries + 1):
         env = PooledEnv(family.make_env(example), pool, tenant)
         seed = sampling.seed
-        params = sampling if seed is None else replace(sampling, seed=seed + attempt)
+        params = (
+            sampling if seed is None or attempt == 0 else replace(sampling, seed=seed + attempt)
+        )
         try:
             return await run_episode(
                 submit,

@@ -13,25 +13,64 @@ The loop never blocks: the engine and the environment are both awaited.
 
 from __future__ import annotations
 
-import uuid
-from collections.abc import Awaitable, Callable
+import weakref
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 
 from transformers import PreTrainedTokenizerBase
 
 from marlaas.envs.base import TURN_END, Env
 from marlaas.model.chat import encode_rendered, encode_text
-from marlaas.types import Completion, FinishReason, RolloutRequest, SamplingParams, Trajectory
+from marlaas.types import (
+    Completion,
+    FinishReason,
+    RolloutRequest,
+    SamplingParams,
+    Trajectory,
+    unique_id,
+)
 
 #: How the episode reaches the engine: `RolloutEngine.submit`, or anything shaped like it.
 Submit = Callable[[RolloutRequest], Awaitable[Completion]]
 
 
-def turn_sampling(sampling: SamplingParams) -> SamplingParams:
-    """The sampling of one model turn: a turn always ends at a newline."""
-    if TURN_END in sampling.stop:
-        return sampling
-    return replace(sampling, stop=(*sampling.stop, TURN_END))
+def turn_sampling(sampling: SamplingParams, env_stop: Sequence[str] = ()) -> SamplingParams:
+    """The sampling of one model turn of a plain-text episode: a turn always ends at a
+    newline, and at the environment's own stop strings."""
+    return with_stops(sampling, (TURN_END, *env_stop))
+
+
+def with_stops(sampling: SamplingParams, stops: Sequence[str]) -> SamplingParams:
+    """`sampling` that also stops at `stops` (each once, the request's own first)."""
+    stop = tuple(dict.fromkeys((*sampling.stop, *stops)))
+    return sampling if stop == sampling.stop else replace(sampling, stop=stop)
+
+
+#: How many prompt texts `prompt_ids` remembers per tokenizer.
+PROMPT_IDS_KEPT = 4096
+
+_prompt_ids: weakref.WeakKeyDictionary[
+    PreTrainedTokenizerBase, OrderedDict[tuple[bool, str], tuple[int, ...]]
+] = weakref.WeakKeyDictionary()
+
+
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, text: str, *, chat: bool) -> tuple[int, ...]:
+    """An episode's prompt ids (`encode_rendered` for chat environments, `encode_text`
+    otherwise), remembered for the last `PROMPT_IDS_KEPT` texts of each tokenizer: the G
+    episodes of a group, their retries and every eval share their prompts, and a
+    tokenizer call costs the event loop tens of microseconds."""
+    kept = _prompt_ids.setdefault(tokenizer, OrderedDict())
+    key = (chat, text)
+    ids = kept.get(key)
+    if ids is None:
+        ids = tuple((encode_rendered if chat else encode_text)(tokenizer, text))
+        kept[key] = ids
+        if len(kept) > PROMPT_IDS_KEPT:
+            kept.popitem(last=False)
+    else:
+        kept.move_to_end(key)
+    return ids
 
 
 async def run_episode(
@@ -50,12 +89,10 @@ async def run_episode(
     the trajectory records the oldest and newest versions used.
     """
     prompt = await env.initial_observation()
-    encode = encode_rendered if env.chat else encode_text
-    prompt_ids = tuple(encode(tokenizer, prompt))
-    session = f"{tenant}/episode-{uuid.uuid4().hex[:16]}"  # unique without a shared counter
+    prompt_ids_ = prompt_ids(tokenizer, prompt, chat=env.chat)
+    session = f"{tenant}/episode-{unique_id()}"
     turn_end = "" if env.chat else TURN_END
-    if not env.chat:
-        sampling = turn_sampling(sampling)
+    sampling = with_stops(sampling, env.stop) if env.chat else turn_sampling(sampling, env.stop)
     tokens: list[int] = []
     mask: list[int] = []
     logprobs: list[float] = []
@@ -65,11 +102,10 @@ async def run_episode(
     finish: FinishReason = "length"
     turns = 0
     for turns in range(1, env.max_turns + 1):
-        stop = tuple(dict.fromkeys((*sampling.stop, *env.stop)))
         request = RolloutRequest(
             tenant=tenant,
-            prompt_ids=prompt_ids + tuple(tokens),
-            sampling=replace(sampling, stop=stop),
+            prompt_ids=prompt_ids_ + tuple(tokens),
+            sampling=sampling,
             version=version,
             # The last turn has no next one to continue its cache: keep nothing.
             session=session if turns < env.max_turns else None,
@@ -96,7 +132,7 @@ async def run_episode(
     return Trajectory(
         tenant=tenant,
         example_id=example_id,
-        prompt_ids=prompt_ids,
+        prompt_ids=prompt_ids_,
         token_ids=tuple(tokens),
         loss_mask_T=tuple(mask),
         logprobs_T=tuple(logprobs),
