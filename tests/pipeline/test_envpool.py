@@ -96,6 +96,56 @@ async def test_a_hung_call_times_out_and_frees_its_slot() -> None:
     assert pool.stats.timeouts == 1
 
 
+async def test_each_call_times_out_at_its_own_deadline() -> None:
+    """One timer serves the pool: a call started later is not cut short by an earlier
+    call's deadline, and every hung call of a crowd times out."""
+    pool, loop = EnvPool(max_concurrency=8, timeout_s=0.2), asyncio.get_running_loop()
+    ended: dict[str, float] = {}
+
+    async def hang() -> None:
+        await asyncio.sleep(3600)
+
+    async def quick() -> str:
+        return "ok"
+
+    async def timed(name: str, delay: float) -> tuple[str, float]:
+        await asyncio.sleep(delay)
+        start = loop.time()
+        with pytest.raises(EnvCallError, match="timed out") as info:
+            await pool.call(hang, tenant=name, what="step")
+        assert isinstance(info.value.__cause__, TimeoutError)
+        ended[name] = loop.time()
+        return name, start
+
+    assert await pool.call(quick, tenant="q", what="step") == "ok"  # arms and leaves
+    starts = dict(await asyncio.gather(*(timed(f"t{i}", 0.03 * i) for i in range(6))))
+    for name, start in starts.items():
+        assert ended[name] >= start + pool.timeout_s, name
+    assert pool.stats.timeouts == 6 and pool.active == 0
+
+
+async def test_a_call_cancelled_from_outside_is_not_a_timeout() -> None:
+    pool = EnvPool(max_concurrency=1, timeout_s=0.05)
+    started = asyncio.Event()
+
+    async def hang() -> None:
+        started.set()
+        await asyncio.sleep(3600)
+
+    task = asyncio.create_task(pool.call(hang, tenant="t", what="step"))
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert pool.stats.timeouts == 0 and pool.active == 0
+    await asyncio.sleep(0.1)  # past the cancelled call's deadline: the timer finds nothing
+
+    async def quick() -> str:
+        return "ok"
+
+    assert await pool.call(quick, tenant="u", what="step") == "ok"  # its slot was freed
+
+
 async def test_an_error_is_wrapped_with_its_cause() -> None:
     pool = EnvPool()
 

@@ -145,7 +145,10 @@ class DeviceExecutor:
         return self._failure
 
     def wake(self) -> None:
-        self._wake.set()
+        # A set flag is one the device thread has not cleared yet: it clears it before it
+        # looks for work, so it will see whatever the caller queued.
+        if not self._wake.is_set():
+            self._wake.set()
 
     # -- work ------------------------------------------------------------------------
 
