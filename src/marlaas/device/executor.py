@@ -13,7 +13,9 @@ Policy, one decision per turn of the loop:
    one forward pass, one batched optimizer step (each new version published before its
    result is delivered), then snapshots, exports and drops. Passes are held back when
    the previous turn ran a pass and the engine has rows to decode: a pass that waits
-   blocks its tenants, so training goes first, but decode is never starved.
+   blocks its tenants, so training goes first, but decode is never starved. A
+   forward_backward pass of few tenants also waits a few engine iterations for more of
+   the tenants that are training to join it (`ops.PassGathering`).
    Except while inference rows run (`RequestGate.interactive_active`): the turns then
    belong to inference for a window of at most `MAX_INTERACTIVE_S` -- no pass, and no
    new training rows enter the engine (the ones running keep decoding in the same
@@ -63,7 +65,7 @@ import time
 from typing import Any
 
 from marlaas.device.compute import Compute
-from marlaas.device.ops import PASSES, Op, Phase, take
+from marlaas.device.ops import PASSES, Op, PassGathering, Phase, take
 from marlaas.errors import MarlaasError, TenantNotFound
 from marlaas.obs.history import BusyHistory
 from marlaas.obs.recorder import NullRecorder, Recorder
@@ -86,6 +88,7 @@ class DeviceExecutor:
         self.recorder: Recorder = recorder or NullRecorder()
         compute.connect(self.wake)
         self._wake = threading.Event()
+        self._gathering = PassGathering()
         self._lock = threading.Lock()
         self._ops: list[Op] = []
         self._stopping = False
@@ -196,6 +199,8 @@ class DeviceExecutor:
             rows_waiting = compute.decodes_here and compute.has_decode_work()
             inference = self._inference_turn(any(op.phase in PASSES for op in ops))
             passes = not inference and not (self._last_was_pass and rows_waiting)
+            if passes and self._gathering.hold(ops, rows_waiting=rows_waiting):
+                passes = False
             taken, waiting = take(ops, passes=passes)
             with self._lock:
                 self._ops[:0] = waiting  # ahead of what came meanwhile: order is kept
@@ -264,6 +269,7 @@ class DeviceExecutor:
         self.busy_train_s += t1 - t0
         self.history.add(t0, t1)
         if backward:
+            self._gathering.ran(tenants)
             self.train_passes += 1
             self.pass_tenants += len(tenants)
             self.max_pass_tenants = max(self.max_pass_tenants, len(tenants))
