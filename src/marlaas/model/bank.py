@@ -135,6 +135,9 @@ class AdapterBank:
         #: `slot_lanes`' views of the buffers (A, B), reused while the resident adapters
         #: and the buffers stand (one lane batch a forward); None after any change.
         self._views: tuple[dict[str, Tensor], dict[str, Tensor]] | None = None
+        #: Each slot's (A, B) views per module path, made once per slot while the buffers
+        #: stand: a page-in then starts no tensor op per module but its copies.
+        self._slot_bufs: dict[int, dict[str, tuple[Tensor, Tensor]]] = {}
 
     @property
     def num_lanes(self) -> int:
@@ -313,6 +316,7 @@ class AdapterBank:
         self._views = None
         for path in shapes:  # module order
             if path in modules and path not in self._A:
+                self._slot_bufs.clear()
                 fan_in, fan_out = shapes[path]
                 self._A[path] = torch.zeros(S, r, fan_in, device=dev, dtype=self._dtype)
                 # Rank-major (`out` contiguous) under PEFT's `[S, out, r]` view: how the
@@ -405,18 +409,22 @@ class AdapterBank:
         host_A: list[Tensor] = []
         slot_B: list[Tensor] = []
         host_B: list[Tensor] = []
-        for path in self._A:
-            A_buf, B_buf = self._A[path][slot], self._B[path][slot]
+        bufs = self._slot_bufs.get(slot)
+        if bufs is None:
+            bufs = {path: (self._A[path][slot], self._B[path][slot]) for path in self._A}
+            self._slot_bufs[slot] = bufs
+        for path, (A_buf, B_buf) in bufs.items():
             pair = tensors.get(path)
             if pair is None or r == 0:
                 cleared += [A_buf, B_buf]
                 continue
             # Only the ranks past the adapter's need clearing: a page-in per new version.
-            if r < A_buf.shape[0]:
+            if r < self.model.max_rank:
                 cleared += [A_buf[r:], B_buf[:, r:]]
-            slot_A.append(A_buf[:r])
+                A_buf, B_buf = A_buf[:r], B_buf[:, :r]
+            slot_A.append(A_buf)
             host_A.append(pair[0])
-            slot_B.append(B_buf[:, :r])
+            slot_B.append(B_buf)
             host_B.append(pair[1])
         # A few multi-tensor ops rather than three per module: the device thread pays for
         # every op it starts while the event loop holds the interpreter (a page-in took
