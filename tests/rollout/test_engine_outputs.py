@@ -141,6 +141,56 @@ def test_stop_string_cuts_text_and_keeps_the_completing_token(
     assert stop not in out.text
 
 
+def test_the_stop_check_of_new_tokens_only_finds_every_stop_of_a_batch(
+    make_engine: Callable[..., RolloutEngine], tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """Rows of one batch, each with its own stop strings (from its own output: ending in
+    a letter, a space, a digit, a newline where there is one); only rows whose new token
+    holds a stop's last character are decoded, and each row still ends exactly where
+    the definition says."""
+    sampled = [
+        _req(tokenizer, "t0", f"row {i}", sampling=SamplingParams(temperature=1.0,
+             max_new_tokens=24, seed=100 + i))
+        for i in range(12)
+    ]  # fmt: skip
+    engine = make_engine()
+    plains = engine.generate(sampled)
+    requests = []
+    for i, (request, plain) in enumerate(zip(sampled, plains, strict=True)):
+        text = plain.text
+        ok = [j for j in range(2, len(text) - 1) if "\ufffd" not in text[j - 1 : j + 1]]
+        stops = ("@@never@@",)
+        if ok:
+            j = ok[(7 * i) % len(ok)]
+            stops += (text[j - 1 : j + 1],)
+        if "\n" in text:
+            stops += ("\n",)
+        requests.append(RolloutRequest(
+            tenant="t0", prompt_ids=request.prompt_ids,
+            sampling=SamplingParams(temperature=1.0, max_new_tokens=24, seed=100 + i, stop=stops),
+        ))  # fmt: skip
+    outs = make_engine().generate(requests)
+
+    def text_of(ids: tuple[int, ...]) -> str:
+        return str(tokenizer.decode(list(ids), skip_special_tokens=True))
+
+    stopped = 0
+    for request, plain, out in zip(requests, plains, outs, strict=True):
+        stops = request.sampling.stop
+        ends = [
+            n for n in range(1, len(plain.token_ids) + 1)
+            if any(s in text_of(plain.token_ids[:n]) for s in stops)
+        ]  # fmt: skip
+        if not ends:
+            assert out.token_ids == plain.token_ids and out.finish_reason == plain.finish_reason
+            continue
+        n, stopped = ends[0], stopped + 1
+        full = text_of(plain.token_ids[:n])
+        assert out.finish_reason == "stop" and out.token_ids == plain.token_ids[:n]
+        assert out.text == full[: min(full.find(s) for s in stops if s in full)]
+    assert stopped >= 6
+
+
 def test_eos_finishes_and_is_kept_in_tokens_not_text(
     make_engine: Callable[..., RolloutEngine], tokenizer: PreTrainedTokenizerBase
 ) -> None:

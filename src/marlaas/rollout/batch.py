@@ -47,8 +47,6 @@ class Row:
     deliver: Deliver
     #: Tokens of the decoded window checked for stop strings (0 = no stop strings).
     stop_window: int = 0
-    #: The last `stop_window` generated tokens (kept only for rows with stop strings).
-    tail: list[int] = field(default_factory=list)
     #: The final text when a stop string ended the row.
     stop_text: str | None = None
     #: Prompt tokens whose KV came from the session cache.
@@ -95,6 +93,8 @@ class RowBatch:
     n_filter: int = 0
     n_stop: int = 0
     stop_rows: list[int] = field(default_factory=list)
+    #: The last characters of the stop strings of `stop_rows` (`FinishPolicy`'s filter).
+    stop_ends: frozenset[str] = frozenset()
     listen_rows: list[int] = field(default_factory=list)
 
     @staticmethod
@@ -150,6 +150,7 @@ class RowBatch:
         self.n_filter = sum(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1) for p in params)
         self.stop_rows = [i for i, r in enumerate(self.rows) if r.stop_window > 0]
         self.n_stop = len(self.stop_rows)
+        self.stop_ends = frozenset(s[-1] for i in self.stop_rows for s in params[i].stop if s)
         self.listen_rows = [i for i, r in enumerate(self.rows) if r.listener is not None]
 
     def record(self, tokens_B: Tensor, logprobs_B: Tensor) -> None:

@@ -7,7 +7,12 @@ Stop strings are checked every iteration on the decoded text of the row's last
 `window` tokens (enough tokens to spell the longest stop string in bytes, plus a
 margin), and confirmed on the full decoded text; the text is cut before the first
 occurrence. Only rows with stop strings do this per-row work; EOS and length are
-batched tensor checks.
+batched tensor checks. A stop string that a new token completes ends in that token's
+text, so where the tokenizer decodes a sequence as the concatenation of its tokens'
+texts (a plain fast tokenizer) and every stop string ends in an ASCII character, only
+the rows whose new token's text holds one of those last characters are decoded: a
+lookup over the vocabulary, made once per character, picks them in one tensor op (a
+row ends at a newline: most iterations decode no row at all).
 
 `Completion` fields: `token_ids` holds every sampled token, including the EOS token or
 the token that completed the stop string; `logprobs` is aligned with it; `text` is the
@@ -17,6 +22,7 @@ anything after it; `version` is the adapter version pinned at admission.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -47,6 +53,9 @@ class FinishPolicy:
             and not tokenizer.clean_up_tokenization_spaces
         )
         self._decode_batch = tokenizer.backend_tokenizer.decode_batch if plain else None
+        #: Per character, which token ids' texts hold it (`_holding`); bool [V].
+        self._holds: dict[str, Tensor] = {}
+        self._holds_any: dict[tuple[frozenset[str], torch.device], Tensor] = {}
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
@@ -79,12 +88,24 @@ class FinishPolicy:
         return done_B, eos_B
 
     def _check_stops(self, batch: RowBatch, tokens_B: Tensor, done_B: Tensor) -> None:
-        rows = batch.stop_rows
-        for i, token in zip(rows, tokens_B[rows].tolist(), strict=True):
-            row = batch.rows[i]
-            row.tail.append(token)
-            del row.tail[: -row.stop_window]
-        recents = self.decode_many([batch.rows[i].tail for i in rows])
+        rows_R = torch.tensor(batch.stop_rows, dtype=torch.long, device=tokens_B.device)
+        holds_V = self._holding(batch.stop_ends, tokens_B.device)
+        if holds_V is not None:  # only the rows whose new token may complete a stop string
+            V = holds_V.shape[0]
+            new_R = tokens_B[rows_R]
+            rows_R = rows_R[torch.where(new_R < V, holds_V[new_R.clamp(max=V - 1)], True)]
+            if not len(rows_R):
+                return
+        rows = rows_R.tolist()
+        n_R = batch.n_gen_B[rows_R]
+        w = max(batch.rows[i].stop_window for i in rows)
+        pos_RW = (n_R[:, None] - w + torch.arange(w, device=n_R.device)).clamp(min=0)
+        window_RW = batch.tokens_BN[rows_R[:, None], pos_RW].tolist()
+        tails = [
+            tail[w - min(n, batch.rows[i].stop_window) :]
+            for i, n, tail in zip(rows, n_R.tolist(), window_RW, strict=True)
+        ]
+        recents = self.decode_many(tails)
         for i, recent in zip(rows, recents, strict=True):
             row = batch.rows[i]
             stops = row.request.sampling.stop
@@ -97,6 +118,32 @@ class FinishPolicy:
                 row.stop_text = full[: min(cuts)]
                 done_B[i] = True
 
+    def _holding(self, chars: frozenset[str], device: torch.device) -> Tensor | None:
+        """bool [V]: the token ids whose text holds one of `chars`; None where the filter
+        does not apply (a tokenizer that does not decode by concatenation, a character
+        past ASCII, which a token may hold only part of)."""
+        if self._decode_batch is None or not chars or any(ord(c) > 127 for c in chars):
+            return None
+        key = (chars, device)
+        if key not in self._holds_any:
+            for c in chars - self._holds.keys():
+                self._holds[c] = self._token_texts_holding(c)
+            holds_V = functools.reduce(torch.logical_or, (self._holds[c] for c in chars))
+            self._holds_any[key] = holds_V.to(device)
+        return self._holds_any[key]
+
+    def _token_texts_holding(self, char: str) -> Tensor:
+        """Which token ids' texts hold `char`, each decoded after a plain-text prefix (a
+        token decoded alone may lose a leading space it has in context)."""
+        assert self._decode_batch is not None
+        prefix = list(self.tokenizer.encode("a", add_special_tokens=False))
+        alone = self.decode_many([prefix])[0]
+        texts = self.decode_many([[*prefix, t] for t in range(len(self.tokenizer))])
+        return torch.tensor(
+            [char in (t[len(alone) :] if t.startswith(alone) else t) for t in texts],
+            dtype=torch.bool,
+        )
+
     def completions(
         self, batch: RowBatch, rows: list[int], eos: list[bool], aborted: bool = False
     ) -> list[Completion]:
@@ -104,19 +151,22 @@ class FinishPolicy:
         counts = batch.n_gen_B[idx].tolist()
         tokens = batch.tokens_BN[idx].tolist()
         logprobs = batch.logprobs_BN[idx].tolist()
+        ids_R = [tuple(tokens[j][: counts[j]]) for j in range(len(rows))]
+        reasons = [_reason(batch.rows[i].stop_text, eos[j], aborted) for j, i in enumerate(rows)]
+        # Every text but a stop string's cut, in one decode call (no EOS in an eos text).
+        texts = iter(
+            self.decode_many(
+                [
+                    list(ids[:-1] if r == "eos" else ids)
+                    for ids, r in zip(ids_R, reasons, strict=True)
+                    if r != "stop"
+                ]
+            )
+        )
         out: list[Completion] = []
         for j, i in enumerate(rows):
-            row, n = batch.rows[i], counts[j]
-            ids = tuple(tokens[j][:n])
-            reason: FinishReason
-            if aborted:
-                reason, text = "aborted", self.decode(ids)
-            elif row.stop_text is not None:
-                reason, text = "stop", row.stop_text
-            elif eos[j]:
-                reason, text = "eos", self.decode(ids[:-1])
-            else:
-                reason, text = "length", self.decode(ids)
+            row, n, ids, reason = batch.rows[i], counts[j], ids_R[j], reasons[j]
+            text = row.stop_text if row.stop_text is not None and reason == "stop" else next(texts)
             out.append(
                 Completion(
                     request_id=row.request.request_id,
@@ -131,3 +181,11 @@ class FinishPolicy:
                 )
             )
         return out
+
+
+def _reason(stop_text: str | None, eos: bool, aborted: bool) -> FinishReason:
+    if aborted:
+        return "aborted"
+    if stop_text is not None:
+        return "stop"
+    return "eos" if eos else "length"
