@@ -186,6 +186,39 @@ def test_versions_publish_pins_and_drops(
     assert not list(tmp_path.glob("*/v2.safetensors"))
 
 
+@pytest.mark.parametrize("spill", [False, True])
+def test_an_owned_publication_is_kept_as_given_and_any_other_is_copied(
+    model: LoRAModel, make_adapter: MakeAdapter, tmp_path: Path, spill: bool
+) -> None:
+    """A trainer's adapter (views of one private vector) is kept without a copy, spilled
+    as it is; tensors the caller keeps, or that are not float32 CPU ones, are copied."""
+    bank = AdapterBank(model, num_slots=4, spill_dir=tmp_path if spill else None)
+    bank.register("a", SMALL, seed=0)
+    flat = torch.cat(
+        [t.reshape(-1) for pair in make_adapter(model, SMALL, 1).values() for t in pair]
+    )
+    shapes = [(p, A.shape, B.shape) for p, (A, B) in make_adapter(model, SMALL, 1).items()]
+    owned, offset = {}, 0
+    for path, a_shape, b_shape in shapes:
+        A = flat[offset : offset + a_shape.numel()].view(a_shape)
+        offset += a_shape.numel()
+        owned[path] = (A, flat[offset : offset + b_shape.numel()].view(b_shape))
+        offset += b_shape.numel()
+    want = {p: (A.clone(), B.clone()) for p, (A, B) in owned.items()}
+    bank.publish("a", 1, owned, owned=True)
+    assert _slot_holds(bank, bank.acquire("a", 1), want)
+    kept = bank._entry("a", 1).tensors
+    assert (kept is None) == spill and (spill or kept is owned)
+    shared = make_adapter(model, SMALL, 2)
+    half = {p: (A.to(torch.float64), B.to(torch.float64)) for p, (A, B) in shared.items()}
+    bank.publish("a", 2, half, owned=True)  # not float32: copied and converted
+    bank.publish("a", 3, shared)  # the caller's own tensors: copied
+    for pair in shared.values():
+        pair[0].add_(1.0)  # the caller changes them afterwards
+    assert _slot_holds(bank, bank.acquire("a", 2), make_adapter(model, SMALL, 2))
+    assert _slot_holds(bank, bank.acquire("a", 3), make_adapter(model, SMALL, 2))
+
+
 def test_paging_in_clears_the_previous_occupant(
     model: LoRAModel, make_adapter: MakeAdapter
 ) -> None:

@@ -210,7 +210,7 @@ class LocalCompute:
     def optim_step(self, steps: Sequence[tuple[str, AdamParams]]) -> dict[str, OptimResult]:
         results = self.trainer.optim_step(steps)
         for tenant, result in results.items():
-            self.engine.publish(tenant, result.version, self.trainer.adapter(tenant))
+            self.engine.publish(tenant, result.version, self.trainer.adapter(tenant), owned=True)
         return results
 
     def close(self) -> None:

@@ -194,9 +194,14 @@ class AdapterBank:
                     self._discard(entry)
             record.versions.clear()
 
-    def publish(self, tenant: str, version: int, tensors: AdapterTensors) -> None:
-        """Add `version` (must be latest + 1) and drop versions older than the kept window."""
-        host = _host_copy(tensors)  # outside the lock: readers never wait on the copy
+    def publish(
+        self, tenant: str, version: int, tensors: AdapterTensors, *, owned: bool = False
+    ) -> None:
+        """Add `version` (must be latest + 1) and drop versions older than the kept window.
+        `owned`: `tensors` are a float32 CPU copy that nobody else holds (a trainer's
+        `adapter`), kept as they are; else the bank keeps a copy of its own."""
+        # Outside the lock: readers never wait on the copy.
+        host = tensors if owned and _is_host(tensors) else _host_copy(tensors)
         with self._lock:
             record = self._get(tenant)
             if version != record.latest + 1:
@@ -463,6 +468,15 @@ def _safe_name(tenant: str) -> str:
     """A file-system-safe, collision-free directory name for a tenant."""
     digest = hashlib.sha256(tenant.encode()).hexdigest()[:12]
     return f"{re.sub(r'[^A-Za-z0-9_.-]', '_', tenant)[:40]}-{digest}"
+
+
+def _is_host(tensors: AdapterTensors) -> bool:
+    """Whether every tensor is float32 on the CPU, outside any autograd graph."""
+    return all(
+        t.dtype == torch.float32 and t.device.type == "cpu" and not t.requires_grad
+        for pair in tensors.values()
+        for t in pair
+    )
 
 
 def _host_copy(tensors: AdapterTensors) -> AdapterTensors:

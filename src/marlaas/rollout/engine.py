@@ -200,14 +200,17 @@ class RolloutEngine:
             self._aborts.add(request_id)
         self._notify()
 
-    def publish(self, tenant: str, version: int, tensors: AdapterTensors) -> None:
-        """Publish an adapter version to the bank between two iterations.
+    def publish(
+        self, tenant: str, version: int, tensors: AdapterTensors, *, owned: bool = False
+    ) -> None:
+        """Publish an adapter version to the bank between two iterations (`owned`: as
+        `AdapterBank.publish`).
 
         Running sequences keep the version they were admitted with; requests admitted
         after this returns (with `version=None`) get the new one.
         """
         with self._lock:
-            self.bank.publish(tenant, version, tensors)
+            self.bank.publish(tenant, version, tensors, owned=owned)
 
     def generate(self, requests: Sequence[RolloutRequest]) -> list[Completion]:
         """Serve `requests` by stepping in this thread until all are answered.

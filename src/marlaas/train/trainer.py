@@ -162,10 +162,10 @@ class MultiLaneTrainer:
 
     def adapter(self, tenant: str) -> AdapterTensors:
         """A detached float32 CPU copy of the tenant's adapter (PEFT layout), ready for
-        `AdapterBank.publish(tenant, trainer.version(tenant), ...)`."""
+        `AdapterBank.publish(tenant, trainer.version(tenant), ..., owned=True)`: views of
+        one new vector that nothing else holds (one copy, not one per tensor)."""
         state = self._get(tenant)
-        views = state.layout.unflatten(state.flat_P.detach().to("cpu", copy=True))
-        return {p: (A.clone(), B.clone()) for p, (A, B) in views.items()}
+        return state.layout.unflatten(state.flat_P.detach().to("cpu", torch.float32, copy=True))
 
     def snapshot(self, tenant: str) -> TenantSnapshot:
         """The tenant's state at its version (accumulated gradients are not in it)."""
