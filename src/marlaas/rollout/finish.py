@@ -106,16 +106,21 @@ class FinishPolicy:
             for i, n, tail in zip(rows, n_R.tolist(), window_RW, strict=True)
         ]
         recents = self.decode_many(tails)
-        for i, recent in zip(rows, recents, strict=True):
-            row = batch.rows[i]
-            stops = row.request.sampling.stop
-            if not any(s in recent for s in stops):
-                continue
-            n = int(batch.n_gen_B[i])
-            full = self.decode(batch.tokens_BN[i, :n].tolist())
+        hits = [
+            (i, n)
+            for i, n, recent in zip(rows, n_R.tolist(), recents, strict=True)
+            if any(s in recent for s in batch.rows[i].request.sampling.stop)
+        ]
+        if not hits:
+            return
+        # Confirmed on the rows' whole texts, decoded in one call.
+        tokens = batch.tokens_BN[[i for i, _ in hits]].tolist()
+        fulls = self.decode_many([ids[:n] for ids, (_, n) in zip(tokens, hits, strict=True)])
+        for (i, _), full in zip(hits, fulls, strict=True):
+            stops = batch.rows[i].request.sampling.stop
             cuts = [full.find(s) for s in stops if s in full]
             if cuts:
-                row.stop_text = full[: min(cuts)]
+                batch.rows[i].stop_text = full[: min(cuts)]
                 done_B[i] = True
 
     def _holding(self, chars: frozenset[str], device: torch.device) -> Tensor | None:
