@@ -395,7 +395,10 @@ def test_a_validation_file_is_the_jobs_eval_set(served: Served) -> None:
         client.files.delete(held.id)
     client.fine_tuning.jobs.cancel(job.id)
     assert client.files.delete(held.id).deleted
-    # Iterating a page of one follows the cursor through every job, newest first.
+    # Iterating a page of one follows the cursor through every job, newest first (this
+    # test's two at least, whatever other tests of the module made).
+    newest = client.fine_tuning.jobs.create(model="base", training_file=train.id, method=rft())  # type: ignore[arg-type]
+    client.fine_tuning.jobs.cancel(newest.id)
     everything = [j.id for j in client.fine_tuning.jobs.list(limit=100).data]
-    assert len(everything) >= 3 and everything[0] == job.id
+    assert len(everything) >= 2 and everything[:2] == [newest.id, job.id]
     assert [j.id for j in client.fine_tuning.jobs.list(limit=1)] == everything
