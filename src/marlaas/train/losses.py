@@ -19,7 +19,7 @@ token-weighted mean (`ratio_min`/`ratio_max` by min/max, skipping empty ones).
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -139,28 +139,18 @@ def policy_loss(
         _check_shapes(logprobs_BT, weights_BT=weights_BT)
 
     valid_BT = mask_BT != 0
-    # Masked positions get log-ratio 0 before the exp, so a garbage log-prob there can
-    # neither overflow nor leak a NaN into the gradient through 0 * inf.
-    log_ratio_BT = torch.where(
-        valid_BT, logprobs_BT - behaviour_logprobs_BT, torch.zeros_like(logprobs_BT)
-    )
-    ratio_BT = torch.exp(log_ratio_BT)
-    adv_BT = advantages.to(ratio_BT.dtype)
-    adv_BT = adv_BT.unsqueeze(1) if adv_BT.dim() == 1 else adv_BT
-    unclipped_BT = ratio_BT * adv_BT
-    clipped_BT = torch.clamp(ratio_BT, 1.0 - clip_low, 1.0 + clip_high) * adv_BT
-    loss_BT = -torch.minimum(unclipped_BT, clipped_BT)
-    if tis_cap is not None:
-        loss_BT = loss_BT * (tis_cap / ratio_BT.detach()).clamp(max=1.0)
-    w_BT = torch.where(valid_BT, weights_BT.to(loss_BT.dtype), torch.zeros_like(loss_BT))
-    loss = (w_BT * loss_BT).sum()
+    t = surrogate(
+        logprobs_BT, behaviour_logprobs_BT, advantages, valid_BT, weights_BT,
+        clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap,
+    )  # fmt: skip
+    log_ratio_BT, ratio_BT = t.log_ratio_BT, t.ratio_BT
+    loss = t.weighted_BT.sum()
 
     with torch.no_grad():
         # Masked reductions, not boolean indexing: no data-dependent shapes, no sync.
         tokens = valid_BT.sum()
         n = tokens.clamp_min(1).to(ratio_BT.dtype)
-        low_BT = valid_BT & (adv_BT < 0) & (ratio_BT < 1.0 - clip_low)
-        high_BT = valid_BT & (adv_BT > 0) & (ratio_BT > 1.0 + clip_high)
+        low_BT, high_BT = t.low_BT, t.high_BT
         inf = torch.full_like(ratio_BT, torch.inf)
         one = ratio_BT.new_ones(())
         metrics = {
@@ -178,6 +168,65 @@ def policy_loss(
             "tokens": tokens,
         }
     return loss, metrics
+
+
+class Surrogate(NamedTuple):
+    """The per-token terms of the clipped surrogate (`surrogate`): the masked log-ratio
+    and ratio, the weighted loss `w * l` (with gradient; zero where masked), and which
+    valid tokens sit on the lower and the upper clip (detached)."""
+
+    log_ratio_BT: Tensor
+    ratio_BT: Tensor
+    weighted_BT: Tensor
+    low_BT: Tensor
+    high_BT: Tensor
+
+
+def surrogate(
+    logprobs_BT: Tensor,
+    behaviour_logprobs_BT: Tensor,
+    advantages: Tensor,
+    valid_BT: Tensor,
+    weights_BT: Tensor,
+    *,
+    clip_low: float | Tensor,
+    clip_high: float | Tensor,
+    tis_cap: float | Tensor | None = None,
+) -> Surrogate:
+    """The per-token terms of `policy_loss` (see it for the maths), unreduced. The clip
+    range and the TIS cap are numbers, or `[B, 1]` tensors (one per row: rows of several
+    tenants with their own settings in one set of ops; a row without a cap holds `inf`).
+    `advantages` is `[B]` or `[B, T]`."""
+    # Masked positions get log-ratio 0 before the exp, so a garbage log-prob there can
+    # neither overflow nor leak a NaN into the gradient through 0 * inf.
+    log_ratio_BT = torch.where(
+        valid_BT, logprobs_BT - behaviour_logprobs_BT, torch.zeros_like(logprobs_BT)
+    )
+    ratio_BT = torch.exp(log_ratio_BT)
+    adv_BT = advantages.to(ratio_BT.dtype)
+    adv_BT = adv_BT.unsqueeze(1) if adv_BT.dim() == 1 else adv_BT
+    unclipped_BT = ratio_BT * adv_BT
+    # Per-row settings are rounded to the ratio's dtype as a number would be.
+    low: float | Tensor = 1.0 - clip_low
+    high: float | Tensor = 1.0 + clip_high
+    if isinstance(low, Tensor) or isinstance(high, Tensor):
+        low = torch.as_tensor(low, dtype=torch.float64).to(ratio_BT)
+        high = torch.as_tensor(high, dtype=torch.float64).to(ratio_BT)
+        clipped_BT = torch.clamp(ratio_BT, low, high) * adv_BT
+    else:
+        clipped_BT = torch.clamp(ratio_BT, low, high) * adv_BT
+    loss_BT = -torch.minimum(unclipped_BT, clipped_BT)
+    if isinstance(tis_cap, Tensor):  # per row; inf: no cap (a factor of exactly 1)
+        cap = tis_cap.to(ratio_BT)
+        capped_BT = (cap / ratio_BT.detach()).clamp(max=1.0)
+        loss_BT = loss_BT * torch.where(torch.isinf(cap), 1.0, capped_BT)
+    elif tis_cap is not None:
+        loss_BT = loss_BT * (tis_cap / ratio_BT.detach()).clamp(max=1.0)
+    w_BT = torch.where(valid_BT, weights_BT.to(loss_BT.dtype), torch.zeros_like(loss_BT))
+    with torch.no_grad():
+        low_BT = valid_BT & (adv_BT < 0) & (ratio_BT < low)
+        high_BT = valid_BT & (adv_BT > 0) & (ratio_BT > high)
+    return Surrogate(log_ratio_BT, ratio_BT, w_BT * loss_BT, low_BT, high_BT)
 
 
 def kl_penalty(

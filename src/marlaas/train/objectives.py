@@ -29,7 +29,8 @@ each tenant's data names, several in one multi-lane pass.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Protocol
 
@@ -37,7 +38,13 @@ import torch
 from torch import Tensor
 
 from marlaas.errors import ConfigError
-from marlaas.train.losses import KLEstimator, entropy_from_logits, kl_penalty, policy_loss
+from marlaas.train.losses import (
+    KLEstimator,
+    entropy_from_logits,
+    kl_penalty,
+    policy_loss,
+    surrogate,
+)
 
 #: Per-token inputs an objective may need beyond targets and weights (see `Datum`).
 SAMPLING_LOGPROBS = "sampling_logprobs"
@@ -197,6 +204,66 @@ class PolicyGradient:
             if kl_sum is not None:
                 sums["kl_base"] = kl_sum
         return loss, sums
+
+    @staticmethod
+    def rows(
+        objectives: Sequence[PolicyGradient], lane_B: Tensor, x: LossInputs
+    ) -> tuple[Tensor, dict[str, Tensor]] | None:
+        """The rows of several lanes in one set of ops, row `b` under
+        `objectives[lane_B[b]]`: the loss of them all (the sum of each lane's) and each
+        row's sums `[B]` (a lane's sums are those of its rows). None where a lane has a
+        KL term (its base log-probs are the lane's own): the caller runs each lane."""
+        if any(o.kl_coef > 0 for o in objectives):
+            return None
+        first = objectives[0]
+        low: float | Tensor = first.clip_low
+        high: float | Tensor = first.clip_high
+        cap: float | Tensor | None = first.tis_cap
+        if any(o != first for o in objectives):  # each row its lane's settings
+            dev = x.logprobs_BT.device
+
+            def per_row(values: list[float]) -> Tensor:
+                return torch.tensor(values, dtype=torch.float64, device=dev)[lane_B][:, None]
+
+            low = per_row([o.clip_low for o in objectives])
+            high = per_row([o.clip_high for o in objectives])
+            caps = [o.tis_cap for o in objectives]
+            cap = (
+                None
+                if all(c is None for c in caps)
+                else per_row([math.inf if c is None else c for c in caps])
+            )
+        mask_BT = x.mask_BT
+        t = surrogate(
+            x.logprobs_BT, x.sampling_logprobs_BT, x.advantages_BT, mask_BT, x.weights_BT,
+            clip_low=low, clip_high=high, tis_cap=cap,
+        )  # fmt: skip
+        with torch.no_grad():
+            log_ratio_BT = t.log_ratio_BT
+            entropy_BT = entropy_from_logits(x.logits_BTV.detach())
+            sums = {
+                "loss": t.weighted_BT.detach().sum(dim=1),
+                "tokens": mask_BT.sum(dim=1),
+                "clipped": (t.low_BT | t.high_BT).sum(dim=1),
+                "ratio": torch.where(mask_BT, t.ratio_BT, 0.0).sum(dim=1),
+                "kl_behaviour": (torch.expm1(log_ratio_BT) - log_ratio_BT).sum(dim=1),
+                "entropy": torch.where(mask_BT, entropy_BT, 0.0).sum(dim=1),
+            }
+        return t.weighted_BT.sum(), sums
+
+
+def lane_rows(
+    objectives: Sequence[Objective], lane_B: Tensor, x: LossInputs
+) -> tuple[Tensor, dict[str, Tensor]] | None:
+    """The loss and per-row sums `[B]` of a micro-batch's rows in one set of ops, row `b`
+    under `objectives[lane_B[b]]` (each lane its tenant's objective), where those
+    objectives allow it (every lane a `PolicyGradient` without a KL term); else None and
+    the caller runs each lane's objective on its rows. Equal, up to rounding, to the
+    lanes' own calls: the loss is their sum and a lane's sums are its rows' sums."""
+    pg = [o for o in objectives if isinstance(o, PolicyGradient)]
+    if len(pg) != len(objectives):
+        return None
+    return PolicyGradient.rows(pg, lane_B, x)
 
 
 # -- Tinker's policy-gradient losses ---------------------------------------------------

@@ -40,7 +40,7 @@ in other threads; `LoRAModel.lanes` serialises the lane batches).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -62,7 +62,7 @@ from marlaas.train.batch import (
 from marlaas.train.decoder import TrainDecoder
 from marlaas.train.lanes import MicroLanes
 from marlaas.train.losses import token_logprobs
-from marlaas.train.objectives import LossInputs
+from marlaas.train.objectives import LossInputs, lane_rows
 from marlaas.train.optim import (
     AdamParams,
     AdamState,
@@ -272,7 +272,7 @@ class MultiLaneTrainer:
         rows = tensorise_data([i.data for i in inputs], [i.return_logprobs for i in inputs])
         check_rows([i.tenant for i in inputs], rows, self._vocab, self.max_tokens_per_microbatch)
         plans = plan_microbatches(rows, self.max_tokens_per_microbatch)
-        sums: list[dict[str, Tensor]] = [{} for _ in inputs]
+        sums = _Sums(len(inputs))
         want = any(i.return_logprobs for i in inputs)
         lp_NT = torch.zeros(rows.weights_NT.shape) if want else None
         for plan in plans:
@@ -286,19 +286,10 @@ class MultiLaneTrainer:
         inputs: Sequence[TrainInput],
         states: Sequence[_Tenant],
         rows: Rows,
-        sums: Sequence[dict[str, Tensor]],
+        sums: _Sums,
         lp_NT: Tensor | None,
     ) -> dict[str, TrainOutput]:
-        # Every tenant's sums in one stack: one device sync for the whole pass.
-        keys = [(k, name) for k, tenant_sums in enumerate(sums) for name in sorted(tenant_sums)]
-        values = (
-            torch.stack([sums[k][name].to(torch.float64) for k, name in keys]).tolist()
-            if keys
-            else []
-        )
-        by_tenant: list[dict[str, float]] = [{"loss": 0.0, "tokens": 0.0} for _ in inputs]
-        for (k, name), value in zip(keys, values, strict=True):
-            by_tenant[k][name] = value
+        by_tenant = sums.values()
         out: dict[str, TrainOutput] = {}
         first = 0
         for k, (inp, state) in enumerate(zip(inputs, states, strict=True)):
@@ -333,7 +324,7 @@ class MultiLaneTrainer:
         rows: Rows,
         inputs: Sequence[TrainInput],
         states: Sequence[_Tenant],
-        sums: Sequence[dict[str, Tensor]],
+        sums: _Sums,
         lp_NT: Tensor | None,
         backward: bool,
     ) -> None:
@@ -390,25 +381,79 @@ class MultiLaneTrainer:
         if lp_NT is not None and shared is None:  # rows that want log-probs never share
             lp_NT[idx_B, :T] = lp_BT.detach().to("cpu", torch.float32)
         losses: list[Tensor] = []
-        for lane, inp in enumerate(lane_inputs):
-            a, b = plan.offsets[lane], plan.offsets[lane + 1]
-            loss, lane_sums = inp.loss(
-                LossInputs(
-                    logprobs_BT=lp_BT[a:b],
-                    logits_BTV=z_BTV[a:b],
-                    weights_BT=w_BT[a:b],
-                    sampling_logprobs_BT=beh_BT[a:b],
-                    advantages_BT=adv_BT[a:b],
-                    base_logprobs_BT=None if ref_BT is None else ref_BT[a:b],
-                )
+        # Every lane's rows in one set of ops where their objectives allow it.
+        together = (
+            lane_rows(
+                [i.loss for i in lane_inputs],
+                lane_B,
+                LossInputs(lp_BT, z_BTV, w_BT, beh_BT, adv_BT, ref_BT),
             )
+            if len(lane_inputs) > 1
+            else None
+        )
+        if together is not None:
+            loss, row_sums = together
             losses.append(loss)
-            acc = sums[plan.lanes[lane]]
-            for name, value in lane_sums.items():
-                acc[name] = acc[name] + value if name in acc else value
+            sums.add_rows(plan.lanes, torch.tensor(plan.lanes, device=dev)[lane_B], row_sums)
+        else:
+            for lane, inp in enumerate(lane_inputs):
+                a, b = plan.offsets[lane], plan.offsets[lane + 1]
+                loss, lane_sums = inp.loss(
+                    LossInputs(
+                        logprobs_BT=lp_BT[a:b],
+                        logits_BTV=z_BTV[a:b],
+                        weights_BT=w_BT[a:b],
+                        sampling_logprobs_BT=beh_BT[a:b],
+                        advantages_BT=adv_BT[a:b],
+                        base_logprobs_BT=None if ref_BT is None else ref_BT[a:b],
+                    )
+                )
+                losses.append(loss)
+                sums.add(plan.lanes[lane], lane_sums)
         if backward:
-            torch.stack(losses).sum().backward()
+            (losses[0] if len(losses) == 1 else torch.stack(losses).sum()).backward()
             lanes.accumulate()
+
+
+class _Sums:
+    """The sums of a pass's inputs, per name a float64 `[K]` vector (one device sync for
+    the whole pass when read), and which names each input has."""
+
+    def __init__(self, inputs: int) -> None:
+        self.inputs = inputs
+        self.totals: dict[str, Tensor] = {}
+        self.names: list[set[str]] = [set() for _ in range(inputs)]
+
+    def _total(self, name: str, like: Tensor) -> Tensor:
+        total = self.totals.get(name)
+        if total is None:
+            total = torch.zeros(self.inputs, dtype=torch.float64, device=like.device)
+            self.totals[name] = total
+        return total
+
+    def add(self, k: int, sums: Mapping[str, Tensor]) -> None:
+        """Input `k`'s sums (0-dim tensors)."""
+        for name, value in sums.items():
+            self._total(name, value)[k] += value.to(torch.float64)
+            self.names[k].add(name)
+
+    def add_rows(self, ks: Sequence[int], input_B: Tensor, sums: Mapping[str, Tensor]) -> None:
+        """Per-row sums `[B]` of inputs `ks`, row `b` of input `input_B[b]`."""
+        for name, value_B in sums.items():
+            self._total(name, value_B).index_add_(0, input_B, value_B.to(torch.float64))
+            for k in ks:
+                self.names[k].add(name)
+
+    def values(self) -> list[dict[str, float]]:
+        """Each input's sums as numbers (`loss` and `tokens` at least, 0 when none)."""
+        names = sorted(self.totals)
+        table = torch.stack([self.totals[n] for n in names]).tolist() if names else []
+        out: list[dict[str, float]] = [{"loss": 0.0, "tokens": 0.0} for _ in range(self.inputs)]
+        for row, name in zip(table, names, strict=True):
+            for k, value in enumerate(row):
+                if name in self.names[k]:
+                    out[k][name] = value
+        return out
 
 
 def _scaled(logits_BTV: Tensor, temp_B: Tensor | None) -> Tensor:
