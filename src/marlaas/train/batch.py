@@ -287,8 +287,8 @@ def tensorise_data(data: Sequence[Sequence[Datum]], whole: Sequence[bool] | None
     prefixes: dict[tuple[int, tuple[int, ...]], int] = {}
     prompt_N: list[int] = []
     prompt_len_N: list[int] = []
-    for i, (d, k) in enumerate(zip(rows, tenant_N.tolist(), strict=True)):
-        start = 0 if whole_N[i] else min(int(first_N[i]), len(d.input_ids))
+    for i, (d, k, first) in enumerate(zip(rows, tenant_N.tolist(), first_N.tolist(), strict=True)):
+        start = 0 if whole_N[i] else min(first, len(d.input_ids))
         key = (k, d.input_ids[:start]) if start > 0 else (k, (-1 - i,))  # -1 - i: its own
         prompt_N.append(prefixes.setdefault(key, len(prefixes)))
         prompt_len_N.append(start + 1)
