@@ -190,6 +190,23 @@ class LanePlan:
         lane_K = torch.tensor(lanes_K, dtype=torch.long, device=lane_B.device)
         return LanePlan(size, len(lanes_K), lane_K, scales(lane_K))
 
+    def add_in_place(
+        self, x: Tensor, A_Lri: Tensor, B_Lor: Tensor, y: Tensor, rows: int, tokens: int
+    ) -> bool:
+        """The native row kernel's update of `y` in place, for `x [..., in]` and
+        `y [..., out]` holding `rows` rows of `tokens` tokens each, as they are (no view
+        made); False (nothing written) where `apply` must run instead (gradients, no
+        per-row plan, tensors the kernel does not take)."""
+        plan = self.rows
+        if plan is None or (
+            torch.is_grad_enabled()
+            and (A_Lri.requires_grad or B_Lor.requires_grad or x.requires_grad)
+        ):
+            return False
+        return lora_rows(
+            x, y, A_Lri, B_Lor, plan.lane_N, plan.order_N, plan.scale_L, rows=(rows, tokens)
+        )
+
     def apply(self, x_BTi: Tensor, A_Lri: Tensor, B_Lor: Tensor, y_BTo: Tensor) -> Tensor:
         """`y_BTo` plus the LoRA update of rows `x_BTi` (both `[B, T, features]`); without
         gradients, where the native kernel applies, written into `y_BTo` itself."""

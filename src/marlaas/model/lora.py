@@ -147,6 +147,8 @@ class _LaneContext:
         current = self.current(tokens // rows, int(A_Lri.shape[1]))
         assert current is not None
         batch, plan = current
+        if plan.add_in_place(x, A_Lri, batch.B[path], y, rows, tokens // rows):
+            return y
         x_BTi = x.reshape(rows, tokens // rows, x.shape[-1])
         if x_BTi.dtype != A_Lri.dtype:
             x_BTi = x_BTi.to(A_Lri.dtype)

@@ -19,6 +19,7 @@ def lora_rows(
     lane_N: Tensor,
     order_N: Tensor,
     scale_L: Tensor | None,
+    rows: tuple[int, int] | None = None,
 ) -> bool:
     """Add `scale_L[l] * (x A_L[l]^T) B_L[l]^T` to the `T` tokens of every row `n` of
     `y_NTo [N, T, out]`, `l = lane_N[n]`, in place; False (nothing written) where the
@@ -27,13 +28,20 @@ def lora_rows(
     weights carry their scales. `x_NTi` and `y_NTo` must be contiguous, `B_Lor` either
     contiguous along `r` (PEFT's layout) or along `out` (rank-major, read in place),
     `lane_N` and `order_N` contiguous int64 with lanes in `[0, L)`; ranks up to
-    `LORA_ROWS_MAX_RANK`."""
+    `LORA_ROWS_MAX_RANK`. `rows = (N, T)`: `x` and `y` have any leading shape of `N * T`
+    tokens, row-major (no view to make: each is an op the device thread pays for)."""
     kernel = load("lora_rows")
-    N, T, fan_in = x_NTi.shape
+    fan_in, fan_out = int(x_NTi.shape[-1]), int(y_NTo.shape[-1])
+    if rows is None:
+        N, T = int(x_NTi.shape[0]), int(x_NTi.shape[1])
+        shaped = x_NTi.dim() == 3 and tuple(y_NTo.shape[:2]) == (N, T)
+    else:
+        N, T = rows
+        shaped = x_NTi.numel() == N * T * fan_in and y_NTo.numel() == N * T * fan_out
     L, r, _ = A_Lri.shape
-    fan_out = int(y_NTo.shape[-1])
     if (
         kernel is None
+        or not shaped
         or not (x_NTi.is_cpu and y_NTo.is_cpu and A_Lri.is_cpu and B_Lor.is_cpu)
         or not (x_NTi.dtype == y_NTo.dtype == A_Lri.dtype == B_Lor.dtype == torch.float32)
         or not (x_NTi.is_contiguous() and y_NTo.is_contiguous())
@@ -41,7 +49,6 @@ def lora_rows(
         or A_Lri.stride(-1) != 1
         or 1 not in (B_Lor.stride(1), B_Lor.stride(2))
         or tuple(B_Lor.shape) != (L, fan_out, r)
-        or tuple(y_NTo.shape[:2]) != (N, T)
         or lane_N.dtype != torch.int64
         or not (lane_N.is_contiguous() and order_N.is_contiguous())
         or (scale_L is not None and (scale_L.dtype != torch.float32 or not scale_L.is_contiguous()))
