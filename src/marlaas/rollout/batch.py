@@ -145,13 +145,25 @@ class RowBatch:
         return int(self.lengths_B.max()) if self.rows else 0
 
     def _count(self) -> None:
-        params = [r.request.sampling for r in self.rows]
-        self.n_sampling = sum(p.temperature > 0 for p in params)
-        self.n_filter = sum(p.temperature > 0 and (p.top_k > 0 or p.top_p < 1) for p in params)
-        self.stop_rows = [i for i, r in enumerate(self.rows) if r.stop_window > 0]
-        self.n_stop = len(self.stop_rows)
-        self.stop_ends = frozenset(s[-1] for i in self.stop_rows for s in params[i].stop if s)
-        self.listen_rows = [i for i, r in enumerate(self.rows) if r.listener is not None]
+        # One pass over the rows (the batch is rebuilt whenever rows leave or join).
+        n_sampling = n_filter = 0
+        stop_rows: list[int] = []
+        listen_rows: list[int] = []
+        stops: set[tuple[str, ...]] = set()
+        for i, row in enumerate(self.rows):
+            p = row.request.sampling
+            if p.temperature > 0:
+                n_sampling += 1
+                if p.top_k > 0 or p.top_p < 1:
+                    n_filter += 1
+            if row.stop_window > 0:
+                stop_rows.append(i)
+                stops.add(p.stop)
+            if row.listener is not None:
+                listen_rows.append(i)
+        self.n_sampling, self.n_filter = n_sampling, n_filter
+        self.stop_rows, self.n_stop, self.listen_rows = stop_rows, len(stop_rows), listen_rows
+        self.stop_ends = frozenset(s[-1] for stop in stops for s in stop if s)
 
     def record(self, tokens_B: Tensor, logprobs_B: Tensor) -> None:
         """Append one sampled token (and its log-prob) to every row."""
