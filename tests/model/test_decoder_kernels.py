@@ -102,3 +102,34 @@ def test_add_rms_norm_declines_without_writing() -> None:
     assert kernels.add_rms_norm(h, torch.randn(4, 8).t().contiguous().t(), weight, 1e-6) is None
     assert kernels.add_rms_norm(h, None, torch.randn(9), 1e-6) is None
     assert torch.equal(h, before)
+
+
+def test_copy_rows_moves_the_first_columns_of_every_block_and_head() -> None:
+    g = torch.Generator().manual_seed(3)
+    buffer = torch.randn(3, 2, 12, 2, 10, 4, generator=g)  # [L, k/v, rows, heads, cols, D]
+    want = buffer.clone()
+    dst, src, columns = [0, 4, 7], [11, 2, 9], 6
+    view = want[:, :, :, :, :columns]
+    view.index_copy_(2, torch.tensor(dst), view.index_select(2, torch.tensor(src)))
+    assert kernels.copy_rows(buffer, dst, src, columns)
+    assert torch.equal(buffer, want)  # the later columns and the other rows untouched
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["a row both source and destination", "float64", "a row out of range", "too many columns"],
+)
+def test_copy_rows_declines_what_it_cannot_copy_in_one_pass(case: str) -> None:
+    buffer = torch.randn(2, 2, 6, 1, 5, 4)
+    dst, src, columns = [0, 1], [4, 5], 3
+    if case == "a row both source and destination":
+        dst, src = [0, 1], [1, 2]
+    elif case == "float64":
+        buffer = buffer.double()
+    elif case == "a row out of range":
+        src = [4, 6]
+    else:
+        columns = 6
+    before = buffer.clone()
+    assert not kernels.copy_rows(buffer, dst, src, columns)
+    assert torch.equal(buffer, before)

@@ -41,6 +41,7 @@ from torch import Tensor
 from marlaas.errors import ModelError
 from marlaas.model.arch import check_attention
 from marlaas.model.cache import SlotCache, SlotLayer
+from marlaas.model.kernels import copy_rows
 
 #: One sequence's cache: `[layers, 2 (keys, values), H, L, D]`.
 RowKV = Tensor
@@ -224,7 +225,7 @@ class SlotKV:
     def move_rows(self, dst: Sequence[int], src: Sequence[int], columns: int) -> None:
         """Copy rows `src` into rows `dst` (their first `columns` columns), all at once:
         the sources are read before any destination is written."""
-        if not dst:
+        if not dst or copy_rows(self.buffer, dst, src, columns):  # one pass where it can
             return
         d = torch.tensor(list(dst), dtype=torch.long, device=self.device)
         s = torch.tensor(list(src), dtype=torch.long, device=self.device)

@@ -20,6 +20,8 @@
 - `swiglu` / `swiglu_backward` and `rotary` (with its transpose, the backward) are the
   trainer's element-wise steps of a decoder layer, one pass each instead of torch's
   several (`fused.c`).
+- `copy_rows` moves slot-cache rows (a finished row's place taken by a live one, a
+  prompt's cache copied to the rows that share it) in one pass with no temporary.
 - `rope_store` applies the rotary embedding to a forward's new queries (in place) and
   keys and writes the keys and values into their cache columns (`rope_store.c`): about
   a dozen element-wise ops, a transpose and two indexed copies per layer in torch.
@@ -45,7 +47,7 @@ from marlaas.model.kernels.attention import (
     span_attention_trains,
 )
 from marlaas.model.kernels.build import _library, native_kernels, torch_path, torch_path_on
-from marlaas.model.kernels.decoder import add_rms_norm, rope_store
+from marlaas.model.kernels.decoder import add_rms_norm, copy_rows, rope_store
 from marlaas.model.kernels.fused import (
     rotary,
     rotary_applies,
@@ -60,6 +62,7 @@ __all__ = [
     "Spans",
     "_library",
     "add_rms_norm",
+    "copy_rows",
     "lora_rows",
     "native_kernels",
     "rope_store",

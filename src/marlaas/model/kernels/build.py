@@ -61,6 +61,11 @@ KERNELS: dict[str, tuple[str, str, list[type]]] = {
         ],
     ),
     "add_rms_norm": ("rms_norm", "add_rms_norm_f32", [_I64, _I64, _PTR, _PTR, _PTR, _F32, _PTR]),
+    "copy_rows": (
+        "copy_rows",
+        "copy_rows_f32",
+        [*(_I64, _I64, _I64, _I64, _I64, _I64, _I64), *(_PTR, _PTR, _PTR)],
+    ),
     "swiglu": ("fused", "swiglu_f32", [_I64, _PTR, _PTR, _PTR]),
     "swiglu_backward": ("fused", "swiglu_backward_f32", [_I64, _PTR, _PTR, _PTR, _PTR, _PTR]),
     "rotary": ("fused", "rotary_f32", [_I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64]),

@@ -4,6 +4,9 @@
 
 from __future__ import annotations
 
+import ctypes
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -113,3 +116,40 @@ def add_rms_norm(
         out.data_ptr(),
     )
     return out
+
+
+def copy_rows(buffer: Tensor, dst: Sequence[int], src: Sequence[int], columns: int) -> bool:
+    """Copy rows `src` of a slot cache `buffer [blocks..., rows, heads, columns, D]`
+    (float32, contiguous; the rows axis third from the end of the leading ones) into rows
+    `dst`, their first `columns` columns, in one pass; False (nothing written) where the
+    kernel does not apply, or a row is both a source and a destination (then the caller
+    must read every source before it writes)."""
+    kernel = load("copy_rows")
+    if (
+        kernel is None
+        or buffer.dim() < 4
+        or buffer.dtype != torch.float32
+        or not buffer.is_cpu
+        or not buffer.is_contiguous()
+        or len(dst) != len(src)
+        or not set(dst).isdisjoint(src)
+    ):
+        return False
+    rows, heads, width, D = (int(n) for n in buffer.shape[-4:])
+    if not (0 <= columns <= width) or not all(0 <= r < rows for r in (*dst, *src)):
+        return False
+    moves = len(dst)
+    dst_m, src_m = (ctypes.c_int64 * moves)(*dst), (ctypes.c_int64 * moves)(*src)
+    kernel(
+        buffer.numel() // (rows * heads * width * D),
+        rows * heads * width * D,
+        heads * width * D,
+        heads,
+        width * D,
+        columns * D,
+        moves,
+        ctypes.addressof(dst_m),
+        ctypes.addressof(src_m),
+        buffer.data_ptr(),
+    )
+    return True
