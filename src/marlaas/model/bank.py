@@ -437,8 +437,7 @@ class AdapterBank:
         if cleared:
             torch._foreach_zero_(cleared)
         if slot_A:
-            torch._foreach_copy_(slot_A, host_A)
-            torch._foreach_copy_(slot_B, host_B)
+            torch._foreach_copy_(slot_A + slot_B, host_A + host_B)
             # B carries the scale: the layers skip a multiplication per module.
             torch._foreach_mul_(slot_B, entry.spec.scaling)
         self._scale_S[slot] = entry.spec.scaling
