@@ -13,7 +13,10 @@ accumulated gradient by its own norm and takes one AdamW step per tenant (batche
 tenants, `train.optim`), clears the gradient and bumps the version.
 
 Per tenant, per micro-batch, on that tenant's contiguous slice of rows, the tenant's
-objective (`train.objectives`) maps `LossInputs` to its loss and sums. Log-probs are
+objective (`train.objectives`) maps `LossInputs` to its loss and sums; where every
+tenant's objective allows it (`objectives.lane_rows`: policy gradients without a KL
+term), one set of ops runs all the rows, each under its tenant's settings, and each
+tenant's sums are its rows' (the same values up to rounding). Log-probs are
 `log_softmax(logits / temperature)` at the input's temperature; an objective with
 `needs_base_logprobs` also gets the plain base's log-probs of its rows (the rows run
 again with no lane batch, under `no_grad`). Rows that start with the same unweighted
