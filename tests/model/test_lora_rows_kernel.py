@@ -116,8 +116,8 @@ def test_lane_plan_runs_it_without_gradients_only(monkeypatch: pytest.MonkeyPatc
     calls: list[bool] = []
     real = kernels.lora_rows
 
-    def counted(*args: object) -> bool:
-        calls.append(real(*args))  # type: ignore[arg-type]
+    def counted(*args: object, **kwargs: object) -> bool:
+        calls.append(real(*args, **kwargs))  # type: ignore[arg-type]
         return calls[-1]
 
     monkeypatch.setattr("marlaas.model.lane_plan.lora_rows", counted)

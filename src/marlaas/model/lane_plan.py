@@ -190,36 +190,43 @@ class LanePlan:
         lane_K = torch.tensor(lanes_K, dtype=torch.long, device=lane_B.device)
         return LanePlan(size, len(lanes_K), lane_K, scales(lane_K))
 
-    def add_in_place(
-        self, x: Tensor, A_Lri: Tensor, B_Lor: Tensor, y: Tensor, rows: int, tokens: int
-    ) -> bool:
-        """The native row kernel's update of `y` in place, for `x [..., in]` and
-        `y [..., out]` holding `rows` rows of `tokens` tokens each, as they are (no view
-        made); False (nothing written) where `apply` must run instead (gradients, no
-        per-row plan, tensors the kernel does not take)."""
-        plan = self.rows
-        if plan is None or (
-            torch.is_grad_enabled()
-            and (A_Lri.requires_grad or B_Lor.requires_grad or x.requires_grad)
-        ):
-            return False
-        return lora_rows(
-            x, y, A_Lri, B_Lor, plan.lane_N, plan.order_N, plan.scale_L, rows=(rows, tokens)
-        )
-
-    def apply(self, x_BTi: Tensor, A_Lri: Tensor, B_Lor: Tensor, y_BTo: Tensor) -> Tensor:
-        """`y_BTo` plus the LoRA update of rows `x_BTi` (both `[B, T, features]`); without
-        gradients, where the native kernel applies, written into `y_BTo` itself."""
+    def apply(
+        self,
+        x: Tensor,
+        A_Lri: Tensor,
+        B_Lor: Tensor,
+        y: Tensor,
+        rows: int | None = None,
+        tokens: int | None = None,
+    ) -> Tensor:
+        """`y` plus the LoRA update of `x`, both holding `rows` rows of `tokens` tokens in
+        any leading shape (default `[rows, tokens, features]`); without gradients, where
+        the native kernel applies, written into `y` itself on the tensors as they come (no
+        view made: each is an op the device thread pays for)."""
+        if rows is None or tokens is None:
+            rows, tokens = int(x.shape[0]), int(x.shape[1])
         grad = torch.is_grad_enabled() and (
-            A_Lri.requires_grad or B_Lor.requires_grad or x_BTi.requires_grad
+            A_Lri.requires_grad or B_Lor.requires_grad or x.requires_grad
         )
-        rows = self.rows
+        plan = self.rows
         if (
-            rows is not None
+            plan is not None
             and not grad
-            and lora_rows(x_BTi, y_BTo, A_Lri, B_Lor, rows.lane_N, rows.order_N, rows.scale_L)
+            and lora_rows(
+                x, y, A_Lri, B_Lor, plan.lane_N, plan.order_N, plan.scale_L, rows=(rows, tokens)
+            )
         ):
-            return y_BTo
+            return y
+        x_BTi, y_BTo = _as_rows(x, rows, tokens), _as_rows(y, rows, tokens)
+        out = self._apply_torch(x_BTi, A_Lri, B_Lor, y_BTo, grad)
+        if out is y_BTo:  # in place: y is the result
+            return y
+        return out if y_BTo is y else out.reshape(y.shape)
+
+    def _apply_torch(
+        self, x_BTi: Tensor, A_Lri: Tensor, B_Lor: Tensor, y_BTo: Tensor, grad: bool
+    ) -> Tensor:
+        """`apply` in torch's ops, on `[B, T, features]` rows."""
         if self.segments is not None:
             return self._apply_segments(self.segments, x_BTi, A_Lri, B_Lor, y_BTo)
         K, n = self.blocks, self.size
@@ -260,6 +267,11 @@ class LanePlan:
         delta_Pno = torch.bmm(h_Pnr, B_Por.transpose(1, 2))
         delta_BTo = delta_Pno.reshape(seg.pieces * seg.size, -1).index_select(0, seg.inverse)
         return y_BTo + delta_BTo.view(y_BTo.shape).to(y_BTo.dtype)
+
+
+def _as_rows(t: Tensor, rows: int, tokens: int) -> Tensor:
+    """`t` seen as `[rows, tokens, features]` (itself where it already is)."""
+    return t if t.shape[:-1] == (rows, tokens) else t.reshape(rows, tokens, t.shape[-1])
 
 
 class BlockLoRA(torch.autograd.Function):

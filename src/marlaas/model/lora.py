@@ -147,14 +147,9 @@ class _LaneContext:
         current = self.current(tokens // rows, int(A_Lri.shape[1]))
         assert current is not None
         batch, plan = current
-        if plan.add_in_place(x, A_Lri, batch.B[path], y, rows, tokens // rows):
-            return y
-        x_BTi = x.reshape(rows, tokens // rows, x.shape[-1])
-        if x_BTi.dtype != A_Lri.dtype:
-            x_BTi = x_BTi.to(A_Lri.dtype)
-        y_BTo = y.reshape(rows, tokens // rows, y.shape[-1])
-        out = plan.apply(x_BTi, A_Lri, batch.B[path], y_BTo)
-        return y if out is y_BTo else out.reshape(y.shape)  # in place: y is the result
+        if x.dtype != A_Lri.dtype:
+            x = x.to(A_Lri.dtype)
+        return plan.apply(x, A_Lri, batch.B[path], y, rows, tokens // rows)
 
 
 class MultiLoRALinear(nn.Module):
