@@ -14,7 +14,6 @@ The loop never blocks: the engine and the environment are both awaited.
 from __future__ import annotations
 
 import weakref
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 
@@ -22,6 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 from marlaas.envs.base import TURN_END, Env
 from marlaas.model.chat import encode_rendered, encode_text
+from marlaas.rollout.lru import TokenLRU
 from marlaas.types import (
     Completion,
     FinishReason,
@@ -35,41 +35,33 @@ from marlaas.types import (
 Submit = Callable[[RolloutRequest], Awaitable[Completion]]
 
 
-def turn_sampling(sampling: SamplingParams, env_stop: Sequence[str] = ()) -> SamplingParams:
-    """The sampling of one model turn of a plain-text episode: a turn always ends at a
-    newline, and at the environment's own stop strings."""
-    return with_stops(sampling, (TURN_END, *env_stop))
-
-
 def with_stops(sampling: SamplingParams, stops: Sequence[str]) -> SamplingParams:
     """`sampling` that also stops at `stops` (each once, the request's own first)."""
     stop = tuple(dict.fromkeys((*sampling.stop, *stops)))
     return sampling if stop == sampling.stop else replace(sampling, stop=stop)
 
 
-#: How many prompt texts `prompt_ids` remembers per tokenizer.
-PROMPT_IDS_KEPT = 4096
+#: How many prompt texts, and how many of their tokens, `encode_prompt` keeps per tokenizer.
+PROMPTS_KEPT = 4096
+PROMPT_TOKENS_KEPT = 1 << 20
 
-_prompt_ids: weakref.WeakKeyDictionary[
-    PreTrainedTokenizerBase, OrderedDict[tuple[bool, str], tuple[int, ...]]
+_encoded: weakref.WeakKeyDictionary[
+    PreTrainedTokenizerBase, TokenLRU[tuple[bool, str], tuple[int, ...]]
 ] = weakref.WeakKeyDictionary()
 
 
-def prompt_ids(tokenizer: PreTrainedTokenizerBase, text: str, *, chat: bool) -> tuple[int, ...]:
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, *, chat: bool) -> tuple[int, ...]:
     """An episode's prompt ids (`encode_rendered` for chat environments, `encode_text`
-    otherwise), remembered for the last `PROMPT_IDS_KEPT` texts of each tokenizer: the G
-    episodes of a group, their retries and every eval share their prompts, and a
-    tokenizer call costs the event loop tens of microseconds."""
-    kept = _prompt_ids.setdefault(tokenizer, OrderedDict())
-    key = (chat, text)
-    ids = kept.get(key)
+    otherwise), remembered per tokenizer (the G episodes of a group, their retries and
+    every eval share their prompts, and a tokenizer call costs the event loop tens of
+    microseconds)."""
+    kept = _encoded.get(tokenizer)
+    if kept is None:
+        kept = _encoded[tokenizer] = TokenLRU(PROMPTS_KEPT, PROMPT_TOKENS_KEPT)
+    ids = kept.get((chat, text))
     if ids is None:
         ids = tuple((encode_rendered if chat else encode_text)(tokenizer, text))
-        kept[key] = ids
-        if len(kept) > PROMPT_IDS_KEPT:
-            kept.popitem(last=False)
-    else:
-        kept.move_to_end(key)
+        kept.put((chat, text), ids, len(ids))
     return ids
 
 
@@ -89,10 +81,11 @@ async def run_episode(
     the trajectory records the oldest and newest versions used.
     """
     prompt = await env.initial_observation()
-    prompt_ids_ = prompt_ids(tokenizer, prompt, chat=env.chat)
+    prompt_ids = encode_prompt(tokenizer, prompt, chat=env.chat)
     session = f"{tenant}/episode-{unique_id()}"
     turn_end = "" if env.chat else TURN_END
-    sampling = with_stops(sampling, env.stop) if env.chat else turn_sampling(sampling, env.stop)
+    # A plain-text turn always ends at a newline; every turn at the environment's stops.
+    sampling = with_stops(sampling, env.stop if env.chat else (TURN_END, *env.stop))
     tokens: list[int] = []
     mask: list[int] = []
     logprobs: list[float] = []
@@ -104,7 +97,7 @@ async def run_episode(
     for turns in range(1, env.max_turns + 1):
         request = RolloutRequest(
             tenant=tenant,
-            prompt_ids=prompt_ids_ + tuple(tokens),
+            prompt_ids=prompt_ids + tuple(tokens),
             sampling=sampling,
             version=version,
             # The last turn has no next one to continue its cache: keep nothing.
@@ -132,7 +125,7 @@ async def run_episode(
     return Trajectory(
         tenant=tenant,
         example_id=example_id,
-        prompt_ids=prompt_ids_,
+        prompt_ids=prompt_ids,
         token_ids=tuple(tokens),
         loss_mask_T=tuple(mask),
         logprobs_T=tuple(logprobs),
