@@ -22,7 +22,6 @@ anything after it; `version` is the adapter version pinned at admission.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
@@ -53,9 +52,10 @@ class FinishPolicy:
             and not tokenizer.clean_up_tokenization_spaces
         )
         self._decode_batch = tokenizer.backend_tokenizer.decode_batch if plain else None
-        #: Per character, which token ids' texts hold it (`_holding`); bool [V].
-        self._holds: dict[str, Tensor] = {}
-        self._holds_any: dict[tuple[frozenset[str], torch.device], Tensor] = {}
+        #: Each token id's text, decoded once where the stop filter applies (`_holding`).
+        self._token_texts: list[str] | None = None
+        #: Per set of characters and device, which token ids' texts hold one; bool [V].
+        self._holds: dict[tuple[frozenset[str], torch.device], Tensor] = {}
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
@@ -98,17 +98,18 @@ class FinishPolicy:
                 return
         rows = rows_R.tolist()
         n_R = batch.n_gen_B[rows_R]
+        counts = n_R.tolist()
         w = max(batch.rows[i].stop_window for i in rows)
         pos_RW = (n_R[:, None] - w + torch.arange(w, device=n_R.device)).clamp(min=0)
         window_RW = batch.tokens_BN[rows_R[:, None], pos_RW].tolist()
         tails = [
             tail[w - min(n, batch.rows[i].stop_window) :]
-            for i, n, tail in zip(rows, n_R.tolist(), window_RW, strict=True)
+            for i, n, tail in zip(rows, counts, window_RW, strict=True)
         ]
         recents = self.decode_many(tails)
         hits = [
             (i, n)
-            for i, n, recent in zip(rows, n_R.tolist(), recents, strict=True)
+            for i, n, recent in zip(rows, counts, recents, strict=True)
             if any(s in recent for s in batch.rows[i].request.sampling.stop)
         ]
         if not hits:
@@ -130,24 +131,20 @@ class FinishPolicy:
         if self._decode_batch is None or not chars or any(ord(c) > 127 for c in chars):
             return None
         key = (chars, device)
-        if key not in self._holds_any:
-            for c in chars - self._holds.keys():
-                self._holds[c] = self._token_texts_holding(c)
-            holds_V = functools.reduce(torch.logical_or, (self._holds[c] for c in chars))
-            self._holds_any[key] = holds_V.to(device)
-        return self._holds_any[key]
+        if key not in self._holds:
+            if self._token_texts is None:
+                self._token_texts = self._decode_tokens()
+            holds = [any(c in text for c in chars) for text in self._token_texts]
+            self._holds[key] = torch.tensor(holds, dtype=torch.bool, device=device)
+        return self._holds[key]
 
-    def _token_texts_holding(self, char: str) -> Tensor:
-        """Which token ids' texts hold `char`, each decoded after a plain-text prefix (a
-        token decoded alone may lose a leading space it has in context)."""
-        assert self._decode_batch is not None
+    def _decode_tokens(self) -> list[str]:
+        """Each token id's text, decoded after a plain-text prefix (a token decoded alone
+        may lose a leading space it has in context)."""
         prefix = list(self.tokenizer.encode("a", add_special_tokens=False))
         alone = self.decode_many([prefix])[0]
         texts = self.decode_many([[*prefix, t] for t in range(len(self.tokenizer))])
-        return torch.tensor(
-            [char in (t[len(alone) :] if t.startswith(alone) else t) for t in texts],
-            dtype=torch.bool,
-        )
+        return [t[len(alone) :] if t.startswith(alone) else t for t in texts]
 
     def completions(
         self, batch: RowBatch, rows: list[int], eos: list[bool], aborted: bool = False
