@@ -42,7 +42,6 @@ from marlaas.train.losses import (
     KLEstimator,
     entropy_from_logits,
     kl_penalty,
-    policy_loss,
     surrogate,
 )
 
@@ -170,39 +169,18 @@ class PolicyGradient:
         return self.kl_coef > 0
 
     def __call__(self, x: LossInputs) -> tuple[Tensor, dict[str, Tensor]]:
-        mask_BT = x.mask_BT
-        loss, m = policy_loss(
-            x.logprobs_BT,
-            x.sampling_logprobs_BT,
-            x.advantages_BT,
-            mask_BT,
-            clip_low=self.clip_low,
-            clip_high=self.clip_high,
-            tis_cap=self.tis_cap,
-            weights_BT=x.weights_BT,
-        )
-        kl_sum: Tensor | None = None
+        loss, row_sums = _surrogate_rows(x, self.clip_low, self.clip_high, self.tis_cap)
+        sums = {name: value.sum() for name, value in row_sums.items()}
         if self.kl_coef > 0:
             if x.base_logprobs_BT is None:
                 raise ConfigError("policy_gradient with kl_coef > 0 needs the base log-probs")
             kl_BT = kl_penalty(
-                x.logprobs_BT, x.base_logprobs_BT, self.kl_estimator, mask_BT=mask_BT
+                x.logprobs_BT, x.base_logprobs_BT, self.kl_estimator, mask_BT=x.mask_BT
             )
-            loss = loss + self.kl_coef * (x.weights_BT.to(kl_BT.dtype) * kl_BT).sum()
-            kl_sum = kl_BT.detach().sum()
-        with torch.no_grad():
-            tokens = m["tokens"].to(loss.dtype)
-            entropy_BT = entropy_from_logits(x.logits_BTV.detach())
-            sums = {
-                "loss": loss.detach(),
-                "tokens": m["tokens"],
-                "clipped": m["clip_frac"] * tokens,
-                "ratio": m["ratio_mean"] * tokens,
-                "kl_behaviour": m["kl_behaviour"] * tokens,
-                "entropy": torch.where(mask_BT, entropy_BT, 0.0).sum(),
-            }
-            if kl_sum is not None:
-                sums["kl_base"] = kl_sum
+            kl_loss = self.kl_coef * (x.weights_BT.to(kl_BT.dtype) * kl_BT).sum()
+            loss = loss + kl_loss
+            sums["loss"] = sums["loss"] + kl_loss.detach()
+            sums["kl_base"] = kl_BT.detach().sum()
         return loss, sums
 
     @staticmethod
@@ -233,23 +211,34 @@ class PolicyGradient:
                 if all(c is None for c in caps)
                 else per_row([math.inf if c is None else c for c in caps])
             )
-        mask_BT = x.mask_BT
-        t = surrogate(
-            x.logprobs_BT, x.sampling_logprobs_BT, x.advantages_BT, mask_BT, x.weights_BT,
-            clip_low=low, clip_high=high, tis_cap=cap,
-        )  # fmt: skip
-        with torch.no_grad():
-            log_ratio_BT = t.log_ratio_BT
-            entropy_BT = entropy_from_logits(x.logits_BTV.detach())
-            sums = {
-                "loss": t.weighted_BT.detach().sum(dim=1),
-                "tokens": mask_BT.sum(dim=1),
-                "clipped": (t.low_BT | t.high_BT).sum(dim=1),
-                "ratio": torch.where(mask_BT, t.ratio_BT, 0.0).sum(dim=1),
-                "kl_behaviour": (torch.expm1(log_ratio_BT) - log_ratio_BT).sum(dim=1),
-                "entropy": torch.where(mask_BT, entropy_BT, 0.0).sum(dim=1),
-            }
-        return t.weighted_BT.sum(), sums
+        return _surrogate_rows(x, low, high, cap)
+
+
+def _surrogate_rows(
+    x: LossInputs,
+    clip_low: float | Tensor,
+    clip_high: float | Tensor,
+    tis_cap: float | Tensor | None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """`PolicyGradient`'s clipped surrogate over `x` without its KL term: the loss and
+    each row's sums `[B]` (settings as `losses.surrogate` takes them)."""
+    mask_BT = x.mask_BT
+    t = surrogate(
+        x.logprobs_BT, x.sampling_logprobs_BT, x.advantages_BT, mask_BT, x.weights_BT,
+        clip_low=clip_low, clip_high=clip_high, tis_cap=tis_cap,
+    )  # fmt: skip
+    with torch.no_grad():
+        log_ratio_BT = t.log_ratio_BT
+        entropy_BT = entropy_from_logits(x.logits_BTV.detach())
+        sums = {
+            "loss": t.weighted_BT.detach().sum(dim=1),
+            "tokens": mask_BT.sum(dim=1),
+            "clipped": (t.low_BT | t.high_BT).sum(dim=1),
+            "ratio": torch.where(mask_BT, t.ratio_BT, 0.0).sum(dim=1),
+            "kl_behaviour": (torch.expm1(log_ratio_BT) - log_ratio_BT).sum(dim=1),
+            "entropy": torch.where(mask_BT, entropy_BT, 0.0).sum(dim=1),
+        }
+    return t.weighted_BT.sum(), sums
 
 
 def lane_rows(
