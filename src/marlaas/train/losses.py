@@ -206,27 +206,29 @@ def surrogate(
     adv_BT = advantages.to(ratio_BT.dtype)
     adv_BT = adv_BT.unsqueeze(1) if adv_BT.dim() == 1 else adv_BT
     unclipped_BT = ratio_BT * adv_BT
-    # Per-row settings are rounded to the ratio's dtype as a number would be.
-    low: float | Tensor = 1.0 - clip_low
-    high: float | Tensor = 1.0 + clip_high
-    if isinstance(low, Tensor) or isinstance(high, Tensor):
-        low = torch.as_tensor(low, dtype=torch.float64).to(ratio_BT)
-        high = torch.as_tensor(high, dtype=torch.float64).to(ratio_BT)
-        clipped_BT = torch.clamp(ratio_BT, low, high) * adv_BT
-    else:
-        clipped_BT = torch.clamp(ratio_BT, low, high) * adv_BT
+    # Numbers and per-row settings alike, rounded to the ratio's dtype once.
+    low = _setting(1.0 - clip_low, ratio_BT)
+    high = _setting(1.0 + clip_high, ratio_BT)
+    clipped_BT = torch.clamp(ratio_BT, low, high) * adv_BT
     loss_BT = -torch.minimum(unclipped_BT, clipped_BT)
-    if isinstance(tis_cap, Tensor):  # per row; inf: no cap (a factor of exactly 1)
-        cap = tis_cap.to(ratio_BT)
+    if tis_cap is not None:
+        # A number as it is (torch divides a number by a tensor its own way).
+        cap = _setting(tis_cap, ratio_BT) if isinstance(tis_cap, Tensor) else tis_cap
         capped_BT = (cap / ratio_BT.detach()).clamp(max=1.0)
-        loss_BT = loss_BT * torch.where(torch.isinf(cap), 1.0, capped_BT)
-    elif tis_cap is not None:
-        loss_BT = loss_BT * (tis_cap / ratio_BT.detach()).clamp(max=1.0)
+        if isinstance(cap, Tensor):  # a row without a cap (inf): a factor of exactly 1
+            capped_BT = torch.where(torch.isinf(cap), 1.0, capped_BT)
+        loss_BT = loss_BT * capped_BT
     w_BT = torch.where(valid_BT, weights_BT.to(loss_BT.dtype), torch.zeros_like(loss_BT))
     with torch.no_grad():
         low_BT = valid_BT & (adv_BT < 0) & (ratio_BT < low)
         high_BT = valid_BT & (adv_BT > 0) & (ratio_BT > high)
     return Surrogate(log_ratio_BT, ratio_BT, w_BT * loss_BT, low_BT, high_BT)
+
+
+def _setting(value: float | Tensor, like: Tensor) -> Tensor:
+    """A setting (a number, or one per row) as a tensor of `like`'s dtype, rounded as
+    torch rounds a number it meets in an op on `like`."""
+    return torch.as_tensor(value, dtype=torch.float64).to(like)
 
 
 def kl_penalty(
