@@ -45,7 +45,7 @@ def unique_id() -> str:
 
 def next_request_id() -> str:
     """A fresh request id (`unique_id`)."""
-    return f"req-{_ids.next()}"
+    return f"req-{unique_id()}"
 
 
 @dataclass(frozen=True)

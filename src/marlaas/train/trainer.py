@@ -385,14 +385,10 @@ class MultiLaneTrainer:
             lp_NT[idx_B, :T] = lp_BT.detach().to("cpu", torch.float32)
         losses: list[Tensor] = []
         # Every lane's rows in one set of ops where their objectives allow it.
-        together = (
-            lane_rows(
-                [i.loss for i in lane_inputs],
-                lane_B,
-                LossInputs(lp_BT, z_BTV, w_BT, beh_BT, adv_BT, ref_BT),
-            )
-            if len(lane_inputs) > 1
-            else None
+        together = lane_rows(
+            [i.loss for i in lane_inputs],
+            lane_B,
+            LossInputs(lp_BT, z_BTV, w_BT, beh_BT, adv_BT, ref_BT),
         )
         if together is not None:
             loss, row_sums = together
