@@ -13,6 +13,9 @@ batches with a fixed price of their own (the engine's prefill forwards).
 of one prompt), which the trainer runs as one forward of the prefixes and one of the
 suffixes: a group is never split, groups are ordered by their longest suffix, and the
 MIN_FILL bound applies to the suffixes, the padded part of the suffix forward.
+
+Callers whose forwards skip padding in most of their work (the trainer's packed
+forward, `marlaas.train.decoder.Packed`) pass a lower `min_fill`: fewer, larger batches.
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ MIN_FILL = 0.75
 
 
 def pack_longest_first(
-    lengths: Sequence[int], max_tokens: int | None = None
+    lengths: Sequence[int], max_tokens: int | None = None, min_fill: float = MIN_FILL
 ) -> list[tuple[int, int]]:
     """The `[start, end)` spans of the batches over `lengths` (non-increasing, each at
-    least 1); `ValueError` for a row longer than `max_tokens`."""
+    least 1), no row shorter than `min_fill` of its batch's first; `ValueError` for a
+    row longer than `max_tokens`."""
     neg_lengths = [-n for n in lengths]  # ascending, for bisect
     spans: list[tuple[int, int]] = []
     start = 0
@@ -41,7 +45,7 @@ def pack_longest_first(
             if length > max_tokens:
                 raise ValueError(f"a row of {length} tokens exceeds the budget of {max_tokens}")
             end = min(end, start + max_tokens // length)
-        end = bisect.bisect_right(neg_lengths, -math.ceil(MIN_FILL * length), start + 1, end)
+        end = bisect.bisect_right(neg_lengths, -math.ceil(min_fill * length), start + 1, end)
         spans.append((start, end))
         start = end
     return spans
@@ -91,10 +95,13 @@ class PrefixGroup:
 
 
 def pack_prefix_groups(
-    groups: Sequence[PrefixGroup], max_tokens: int, allowance: int = 0
+    groups: Sequence[PrefixGroup],
+    max_tokens: int,
+    allowance: int = 0,
+    min_fill: float = MIN_FILL,
 ) -> list[list[int]]:
     """Batches of whole groups (indices into `groups`), each of at most `max_tokens`
-    rows x longest row, and no group's longest suffix shorter than `MIN_FILL` of the
+    rows x longest row, and no group's longest suffix shorter than `min_fill` of the
     batch's longest; then a batch whose rows pad by at most `allowance` suffix tokens in
     all when merged into the batch before it (what another batch would cost) is merged.
     `ValueError` for a group that does not fit the budget alone."""
@@ -113,7 +120,7 @@ def pack_prefix_groups(
             rows, length = rows + n, max(length, longest)
             continue
         batches.append([g])
-        least = math.ceil(MIN_FILL * suffix)
+        least = math.ceil(min_fill * suffix)
         rows, length = n, longest
     merged: list[list[int]] = []
     spent = 0

@@ -4,6 +4,8 @@ micro-batch can take."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import Tensor
@@ -95,3 +97,63 @@ def test_block_lora_without_scales_and_no_grad_path_unchanged() -> None:
         plain = plan.apply(x, A, Bw, y)
     assert plain.grad_fn is None
     torch.testing.assert_close(plain, ref.detach().reshape(4, 2, 5))
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("scaled", [True, False])
+def test_packed_runs_match_autograd(native: bool, scaled: bool) -> None:
+    """A packed micro-batch (a token a row, each lane's tokens one run of its own length,
+    lanes out of order, one lane absent): the native kernels (`RowsLoRA`) or, without
+    them, segments per run give the plain ops' output and gradients."""
+    from marlaas.model import kernels
+
+    g = torch.Generator().manual_seed(11 + scaled)
+    counts = {3: 37, 0: 5, 1: 90, 4: 1}  # lane 2 has no tokens
+    lane_N = torch.cat([torch.full((n,), lane) for lane, n in counts.items()])
+    N, L, fan_in, fan_out, r = int(lane_N.shape[0]), 5, 40, 24, 8
+    scale_L = torch.rand(L, generator=g) + 0.5
+    x = torch.randn(1, N, fan_in, generator=g)
+    A = torch.randn(L, r, fan_in, generator=g)
+    Bw = torch.randn(L, fan_out, r, generator=g)
+    y = torch.randn(1, N, fan_out, generator=g)
+    grad_out = torch.randn(1, N, fan_out, generator=g)
+
+    def run(fast: bool) -> list[Tensor]:
+        leaves = [t.clone().requires_grad_(True) for t in (x, A, Bw, y)]
+        xl, Al, Bl, yl = leaves
+        if fast:
+            plan = LanePlan.of(
+                lane_N, L, scale_L if scaled else None, scale_L[lane_N], tokens=1, rank=r
+            )
+            assert plan.segments is not None and plan.lane_K is not None  # pieces per run
+            assert plan.segments.pieces < N // 4
+            with contextlib.nullcontext() if native else kernels.torch_path():
+                out = plan.apply(xl, Al, Bl, yl.clone(), rows=N, tokens=1)
+            assert ("RowsLoRA" in type(out.grad_fn).__name__) == native
+        else:
+            scale = scale_L if scaled else torch.ones(L)
+            out = _plain(xl[0, :, None], Al, Bl, yl[0, :, None], lane_N, scale).view(1, N, -1)
+        out.backward(grad_out)
+        return [out.detach()] + [torch.zeros_like(t) if t.grad is None else t.grad for t in leaves]
+
+    for fast, plain in zip(run(True), run(False), strict=True):
+        # weight gradients sum up to 90 tokens: float32 rounding of sums of that size
+        torch.testing.assert_close(fast, plain, rtol=1e-4, atol=5e-5)
+
+
+def test_runs_segments_bound_padding() -> None:
+    """`Segments.of_runs`: each run cut into pieces of one size, every row once in its
+    own lane's piece, padding repeating the run's first row, and the padded rows few."""
+    from marlaas.model.lane_plan import PIECE_ROWS, Segments
+
+    runs = [(3, 37), (0, 5), (1, 90), (4, 1)]
+    seg, lanes_P = Segments.of_runs(runs, torch.device("cpu"))
+    gather, inverse = seg.gather.tolist(), seg.inverse.tolist()
+    assert len(gather) == seg.pieces * seg.size and len(lanes_P) == seg.pieces
+    lane_of_row = [lane for lane, n in runs for _ in range(n)]
+    assert [gather[i] for i in inverse] == list(range(133))
+    for i, row in enumerate(gather):
+        assert lane_of_row[row] == lanes_P[i // seg.size]
+    cost = seg.pieces * (seg.size + PIECE_ROWS)
+    for size in (1, 2, 4, 8, 16, 32, 64, 90):  # the chosen size is the cheapest
+        assert cost <= sum(-(-n // size) for _, n in runs) * (size + PIECE_ROWS)

@@ -132,3 +132,33 @@ def test_lane_plan_runs_it_without_gradients_only(monkeypatch: pytest.MonkeyPatc
     torch.testing.assert_close(out.detach().double(), want, atol=1e-4, rtol=1e-5)
     out.sum().backward()
     assert A_grad.grad is not None and A_grad.grad[1:].abs().sum() > 0
+
+
+@pytest.mark.parametrize(
+    ("r", "fan_in", "fan_out", "T", "rank_major", "scaled"),
+    [
+        (8, 128, 352, 1, False, True),  # the trainer's stacked lanes (PEFT's layout of B)
+        (16, 64, 40, 1, True, False),
+        (5, 24, 17, 3, False, True),  # no specialised rank, features off the vector width
+        (12, 33, 130, 2, True, True),
+    ],
+)
+def test_backward_equals_autograd(
+    r: int, fan_in: int, fan_out: int, T: int, rank_major: bool, scaled: bool
+) -> None:
+    """`lora_rows_backward`'s gradients of x, A and B equal autograd's of the definition
+    in float64, each row under its own lane, in any order (lanes repeated and absent)."""
+    g = torch.Generator().manual_seed(r * 100 + fan_out)
+    L, N = 6, 13
+    A, B = weights(L, r, fan_in, fan_out, rank_major, g)
+    lane = torch.tensor([3, 0, 5, 3, 1, 1, 5, 3, 3, 0, 1, 5, 0])  # lanes 2 and 4 absent
+    scale = torch.rand(L, generator=g) + 0.5 if scaled else None
+    x, grad = torch.randn(N, T, fan_in, generator=g), torch.randn(N, T, fan_out, generator=g)
+    xd, Ad, Bd = (t.double().requires_grad_(True) for t in (x, A, B))
+    reference(xd, torch.zeros(N, T, fan_out), Ad, Bd, lane, scale).backward(grad.double())
+    for order in (torch.argsort(lane, stable=True), torch.randperm(N, generator=g)):
+        out = kernels.lora_rows_backward(x, grad, A, B, lane, order, scale)
+        assert out is not None
+        for got, want in zip(out, (xd.grad, Ad.grad, Bd.grad), strict=True):
+            assert got.shape == want.shape
+            torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)

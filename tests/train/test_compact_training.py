@@ -98,3 +98,42 @@ def test_repeated_key_value_heads_give_the_same_gradients(
     model = LoRAModel(tiny_model("qwen2", VOCAB), max_rank=16)
     assert model.base.config.num_key_value_heads < model.base.config.num_attention_heads
     _trains_like_the_modules(model, True, (1e-5, 1e-6), 1e-5)
+
+
+@pytest.mark.parametrize("pack", [True, False])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_packed_and_padded_forwards_train_like_the_modules(
+    arch: str, pack: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compact forward with its valid tokens packed (`Packed`: every forward, however
+    little padding) and with none packed: the modules' losses and gradients, shared
+    prompts or not."""
+    monkeypatch.setattr(decoder.Packed, "MIN_PADDING", 0.0 if pack else 1.0)
+    seen: list[bool] = []
+    of = decoder.Packed.of
+
+    def watched(valid_BT: Tensor) -> decoder.Packed | None:
+        packed = of(valid_BT)
+        seen.append(packed is not None)
+        return packed
+
+    monkeypatch.setattr(decoder.Packed, "of", staticmethod(watched))
+    model = LoRAModel(tiny_model(arch, VOCAB), max_rank=16)
+    _trains_like_the_modules(model, True, (1e-5, 1e-6), 1e-5)
+    assert seen and all(s == pack for s in seen)
+
+
+def test_packing_needs_enough_padding() -> None:
+    """`Packed.of`: rows with under `MIN_PADDING` padding run as they are; the packing
+    keeps the valid tokens in row-major order and each row's last."""
+    full = torch.ones(4, 10, dtype=torch.bool)
+    assert decoder.Packed.of(full) is None
+    valid = torch.arange(10) < torch.tensor([10, 3, 7, 1])[:, None]
+    packed = decoder.Packed.of(valid)
+    assert packed is not None
+    ids = torch.arange(40).view(4, 10)
+    rows = packed.rows(ids)
+    assert rows.tolist() == [[*range(10), 10, 11, 12, *range(20, 27), 30]]
+    assert rows[0, packed.last_B].tolist() == [9, 12, 26, 30]
+    back = packed.padded(rows.unsqueeze(-1)).squeeze(-1)
+    assert torch.equal(back, torch.where(valid, ids, 0))

@@ -97,6 +97,18 @@ def test_groups_of_a_microbatch_pad_their_suffixes_at_most_a_quarter() -> None:
         assert extra <= SMALL_PADDING
 
 
+@pytest.mark.parametrize("min_fill", [0.25, 0.0])
+def test_a_lower_fill_merges_microbatches(min_fill: float) -> None:
+    """Under the packed forward's fill (`PACKED_MIN_FILL`) groups of different suffix
+    lengths share micro-batches: fewer than at `MIN_FILL`, each still within the budget
+    and a valid plan."""
+    rows = _rows(_batches(8, 3))
+    plans = plan_microbatches(rows, 10_000, min_fill)
+    _check_plan(rows, plans, 10_000)
+    assert len(plans) < len(plan_microbatches(rows, 10_000))
+    assert len(plans) == 1  # 8 tenants' suffixes of 1-17 tokens: within a quarter
+
+
 def test_the_trainer_shares_prompts_of_many_tenants_within_the_budget(
     lora_model: LoRAModel,
 ) -> None:

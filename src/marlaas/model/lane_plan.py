@@ -20,6 +20,11 @@ not apply (another device or dtype, no compiler) the segments or per-row blocks 
 All give every row exactly `scale[lane] * (x A[lane]^T) B[lane]^T`, gradients
 included; `scale` is skipped when the weights carry it (`LaneBatch.prescaled`).
 
+Runs (a packed micro-batch, `marlaas.train.decoder.Packed`: a token a row, each lane's
+tokens one run of its own length): on the CPU the native kernels take every row where
+its lane's weights lie, forward and backward (`RowsLoRA`); elsewhere each run is cut
+into pieces of one size (`Segments.of_runs`).
+
 With gradients on (the trainer), blocks run through `BlockLoRA`, one autograd node per
 module with a hand-written backward: autograd's own backward of the same ops picks
 batched-matmul layouts that are several times slower at LoRA's shapes (a rank-wide
@@ -37,7 +42,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from marlaas.model.kernels import lora_rows, native_kernels
+from marlaas.model.kernels import (
+    lora_rows,
+    lora_rows_backward,
+    lora_rows_trains,
+    native_kernels,
+)
+
+#: What one more piece costs in rows of padding, when `Segments.of_runs` sizes them.
+PIECE_ROWS = 16
+#: Blocks of fewer tokens than this, with several blocks to a lane, run as segments.
+MIN_BLOCK_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -94,6 +109,43 @@ class Segments:
         )
         return segments, None if every_lane else lane_P
 
+    @staticmethod
+    def of_runs(runs: list[tuple[int, int]], device: torch.device) -> tuple[Segments, list[int]]:
+        """The segments of rows that come as `runs` of `(lane, rows)`, each lane's rows
+        one run (a packed micro-batch: every token a row): each run cut into pieces of
+        one size, chosen among powers of two up to the longest run for the fewest padded
+        rows plus `PIECE_ROWS` per piece (a piece's fixed cost); the lane of each piece."""
+        longest = max(count for _, count in runs)
+        best: tuple[int, int] | None = None
+        size = 1
+        while True:
+            size = min(2 * size, longest)
+            pieces = sum(-(-count // size) for _, count in runs)
+            cost = pieces * (size + PIECE_ROWS)
+            if best is None or cost < best[0]:
+                best = (cost, size)
+            if size == longest:
+                break
+        size = best[1]
+        gather: list[int] = []
+        inverse: list[int] = []
+        lane_P: list[int] = []
+        first = 0
+        for lane, count in runs:
+            for start in range(first, first + count, size):
+                end = min(start + size, first + count)
+                inverse += range(len(gather), len(gather) + end - start)
+                gather += [*range(start, end), *[start] * (size - end + start)]
+                lane_P.append(lane)
+            first += count
+        segments = Segments(
+            pieces=len(lane_P),
+            size=size,
+            gather=torch.tensor(gather, dtype=torch.long, device=device),
+            inverse=torch.tensor(inverse, dtype=torch.long, device=device),
+        )
+        return segments, lane_P
+
     def gathered(self, x_BD: Tensor) -> Tensor:
         """`x_BD`'s rows in the padded layout."""
         return x_BD.index_select(0, self.gather)
@@ -108,9 +160,13 @@ class RowLanes:
     lane_N: Tensor
     order_N: Tensor
     scale_L: Tensor | None
+    #: The kernels run with gradients too (`RowsLoRA`), not only without.
+    trains: bool = False
 
     @staticmethod
-    def of(lanes_B: list[int], lane_B: Tensor, scale_L: Tensor | None) -> RowLanes | None:
+    def of(
+        lanes_B: list[int], lane_B: Tensor, scale_L: Tensor | None, trains: bool = False
+    ) -> RowLanes | None:
         """None where the kernel never applies: off the CPU, or not built."""
         if lane_B.device.type != "cpu" or not native_kernels("lora_rows"):
             return None
@@ -119,6 +175,7 @@ class RowLanes:
             lane_N=lane_B.to(torch.long).contiguous(),
             order_N=torch.tensor(order, dtype=torch.long),
             scale_L=scale_L,
+            trains=trains,
         )
 
 
@@ -175,6 +232,17 @@ class LanePlan:
 
         if lanes_K == list(range(num_lanes)):
             return LanePlan(size, len(lanes_K), None, scales(None))
+        if size * tokens < MIN_BLOCK_TOKENS and len(lanes_K) > 2 * len(runs):
+            # Long runs of short rows (a packed micro-batch, a token a row): a weight copy
+            # per block of a few rows would cost more than the rows themselves. The native
+            # kernels take every row where its weights lie, forward and backward; torch's
+            # way is segments per run.
+            distinct = len({lane for lane, _ in runs}) == len(runs)
+            if distinct and len(runs) < len(lanes_B):
+                rows = RowLanes.of(lanes_B, lane_B, scale_L, trains=True)
+                segments, run_lanes = Segments.of_runs(runs, lane_B.device)
+                lane_P = torch.tensor(run_lanes, dtype=torch.long, device=lane_B.device)
+                return LanePlan(1, segments.pieces, lane_P, scales(lane_P), segments, rows)
         rows = RowLanes.of(lanes_B, lane_B, scale_L) if size == 1 else None
         if size == 1 and 2 * tokens < rank:
             # Per-row blocks would copy every row's weights (rank x features each); the
@@ -209,14 +277,22 @@ class LanePlan:
             A_Lri.requires_grad or B_Lor.requires_grad or x.requires_grad
         )
         plan = self.rows
-        if (
+        if plan is not None and not grad:
+            if lora_rows(
+                x, y, A_Lri, B_Lor, plan.lane_N, plan.order_N, plan.scale_L, rows=(rows, tokens)
+            ):
+                return y
+        elif (
             plan is not None
-            and not grad
-            and lora_rows(
+            and plan.trains
+            and x.is_contiguous()
+            and lora_rows_trains(
                 x, y, A_Lri, B_Lor, plan.lane_N, plan.order_N, plan.scale_L, rows=(rows, tokens)
             )
         ):
-            return y
+            out = RowsLoRA.apply(x, A_Lri, B_Lor, y, plan, (rows, tokens))
+            assert isinstance(out, Tensor)
+            return out
         x_BTi, y_BTo = _as_rows(x, rows, tokens), _as_rows(y, rows, tokens)
         out = self._apply_torch(x_BTi, A_Lri, B_Lor, y_BTo, grad)
         if out is y_BTo:  # in place: y is the result
@@ -257,6 +333,12 @@ class LanePlan:
     ) -> Tensor:
         B, T, fan_in = x_BTi.shape
         x_Pni = seg.gathered(x_BTi.reshape(B, T * fan_in)).view(seg.pieces, -1, fan_in)
+        if torch.is_grad_enabled() and x_Pni.dtype == A_Lri.dtype == B_Lor.dtype:
+            scale_P = None if self.scale_K is None else self.scale_K.to(x_Pni.dtype)
+            delta_Pno = BlockLoRA.apply(x_Pni, A_Lri, B_Lor, None, self.lane_K, scale_P)
+            assert isinstance(delta_Pno, Tensor)
+            delta_BTo = delta_Pno.reshape(seg.pieces * seg.size, -1).index_select(0, seg.inverse)
+            return y_BTo + delta_BTo.view(y_BTo.shape).to(y_BTo.dtype)
         if self.lane_K is None:
             A_Pri, B_Por = A_Lri, B_Lor
         else:
@@ -275,7 +357,8 @@ def _as_rows(t: Tensor, rows: int, tokens: int) -> Tensor:
 
 
 class BlockLoRA(torch.autograd.Function):
-    """`y_Kno + scale_K * (x_Kni A_K^T) B_K^T` for blocks `K` of `n` rows, where
+    """`y_Kno + scale_K * (x_Kni A_K^T) B_K^T` (`y_Kno` None: the update alone, as
+    segments add it) for blocks `K` of `n` rows, where
     `A_K = A_L[lane_K]` (`lane_K` None: `A_L` itself), with a backward chosen for LoRA's
     shapes: every product is a batched matmul whose rank-wide side is an outer
     dimension, and the per-block weight gradients are summed into their lanes with one
@@ -288,7 +371,7 @@ class BlockLoRA(torch.autograd.Function):
         x_Kni: Tensor,
         A_Lri: Tensor,
         B_Lor: Tensor,
-        y_Kno: Tensor,
+        y_Kno: Tensor | None,
         lane_K: Tensor | None,
         scale_K: Tensor | None,
     ) -> Tensor:
@@ -297,7 +380,10 @@ class BlockLoRA(torch.autograd.Function):
         h_Knr = torch.bmm(x_Kni, A_Kri.transpose(1, 2))
         if scale_K is not None:
             h_Knr = h_Knr * scale_K[:, None, None]
-        out_Kno = torch.baddbmm(y_Kno, h_Knr, B_Kor.transpose(1, 2))
+        if y_Kno is None:
+            out_Kno = torch.bmm(h_Knr, B_Kor.transpose(1, 2))
+        else:
+            out_Kno = torch.baddbmm(y_Kno, h_Knr, B_Kor.transpose(1, 2))
         ctx.save_for_backward(x_Kni, A_Kri, B_Kor, h_Knr, lane_K, scale_K)
         ctx.lanes = int(A_Lri.shape[0])
         return out_Kno
@@ -326,3 +412,76 @@ class BlockLoRA(torch.autograd.Function):
             if g_B is not None:
                 g_B = g_B.new_zeros((lanes, *g_B.shape[1:])).index_add_(0, lane_K, g_B.contiguous())
         return g_x, g_A, g_B, g_Kno if need_y else None, None, None
+
+
+class RowsLoRA(torch.autograd.Function):
+    """`y + scale * (x A^T) B^T` with each row's own lane, through the native kernels
+    both ways (`lora_rows`, `lora_rows_backward`): no gather of the rows into per-lane
+    pieces and no copy of the weights per row, so a packed micro-batch (each token a
+    row, its tenant's tokens one run) costs its tokens' products alone. `y` is added
+    into in place; the caller checks the kernels take the tensors
+    (`lora_rows_trains`)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        A_Lri: Tensor,
+        B_Lor: Tensor,
+        y: Tensor,
+        plan: RowLanes,
+        rows: tuple[int, int],
+    ) -> Tensor:
+        if y._base is not None:  # a view (F.linear's with a bias): autograd needs a copy
+            y = y.clone()
+        else:
+            ctx.mark_dirty(y)
+        done = lora_rows(x, y, A_Lri, B_Lor, plan.lane_N, plan.order_N, plan.scale_L, rows=rows)
+        assert done, "the caller checks lora_rows_trains"
+        ctx.save_for_backward(x, A_Lri, B_Lor)
+        ctx.plan, ctx.rows = plan, rows
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
+        (g,) = grads
+        x, A_Lri, B_Lor = ctx.saved_tensors
+        plan: RowLanes = ctx.plan
+        out = lora_rows_backward(
+            x, g.contiguous(), A_Lri, B_Lor, plan.lane_N, plan.order_N, plan.scale_L, ctx.rows
+        )
+        if out is None:  # the kernels were switched off since the forward: torch's way
+            out = _rows_backward(x, g, A_Lri, B_Lor, plan, ctx.rows)
+        g_x, g_A, g_B = out
+        need_x, need_A, need_B = ctx.needs_input_grad[:3]
+        return (
+            g_x if need_x else None,
+            g_A if need_A else None,
+            g_B if need_B else None,
+            g,
+            None,
+            None,
+        )
+
+
+def _rows_backward(
+    x: Tensor, g: Tensor, A_Lri: Tensor, B_Lor: Tensor, plan: RowLanes, rows: tuple[int, int]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """`RowsLoRA`'s gradients in torch's ops (each row's weights gathered)."""
+    N, T = rows
+    x_NTi, g_NTo = x.reshape(N, T, -1), g.reshape(N, T, -1)
+    A_Nri, B_Nor = A_Lri.index_select(0, plan.lane_N), B_Lor.index_select(0, plan.lane_N)
+    scale_N = (torch.ones(N, dtype=x.dtype) if plan.scale_L is None else plan.scale_L[plan.lane_N])[
+        :, None, None
+    ]
+    h_NTr = torch.bmm(x_NTi, A_Nri.transpose(1, 2)) * scale_N
+    e_NTr = torch.bmm(g_NTo, B_Nor) * scale_N
+    g_x = torch.bmm(e_NTr, A_Nri).reshape(x.shape)
+    L = A_Lri.shape[0]
+    g_A = A_Lri.new_zeros(A_Lri.shape).index_add_(
+        0, plan.lane_N, torch.bmm(e_NTr.transpose(1, 2), x_NTi)
+    )
+    g_B = B_Lor.new_zeros((L, *B_Lor.shape[1:])).index_add_(
+        0, plan.lane_N, torch.bmm(g_NTo.transpose(1, 2), h_NTr)
+    )
+    return g_x, g_A, g_B

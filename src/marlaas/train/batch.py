@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from marlaas.errors import DataError
-from marlaas.packing import PrefixGroup, pack_longest_first, pack_prefix_groups
+from marlaas.packing import MIN_FILL, PrefixGroup, pack_longest_first, pack_prefix_groups
 from marlaas.train.advantages import group_advantages
 from marlaas.train.losses import LossNorm, token_weights
 from marlaas.types import Datum, Trajectory
@@ -367,7 +367,7 @@ class MicroBatch:
 SMALL_PADDING = 128
 
 
-def plan_microbatches(rows: Rows, max_tokens: int) -> list[MicroBatch]:
+def plan_microbatches(rows: Rows, max_tokens: int, min_fill: float = MIN_FILL) -> list[MicroBatch]:
     """Micro-batches of at most `max_tokens` padded tokens each over the non-empty rows.
 
     Rows that share a prompt (`prompt_N`, a GRPO group) stay together, so the trainer
@@ -376,9 +376,10 @@ def plan_microbatches(rows: Rows, max_tokens: int) -> list[MicroBatch]:
     rows that share their prompt with none are packed by their suffixes
     (`marlaas.packing.pack_prefix_groups`). Where no two rows share a prompt, and for
     rows without a prefix (the first position weighted, or every position asked for),
-    rows are packed longest first, none shorter than `MIN_FILL` of its micro-batch's
-    length (`marlaas.packing.pack_longest_first`). Rows longer than the budget must be
-    rejected before."""
+    rows are packed longest first, none shorter than `min_fill` of its micro-batch's
+    length (`marlaas.packing.pack_longest_first`); `min_fill` bounds the suffixes'
+    padding alike (lower it where the forward skips padding: fewer micro-batches). Rows
+    longer than the budget must be rejected before."""
     lengths: list[int] = rows.lengths_N.tolist()
     starts: list[int] = (rows.prompt_len_N - 1).tolist()
     members: dict[int, list[int]] = {}
@@ -398,11 +399,11 @@ def plan_microbatches(rows: Rows, max_tokens: int) -> list[MicroBatch]:
     units = [PrefixGroup(starts[p[0]], tuple(lengths[i] - starts[i] for i in p)) for p in pieces]
     plans = [
         _micro(rows, [i for u in batch for i in pieces[u]])
-        for batch in pack_prefix_groups(units, max_tokens, SMALL_PADDING)
+        for batch in pack_prefix_groups(units, max_tokens, SMALL_PADDING, min_fill)
     ]
     single_N = torch.tensor(sorted(single), dtype=torch.long)
     order = single_N[torch.argsort(-rows.lengths_N[single_N], stable=True)]
-    for start, end in pack_longest_first(rows.lengths_N[order].tolist(), max_tokens):
+    for start, end in pack_longest_first(rows.lengths_N[order].tolist(), max_tokens, min_fill):
         plans.append(_micro(rows, order[start:end].tolist()))
     return plans
 

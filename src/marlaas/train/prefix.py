@@ -127,12 +127,12 @@ class SharedPrefix:
         dev = ids_BS.device
         prefix_lanes = dataclasses.replace(lanes, lane_B=self.lane_G.to(dev))
         ids_GP, attn_GP, pos_GP = (x.to(dev) for x in (self.ids_GP, self.attn_GP, self.pos_GP))
-        with model.lanes(prefix_lanes):
-            if decoder is not None:
-                _, prefix = decoder.forward(
-                    ids_GP, attn_GP, pos_GP, keep_cache=True, last_only=True
-                )
-            else:
+        if decoder is not None:
+            _, prefix = decoder.forward(
+                ids_GP, attn_GP, pos_GP, keep_cache=True, last_only=True, lanes=prefix_lanes
+            )
+        else:
+            with model.lanes(prefix_lanes):
                 out = model.base(
                     input_ids=ids_GP,
                     attention_mask=attn_GP,
@@ -146,9 +146,9 @@ class SharedPrefix:
         past = [(_RowGather.apply(k, group_B), _RowGather.apply(v, group_B)) for k, v in prefix]
         attn_BPS = torch.cat([attn_GP[group_B], self.valid_BS.long().to(dev)], 1)
         pos_BS = self.start_B.to(dev)[:, None] + torch.arange(self.length, device=dev)
+        if decoder is not None:
+            return decoder.forward(ids_BS, attn_BPS, pos_BS, past=past, lanes=lanes)[0]
         with model.lanes(lanes):
-            if decoder is not None:
-                return decoder.forward(ids_BS, attn_BPS, pos_BS, past=past)[0]
             logits: Tensor = model.base(
                 input_ids=ids_BS,
                 attention_mask=attn_BPS,

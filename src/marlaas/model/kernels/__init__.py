@@ -55,7 +55,12 @@ from marlaas.model.kernels.fused import (
     swiglu_applies,
     swiglu_backward,
 )
-from marlaas.model.kernels.lora import LORA_ROWS_MAX_RANK, lora_rows
+from marlaas.model.kernels.lora import (
+    LORA_ROWS_MAX_RANK,
+    lora_rows,
+    lora_rows_backward,
+    lora_rows_trains,
+)
 
 __all__ = [
     "LORA_ROWS_MAX_RANK",
@@ -64,6 +69,8 @@ __all__ = [
     "add_rms_norm",
     "copy_rows",
     "lora_rows",
+    "lora_rows_backward",
+    "lora_rows_trains",
     "native_kernels",
     "rope_store",
     "rotary",

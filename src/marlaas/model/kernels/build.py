@@ -60,6 +60,18 @@ KERNELS: dict[str, tuple[str, str, list[type]]] = {
             *(_PTR, _PTR, _PTR, _PTR),
         ],
     ),
+    "lora_rows_backward": (
+        "lora_rows",
+        "lora_rows_backward_f32",
+        [
+            *(_I64, _I64, _I64, _I64, _I64),
+            *(_PTR, _PTR, _PTR),
+            *(_PTR, _I64, _I64),
+            *(_PTR, _I64, _I64, _I64),
+            *(_PTR, _PTR, _PTR),
+            *(_PTR, _PTR, _PTR),
+        ],
+    ),
     "add_rms_norm": ("rms_norm", "add_rms_norm_f32", [_I64, _I64, _PTR, _PTR, _PTR, _F32, _PTR]),
     "copy_rows": (
         "copy_rows",

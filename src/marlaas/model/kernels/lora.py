@@ -31,29 +31,10 @@ def lora_rows(
     `LORA_ROWS_MAX_RANK`. `rows = (N, T)`: `x` and `y` have any leading shape of `N * T`
     tokens, row-major (no view to make: each is an op the device thread pays for)."""
     kernel = load("lora_rows")
-    fan_in, fan_out = int(x_NTi.shape[-1]), int(y_NTo.shape[-1])
-    if rows is None:
-        N, T = int(x_NTi.shape[0]), int(x_NTi.shape[1])
-        shaped = x_NTi.dim() == 3 and tuple(y_NTo.shape[:2]) == (N, T)
-    else:
-        N, T = rows
-        shaped = x_NTi.numel() == N * T * fan_in and y_NTo.numel() == N * T * fan_out
-    L, r, _ = A_Lri.shape
-    if (
-        kernel is None
-        or not shaped
-        or not (x_NTi.is_cpu and y_NTo.is_cpu and A_Lri.is_cpu and B_Lor.is_cpu)
-        or not (x_NTi.dtype == y_NTo.dtype == A_Lri.dtype == B_Lor.dtype == torch.float32)
-        or not (x_NTi.is_contiguous() and y_NTo.is_contiguous())
-        or r > LORA_ROWS_MAX_RANK
-        or A_Lri.stride(-1) != 1
-        or 1 not in (B_Lor.stride(1), B_Lor.stride(2))
-        or tuple(B_Lor.shape) != (L, fan_out, r)
-        or lane_N.dtype != torch.int64
-        or not (lane_N.is_contiguous() and order_N.is_contiguous())
-        or (scale_L is not None and (scale_L.dtype != torch.float32 or not scale_L.is_contiguous()))
-    ):
+    shape = _shape(x_NTi, y_NTo, A_Lri, B_Lor, lane_N, order_N, scale_L, rows)
+    if kernel is None or shape is None:
         return False
+    N, T, fan_in, fan_out, r = shape
     # B rank-major (`out` contiguous, the adapter bank's layout) is read in place, with
     # no scratch (a per-call allocation fewer on the engine's path).
     scratch = None if B_Lor.stride(1) == 1 else torch.empty(r * fan_out, dtype=torch.float32)
@@ -78,3 +59,108 @@ def lora_rows(
         0 if scratch is None else scratch.data_ptr(),
     )
     return True
+
+
+def lora_rows_trains(
+    x_NTi: Tensor,
+    y_NTo: Tensor,
+    A_Lri: Tensor,
+    B_Lor: Tensor,
+    lane_N: Tensor,
+    order_N: Tensor,
+    scale_L: Tensor | None,
+    rows: tuple[int, int] | None = None,
+) -> bool:
+    """Whether `lora_rows` and `lora_rows_backward` both take these tensors."""
+    return (
+        load("lora_rows") is not None
+        and load("lora_rows_backward") is not None
+        and _shape(x_NTi, y_NTo, A_Lri, B_Lor, lane_N, order_N, scale_L, rows) is not None
+    )
+
+
+def lora_rows_backward(
+    x_NTi: Tensor,
+    g_NTo: Tensor,
+    A_Lri: Tensor,
+    B_Lor: Tensor,
+    lane_N: Tensor,
+    order_N: Tensor,
+    scale_L: Tensor | None,
+    rows: tuple[int, int] | None = None,
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """The gradients of `lora_rows`' update for the gradient `g_NTo` of its output (laid
+    out as `y_NTo`): of `x_NTi` (its shape), of `A_Lri` and of `B_Lor` (`[L, out, r]`,
+    rank-major in memory); None where the kernel does not apply (the arguments as
+    `lora_rows`'; `g_NTo` contiguous)."""
+    kernel = load("lora_rows_backward")
+    shape = _shape(x_NTi, g_NTo, A_Lri, B_Lor, lane_N, order_N, scale_L, rows)
+    if kernel is None or shape is None:
+        return None
+    N, T, fan_in, fan_out, r = shape
+    L = int(A_Lri.shape[0])
+    g_x = torch.empty_like(x_NTi)
+    g_A = torch.zeros((L, r, fan_in), dtype=torch.float32)
+    g_Bt = torch.zeros((L, r, fan_out), dtype=torch.float32)
+    scratch = None if B_Lor.stride(1) == 1 else torch.empty(r * fan_out, dtype=torch.float32)
+    kernel(
+        N,
+        T,
+        fan_in,
+        fan_out,
+        r,
+        x_NTi.data_ptr(),
+        g_NTo.data_ptr(),
+        g_x.data_ptr(),
+        A_Lri.data_ptr(),
+        A_Lri.stride(0),
+        A_Lri.stride(1),
+        B_Lor.data_ptr(),
+        B_Lor.stride(0),
+        B_Lor.stride(1),
+        B_Lor.stride(2),
+        lane_N.data_ptr(),
+        order_N.data_ptr(),
+        0 if scale_L is None else scale_L.data_ptr(),
+        g_A.data_ptr(),
+        g_Bt.data_ptr(),
+        0 if scratch is None else scratch.data_ptr(),
+    )
+    return g_x, g_A, g_Bt.transpose(1, 2)
+
+
+def _shape(
+    x_NTi: Tensor,
+    y_NTo: Tensor,
+    A_Lri: Tensor,
+    B_Lor: Tensor,
+    lane_N: Tensor,
+    order_N: Tensor,
+    scale_L: Tensor | None,
+    rows: tuple[int, int] | None,
+) -> tuple[int, int, int, int, int] | None:
+    """`(N, T, in, out, r)` of a `lora_rows` call, or None where the kernel does not take
+    its tensors (see `lora_rows`)."""
+    fan_in, fan_out = int(x_NTi.shape[-1]), int(y_NTo.shape[-1])
+    if rows is None:
+        N, T = int(x_NTi.shape[0]), int(x_NTi.shape[1])
+        shaped = x_NTi.dim() == 3 and tuple(y_NTo.shape[:2]) == (N, T)
+    else:
+        N, T = rows
+        shaped = x_NTi.numel() == N * T * fan_in and y_NTo.numel() == N * T * fan_out
+    L, r, _ = A_Lri.shape
+    if (
+        not shaped
+        or not (x_NTi.is_cpu and y_NTo.is_cpu and A_Lri.is_cpu and B_Lor.is_cpu)
+        or not (x_NTi.dtype == y_NTo.dtype == A_Lri.dtype == B_Lor.dtype == torch.float32)
+        or not (x_NTi.is_contiguous() and y_NTo.is_contiguous())
+        or r > LORA_ROWS_MAX_RANK
+        or A_Lri.stride(-1) != 1
+        or 1 not in (B_Lor.stride(1), B_Lor.stride(2))
+        or tuple(B_Lor.shape) != (L, fan_out, r)
+        or lane_N.dtype != torch.int64
+        or not (lane_N.is_contiguous() and order_N.is_contiguous())
+        or (scale_L is not None and (scale_L.dtype != torch.float32 or not scale_L.is_contiguous()))
+    ):
+        return None
+    return N, T, fan_in, fan_out, int(r)

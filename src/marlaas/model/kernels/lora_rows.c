@@ -141,3 +141,65 @@ void lora_rows_f32(int64_t U, int64_t T, int64_t in, int64_t out, int64_t r,
         }
     }
 }
+
+/* acc[k * ld + i] += c[k] * v[i] for k < r, i < n: a rank-by-features outer product
+ * added into a lane's gradient (rank-major, `n` contiguous). */
+static inline void outer_add(float *acc, int64_t ld, int64_t r, const float *c, const float *v,
+                             int64_t n) {
+    for (int64_t k = 0; k < r; ++k) {
+        float *a = acc + k * ld;
+        const float ck = c[k];
+        int64_t i = 0;
+        for (; i + W <= n; i += W) *(vf *)(a + i) += ck * *(const vf *)(v + i);
+        for (; i < n; ++i) a[i] += ck * v[i];
+    }
+}
+
+/* The backward of `lora_rows_f32` for the incoming gradient g [U * T, out] of y: per
+ * token, with h = s A x and e = s B^T g (the lane's scale s),
+ *
+ *     gx = A^T e (written),   gA[lane] += e x^T,   gBt[lane] += h g^T,
+ *
+ * gBt rank-major ([L, r, out], the transpose of B's gradient; the caller transposes it).
+ * gA [L, r, in] and gBt contiguous, accumulated into; gx [U * T, in] contiguous. Units
+ * are visited in `order` (sorted by lane: a lane's gradients stay in cache, its B is
+ * transposed into `scratch` once). Other arguments as `lora_rows_f32`. */
+void lora_rows_backward_f32(int64_t U, int64_t T, int64_t in, int64_t out, int64_t r,
+                            const float *x, const float *g, float *gx,
+                            const float *A, int64_t a_sl, int64_t a_sr,
+                            const float *B, int64_t b_sl, int64_t b_so, int64_t b_sr,
+                            const int64_t *lane, const int64_t *order, const float *scale,
+                            float *gA, float *gBt, float *scratch) {
+    int64_t current = -1;
+    const float *Bt = scratch;
+    int64_t bt_sk = out;
+    float h[64], e[64];
+    for (int64_t j = 0; j < U; ++j) {
+        const int64_t u = order[j];
+        const int64_t l = lane[u];
+        if (l != current) {
+            const float *Bl = B + l * b_sl;
+            if (b_so == 1) {
+                Bt = Bl;
+                bt_sk = b_sr;
+            } else {
+                for (int64_t o = 0; o < out; ++o)
+                    for (int64_t k = 0; k < r; ++k) scratch[k * out + o] = Bl[o * b_so + k * b_sr];
+            }
+            current = l;
+        }
+        const float *Al = A + l * a_sl;
+        const float s = scale ? scale[l] : 1.0f;
+        float *gAl = gA + l * r * in, *gBl = gBt + l * r * out;
+        for (int64_t t = 0; t < T; ++t) {
+            const float *xt = x + (u * T + t) * in, *gt = g + (u * T + t) * out;
+            float *gxt = gx + (u * T + t) * in;
+            down(Al, a_sr, r, xt, in, s, h);
+            down(Bt, bt_sk, r, gt, out, s, e);
+            for (int64_t i = 0; i < in; ++i) gxt[i] = 0.0f;
+            up(Al, a_sr, r, e, gxt, in);
+            outer_add(gAl, in, r, e, xt, in);
+            outer_add(gBl, out, r, h, gt, out);
+        }
+    }
+}
