@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -112,12 +113,15 @@ class TrainDecoder(StackForward):
                 q, k = layer.q_norm(q), layer.k_norm(k)
             q_BTHD = rotary(q, cos, sin)
             k = rotary(k, cos, sin)
-            if packed is not None:
-                q_BTHD, k, v = packed.padded(q_BTHD), packed.padded(k), packed.padded(v)
-            k, v = k.transpose(1, 2), v.transpose(1, 2)
-            if past is not None:
-                k = torch.cat((past[i][0], k), dim=2)
-                v = torch.cat((past[i][1], v), dim=2)
+            if packed is not None:  # straight into the columns after the past's
+                q_BTHD = packed.padded(q_BTHD)
+                k = packed.columns(k, None if past is None else past[i][0])
+                v = packed.columns(v, None if past is None else past[i][1])
+            else:
+                k, v = k.transpose(1, 2), v.transpose(1, 2)
+                if past is not None:
+                    k = torch.cat((past[i][0], k), dim=2)
+                    v = torch.cat((past[i][1], v), dim=2)
             if keep_cache:
                 cache.append((k, v))
             spans = masks.spans(layer.window)
@@ -165,6 +169,7 @@ class Packed:
         self.index_N = valid_BT.reshape(-1).nonzero().squeeze(1)
         #: Index among the valid tokens of each row's last (0 for an empty row).
         self.last_B = (self.count_B.cumsum(0) - 1).clamp(min=0)
+        self._cols: tuple[torch.device, Tensor, Tensor] | None = None
 
     @staticmethod
     def of(valid_BT: Tensor) -> Packed | None:
@@ -185,11 +190,61 @@ class Packed:
         flat = x_BT.reshape(self.shape[0] * self.shape[1], *x_BT.shape[2:])
         return flat.index_select(0, self.index_N.to(x_BT.device)).unsqueeze(0)
 
+    def columns(self, new_1NHD: Tensor, past_BHPD: Tensor | None) -> Tensor:
+        """Keys or values `[B, Hkv, P + T, D]` (contiguous) of the valid tokens
+        `[1, N, Hkv, D]` after the rows' `past` columns (zeros at padding): each copied
+        once, in the layout the attention reads (not padded, transposed, then
+        concatenated with the past)."""
+        if self._cols is None or self._cols[0] != new_1NHD.device:
+            T = self.shape[1]
+            index = self.index_N.to(new_1NHD.device)
+            self._cols = (new_1NHD.device, index // T, index % T)
+        _, b_N, t_N = self._cols
+        out = _Columns.apply(new_1NHD[0], past_BHPD, b_N, t_N, self.shape[0], self.shape[1])
+        assert isinstance(out, Tensor)
+        return out
+
     def padded(self, x_1N: Tensor) -> Tensor:
         """The rows' layout `[B, T, ...]` of valid tokens `[1, N, ...]`, zeros at padding."""
         B, T = self.shape
         out = x_1N.new_zeros((B * T, *x_1N.shape[2:]))
         return out.index_copy(0, self.index_N.to(x_1N.device), x_1N[0]).view(B, T, *x_1N.shape[2:])
+
+
+class _Columns(torch.autograd.Function):
+    """`[B, Hkv, P + T, D]`: `past` in the first `P` columns, token `n` of `new [N, Hkv,
+    D]` in column `P + t_N[n]` of row `b_N[n]`, zeros elsewhere (see `Packed.columns`)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        new_NHD: Tensor,
+        past_BHPD: Tensor | None,
+        b_N: Tensor,
+        t_N: Tensor,
+        B: int,
+        T: int,
+    ) -> Tensor:
+        _, Hkv, D = new_NHD.shape
+        P = 0 if past_BHPD is None else int(past_BHPD.shape[2])
+        out = new_NHD.new_zeros((B, Hkv, P + T, D))
+        if past_BHPD is not None:
+            out[:, :, :P] = past_BHPD
+        col_N = t_N + P
+        out[b_N, :, col_N] = new_NHD
+        ctx.save_for_backward(b_N, col_N)
+        ctx.past = P if past_BHPD is not None else None
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
+        (g,) = grads
+        b_N, col_N = ctx.saved_tensors
+        g_new = g[b_N, :, col_N] if ctx.needs_input_grad[0] else None
+        g_past = None
+        if ctx.past is not None and ctx.needs_input_grad[1]:
+            g_past = g[:, :, : ctx.past]
+        return g_new, g_past, None, None, None, None
 
 
 def sdpa_groups_heads(device: torch.device) -> bool:

@@ -142,18 +142,37 @@ void lora_rows_f32(int64_t U, int64_t T, int64_t in, int64_t out, int64_t r,
     }
 }
 
-/* acc[k * ld + i] += c[k] * v[i] for k < r, i < n: a rank-by-features outer product
- * added into a lane's gradient (rank-major, `n` contiguous). */
-static inline void outer_add(float *acc, int64_t ld, int64_t r, const float *c, const float *v,
-                             int64_t n) {
-    for (int64_t k = 0; k < r; ++k) {
-        float *a = acc + k * ld;
-        const float ck = c[k];
+/* acc[k * ld + i] += sum_t c[t * r + k] * v_t[i] for k < r, i < n over the `nt` rows
+ * v_t: a rank-by-features product added into a lane's gradient (rank-major, `n`
+ * contiguous), eight ranks of one vector of features held in registers while every row
+ * adds into them (one load of v_t per eight multiply-adds, one load and store of the
+ * gradient per block of rows, not per row). */
+static inline void outer_add(float *acc, int64_t ld, int64_t r, const float *c,
+                             const float *const *v, int64_t nt, int64_t n) {
+    for (int64_t k0 = 0; k0 < r; k0 += GROUP) {
+        const int64_t kn = r - k0 < GROUP ? r - k0 : GROUP;
         int64_t i = 0;
-        for (; i + W <= n; i += W) *(vf *)(a + i) += ck * *(const vf *)(v + i);
-        for (; i < n; ++i) a[i] += ck * v[i];
+        for (; i + W <= n; i += W) {
+            vf a[GROUP];
+            for (int g = 0; g < GROUP; ++g) a[g] = g < kn ? *(vf *)(acc + (k0 + g) * ld + i) : (vf){0};
+            for (int64_t t = 0; t < nt; ++t) {
+                const vf vt = *(const vf *)(v[t] + i);
+                const float *ct = c + t * r + k0;
+                for (int g = 0; g < GROUP; ++g) a[g] += ct[g < kn ? g : 0] * vt;
+            }
+            for (int g = 0; g < kn; ++g) *(vf *)(acc + (k0 + g) * ld + i) = a[g];
+        }
+        for (; i < n; ++i)
+            for (int64_t g = 0; g < kn; ++g) {
+                float s = acc[(k0 + g) * ld + i];
+                for (int64_t t = 0; t < nt; ++t) s += c[t * r + k0 + g] * v[t][i];
+                acc[(k0 + g) * ld + i] = s;
+            }
     }
 }
+
+/* Tokens of one lane taken together by the backward (its scratch of h and e). */
+#define BLOCK 32
 
 /* The backward of `lora_rows_f32` for the incoming gradient g [U * T, out] of y: per
  * token, with h = s A x and e = s B^T g (the lane's scale s),
@@ -163,20 +182,27 @@ static inline void outer_add(float *acc, int64_t ld, int64_t r, const float *c, 
  * gBt rank-major ([L, r, out], the transpose of B's gradient; the caller transposes it).
  * gA [L, r, in] and gBt contiguous, accumulated into; gx [U * T, in] contiguous. Units
  * are visited in `order` (sorted by lane: a lane's gradients stay in cache, its B is
- * transposed into `scratch` once). Other arguments as `lora_rows_f32`. */
+ * transposed into `scratch` once); the tokens of up to `BLOCK` consecutive units of one
+ * lane add into its gradients together. Other arguments as `lora_rows_f32`. */
 void lora_rows_backward_f32(int64_t U, int64_t T, int64_t in, int64_t out, int64_t r,
                             const float *x, const float *g, float *gx,
                             const float *A, int64_t a_sl, int64_t a_sr,
                             const float *B, int64_t b_sl, int64_t b_so, int64_t b_sr,
                             const int64_t *lane, const int64_t *order, const float *scale,
                             float *gA, float *gBt, float *scratch) {
-    int64_t current = -1;
+    int64_t current = -1, nt = 0;
     const float *Bt = scratch;
     int64_t bt_sk = out;
-    float h[64], e[64];
-    for (int64_t j = 0; j < U; ++j) {
-        const int64_t u = order[j];
-        const int64_t l = lane[u];
+    float h[BLOCK * 64], e[BLOCK * 64];
+    const float *xs[BLOCK], *gs[BLOCK];
+    for (int64_t j = 0; j <= U; ++j) {
+        const int64_t l = j < U ? lane[order[j]] : -1;
+        if (l != current && nt > 0) { /* the block of the lane before: its gradients */
+            outer_add(gA + current * r * in, in, r, e, xs, nt, in);
+            outer_add(gBt + current * r * out, out, r, h, gs, nt, out);
+            nt = 0;
+        }
+        if (j == U) break;
         if (l != current) {
             const float *Bl = B + l * b_sl;
             if (b_so == 1) {
@@ -190,16 +216,22 @@ void lora_rows_backward_f32(int64_t U, int64_t T, int64_t in, int64_t out, int64
         }
         const float *Al = A + l * a_sl;
         const float s = scale ? scale[l] : 1.0f;
-        float *gAl = gA + l * r * in, *gBl = gBt + l * r * out;
+        const int64_t u = order[j];
         for (int64_t t = 0; t < T; ++t) {
-            const float *xt = x + (u * T + t) * in, *gt = g + (u * T + t) * out;
-            float *gxt = gx + (u * T + t) * in;
-            down(Al, a_sr, r, xt, in, s, h);
-            down(Bt, bt_sk, r, gt, out, s, e);
+            if (nt == BLOCK) {
+                outer_add(gA + l * r * in, in, r, e, xs, nt, in);
+                outer_add(gBt + l * r * out, out, r, h, gs, nt, out);
+                nt = 0;
+            }
+            const int64_t tok = u * T + t;
+            xs[nt] = x + tok * in;
+            gs[nt] = g + tok * out;
+            float *gxt = gx + tok * in;
+            down(Al, a_sr, r, xs[nt], in, s, h + nt * r);
+            down(Bt, bt_sk, r, gs[nt], out, s, e + nt * r);
             for (int64_t i = 0; i < in; ++i) gxt[i] = 0.0f;
-            up(Al, a_sr, r, e, gxt, in);
-            outer_add(gAl, in, r, e, xt, in);
-            outer_add(gBl, out, r, h, gt, out);
+            up(Al, a_sr, r, e + nt * r, gxt, in);
+            ++nt;
         }
     }
 }
