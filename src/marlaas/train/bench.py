@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -89,26 +89,31 @@ def tenant_lengths(index: int, prompt_len: int, completion_len: int) -> tuple[in
     return p, c
 
 
-def _timed(run_step: Callable[[int], None], steps: int) -> list[float]:
-    """Seconds of each round after one untimed warm-up round (allocations, lazy init)."""
-    run_step(0)
-    times: list[float] = []
+def _timed(run_steps: Mapping[str, Callable[[int], None]], steps: int) -> dict[str, list[float]]:
+    """Seconds of each round per mode after one untimed warm-up round each (allocations,
+    lazy init); the modes take turns round by round, so a machine that drifts (a noisy
+    neighbour, a clock change) weighs on each of them alike, not on whichever ran last."""
+    for run_step in run_steps.values():
+        run_step(0)
+    times: dict[str, list[float]] = {mode: [] for mode in run_steps}
     for k in range(1, steps + 1):
-        started = time.perf_counter()
-        run_step(k)
-        times.append(time.perf_counter() - started)
+        for mode, run_step in run_steps.items():
+            started = time.perf_counter()
+            run_step(k)
+            times[mode].append(time.perf_counter() - started)
     return times
 
 
-def _bench_lanes(
+def _lanes_step(
     model: LoRAModel,
     data: dict[str, list[TrainBatch]],
     lora: LoRASpec,
     algo: GRPOSpec,
-    steps: int,
     budget: int,
     together: bool,
-) -> list[float]:
+) -> Callable[[int], None]:
+    """A round of the multi-lane trainer: every tenant in one step (`together`) or each
+    in its own (single-lane), on a trainer of its own."""
     trainer = GRPOTrainer(model, max_tokens_per_microbatch=budget)
     for i, tenant in enumerate(data):
         trainer.register(tenant, lora, algo, seed=i)
@@ -121,7 +126,7 @@ def _bench_lanes(
             for batch in batches:
                 trainer.step([batch])
 
-    return _timed(run_step, steps)
+    return run_step
 
 
 def _bench_peft(
@@ -185,7 +190,7 @@ def _bench_peft(
             optimizers[tenant].step()
             optimizers[tenant].zero_grad(set_to_none=True)
 
-    return _timed(run_step, steps)  # the PEFT copy of the base is freed on return
+    return _timed({"peft": run_step}, steps)["peft"]  # the PEFT copy is freed on return
 
 
 def run_trainer_bench(
@@ -209,7 +214,7 @@ def run_trainer_bench(
 
     A round gives every tenant one optimizer step; each mode runs one warm-up round and
     `steps` timed rounds, and throughput uses the median round (robust to a busy
-    machine). `rows_per_tenant` is one GRPO group per tenant per step; completions are
+    machine); multi-lane and single-lane take turns round by round (`_timed`). `rows_per_tenant` is one GRPO group per tenant per step; completions are
     `completion_len / 2 .. completion_len` tokens. `mixed_lengths`: tenants differ in
     length like task families do (`tenant_lengths`), so multi-lane micro-batches mix
     rows of unequal runs and lengths. `threads` pins torch's intra-op
@@ -251,14 +256,20 @@ def run_trainer_bench(
                 )
                 data |= synthetic_batches([name], steps + 1, algo, vocab, p_len, c_len, seed + i)
             tokens = [sum(data[n][k].tokens for n in names) for k in range(1, steps + 1)]
+            # The two modes of our trainer take turns (`_timed`); PEFT loads a base of its
+            # own, so it runs after them.
+            lane_steps = {
+                mode: _lanes_step(
+                    model, data, lora, algo, max_tokens_per_microbatch, mode == "multi-lane"
+                )
+                for mode in modes
+                if mode != "peft"
+            }
+            by_mode = _timed(lane_steps, steps) if lane_steps else {}
+            if "peft" in modes:
+                by_mode["peft"] = _bench_peft(path, data, lora, algo, steps, dtype)
             for mode in modes:
-                if mode == "peft":
-                    times = _bench_peft(path, data, lora, algo, steps, dtype)
-                else:
-                    together = mode == "multi-lane"
-                    times = _bench_lanes(
-                        model, data, lora, algo, steps, max_tokens_per_microbatch, together
-                    )
+                times = by_mode[mode]
                 median = statistics.median(times)
                 records.append(
                     {
@@ -276,11 +287,11 @@ def run_trainer_bench(
 
     speedup: dict[str, dict[str, float]] = {}
     for count in tenant_counts:
-        by_mode = {r["mode"]: r["median_round_s"] for r in records if r["tenants"] == count}
-        if "multi-lane" in by_mode:
+        medians = {r["mode"]: r["median_round_s"] for r in records if r["tenants"] == count}
+        if "multi-lane" in medians:
             speedup[str(count)] = {
-                f"multi_vs_{m.removesuffix('-lane')}": by_mode[m] / by_mode["multi-lane"]
-                for m in by_mode
+                f"multi_vs_{m.removesuffix('-lane')}": medians[m] / medians["multi-lane"]
+                for m in medians
                 if m != "multi-lane"
             }
     result: dict[str, Any] = {
