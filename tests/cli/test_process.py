@@ -1,8 +1,10 @@
 """The commands that run a device set the process's GIL switch interval once, at start,
-and tune the allocator (`marlaas.cli.process`); the interval is only ever lowered."""
+and tune the allocator and the garbage collector (`marlaas.cli.process`); the interval
+is only ever lowered, the collector's young threshold only ever raised."""
 
 from __future__ import annotations
 
+import gc
 import sys
 from collections.abc import Iterator
 
@@ -10,17 +12,35 @@ import pytest
 from typer.testing import CliRunner
 
 from marlaas.cli.main import app
-from marlaas.cli.process import GIL_SWITCH_INTERVAL_S, favour_the_device_thread, tune_the_allocator
+from marlaas.cli.process import (
+    GC_YOUNG_OBJECTS,
+    GIL_SWITCH_INTERVAL_S,
+    favour_the_device_thread,
+    tune_the_allocator,
+    tune_the_collector,
+)
 
 
 @pytest.fixture
 def default_interval() -> Iterator[None]:
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(0.005)  # the interpreter's default
+    before, thresholds = sys.getswitchinterval(), gc.get_threshold()
+    sys.setswitchinterval(0.005)  # the interpreter's defaults
+    gc.set_threshold(700, 10, 10)
     try:
         yield
     finally:
         sys.setswitchinterval(before)
+        gc.set_threshold(*thresholds)
+
+
+def test_tuning_the_collector_raises_the_young_threshold_and_never_lowers_it(
+    default_interval: None,
+) -> None:
+    tune_the_collector()
+    assert gc.get_threshold() == (GC_YOUNG_OBJECTS, 10, 10)  # the older generations kept
+    gc.set_threshold(GC_YOUNG_OBJECTS * 2, 5, 5)
+    tune_the_collector()
+    assert gc.get_threshold() == (GC_YOUNG_OBJECTS * 2, 5, 5)
 
 
 def test_favouring_the_device_thread_lowers_the_interval_and_never_raises_it(
@@ -46,11 +66,13 @@ def test_a_command_that_runs_a_device_lowers_the_interval_first(
     result = CliRunner().invoke(app, args)
     assert result.exit_code != 0
     assert sys.getswitchinterval() == pytest.approx(GIL_SWITCH_INTERVAL_S)
+    assert gc.get_threshold()[0] == GC_YOUNG_OBJECTS
 
 
 def test_a_client_command_leaves_the_interval_alone(default_interval: None) -> None:
     CliRunner().invoke(app, ["version"])
     assert sys.getswitchinterval() == pytest.approx(0.005)
+    assert gc.get_threshold()[0] == 700
 
 
 def test_a_tuned_allocator_reuses_freed_activations_without_page_faults() -> None:
