@@ -229,7 +229,10 @@ def _surrogate_rows(
     )  # fmt: skip
     with torch.no_grad():
         log_ratio_BT = t.log_ratio_BT
-        entropy_BT = entropy_from_logits(x.logits_BTV.detach())
+        # Only weighted positions count: the entropy of those alone (a micro-batch's
+        # padding and prompt positions are often half its layout).
+        entropy_BT = torch.zeros_like(log_ratio_BT)
+        entropy_BT[mask_BT] = entropy_from_logits(x.logits_BTV.detach()[mask_BT][None])[0]
         sums = {
             "loss": t.weighted_BT.detach().sum(dim=1),
             "tokens": mask_BT.sum(dim=1),
