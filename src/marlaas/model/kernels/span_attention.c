@@ -37,6 +37,24 @@
 typedef float vf __attribute__((vector_size(W * sizeof(float)), aligned(4), may_alias));
 typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
 
+/* exp of sixteen floats at once: glibc's vector math library (libmvec, linked) where the
+ * compiler targets AVX-512, whose loops it does not always vectorise into that call by
+ * itself; else one expf each. */
+#ifdef __AVX512F__
+typedef float vf16 __attribute__((vector_size(64)));
+extern vf16 _ZGVeN16v_expf(vf16);
+static inline void exp16(const float *x, float *out) {
+    vf16 v;
+    __builtin_memcpy(&v, x, sizeof v);
+    v = _ZGVeN16v_expf(v);
+    __builtin_memcpy(out, &v, sizeof v);
+}
+#else
+static inline void exp16(const float *x, float *out) {
+    for (int c = 0; c < W; ++c) out[c] = expf(x[c]);
+}
+#endif
+
 /* One level of a 16-way horizontal sum: x and y hold the partial sums of 16 / s columns
  * each, in groups of s lanes; the result holds those of x's then y's columns in groups
  * of s / 2. Four levels turn 16 vectors of products into one vector of 16 sums. */
@@ -226,24 +244,37 @@ static inline __attribute__((always_inline)) void attend_backward(
             }
             int64_t l0 = 0;
             if (D % W == 0)  /* sixteen columns at a time, then the rest one by one */
-                for (; l0 + W <= n; l0 += W)
+                for (; l0 + W <= n; l0 += W) {
+                    /* The block's probabilities and score gradients for every head of the
+                     * group (the sixteen exponentials in one vector call), then each
+                     * column's key and value gradients read and written once for all the
+                     * heads, a vector of D at a time: the backward was bound by those
+                     * stores, and by scalar expf calls. */
+                    float p[G][W], ds[G][W];
                     for (int64_t g = 0; g < G; ++g) {
-                        const float *qg = qb + g * q_sh, *dog = dout + (h0 + g) * D;
                         float s[W], dp[W];
-                        scores16(qg, kb + l0 * kv_ss, kv_ss, D, scale, s);
-                        scores16(dog, vb + l0 * kv_ss, kv_ss, D, 1.0f, dp);
-                        for (int c = 0; c < W; ++c) {
-                            const float p = expf(s[c] - lg[g]);
-                            const float ds = p * (dp[c] - delta[g]) * scale;
-                            const float *kl = kb + (l0 + c) * kv_ss;
-                            float *dkl = dkb + (l0 + c) * kv_ss, *dvl = dvb + (l0 + c) * kv_ss;
-                            for (int64_t d = 0; d < D; ++d) {
-                                dvl[d] += p * dog[d];
-                                acc[g][d] += ds * kl[d];
-                                dkl[d] += ds * qg[d];
+                        scores16(qb + g * q_sh, kb + l0 * kv_ss, kv_ss, D, scale, s);
+                        scores16(dout + (h0 + g) * D, vb + l0 * kv_ss, kv_ss, D, 1.0f, dp);
+                        for (int c = 0; c < W; ++c) s[c] -= lg[g];
+                        exp16(s, p[g]);
+                        for (int c = 0; c < W; ++c) ds[g][c] = p[g][c] * (dp[c] - delta[g]) * scale;
+                    }
+                    for (int c = 0; c < W; ++c) {
+                        const float *kl = kb + (l0 + c) * kv_ss;
+                        float *dkl = dkb + (l0 + c) * kv_ss, *dvl = dvb + (l0 + c) * kv_ss;
+                        for (int64_t d = 0; d < D; d += W) {
+                            const vf kd = *(const vf *)(kl + d);
+                            vf dvd = *(vf *)(dvl + d), dkd = *(vf *)(dkl + d);
+                            for (int64_t g = 0; g < G; ++g) {
+                                dvd += p[g][c] * *(const vf *)(dout + (h0 + g) * D + d);
+                                dkd += ds[g][c] * *(const vf *)(qb + g * q_sh + d);
+                                *(vf *)(acc[g] + d) += ds[g][c] * kd;
                             }
+                            *(vf *)(dvl + d) = dvd;
+                            *(vf *)(dkl + d) = dkd;
                         }
                     }
+                }
             for (int64_t l = l0; l < n; ++l) {
                 const float *kl = kb + l * kv_ss, *vl = vb + l * kv_ss;
                 float *dkl = dkb + l * kv_ss, *dvl = dvb + l * kv_ss;
