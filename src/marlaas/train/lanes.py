@@ -3,7 +3,8 @@
 Tenants of one `AdapterLayout` (the usual case: one LoRA spec) have their flat vectors
 stacked once per micro-batch, `[L, P]`, and every module's lanes are views of that stack
 made leaves of the micro-batch's graph: the backward writes one gradient per module and
-`accumulate` adds the stack's rows into each tenant's flat gradient, one add per tenant.
+`accumulate` concatenates them, `[L, P]`, whose rows become the tenants' flat gradients
+(a row each, no copy) or are added into those they already have.
 Built through autograd instead (stack, then slices), every module's slice would
 materialise a zero-filled `[L, P]` gradient in the backward, and per-tenant views
 (`LoRAModel.lane_batch`) make one stack and `L` view nodes per module.
@@ -91,6 +92,6 @@ class MicroLanes:
         with torch.no_grad():
             for tenant, grad_P in zip(self.tenants, grad_LP, strict=True):
                 if tenant.flat_P.grad is None:
-                    tenant.flat_P.grad = grad_P.clone()
+                    tenant.flat_P.grad = grad_P  # a row of this micro-batch's own `cat`
                 else:
                     tenant.flat_P.grad.add_(grad_P)
