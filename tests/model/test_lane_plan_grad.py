@@ -157,3 +157,64 @@ def test_runs_segments_bound_padding() -> None:
     cost = seg.pieces * (seg.size + PIECE_ROWS)
     for size in (1, 2, 4, 8, 16, 32, 64, 90):  # the chosen size is the cheapest
         assert cost <= sum(-(-n // size) for _, n in runs) * (size + PIECE_ROWS)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("x_grad", [True, False])
+@pytest.mark.parametrize("switched_off", [False, True])
+def test_linear_and_lora_as_one_node_match_autograd(
+    bias: bool, x_grad: bool, switched_off: bool
+) -> None:
+    """`LanePlan.linear` on a packed micro-batch: the base layer and the LoRA update in one
+    node (`LinearRowsLoRA`, the input gradient summed in one buffer) give the plain ops'
+    output and gradients; so does its backward when the kernels were switched off after
+    the forward (torch's way)."""
+    from marlaas.model import kernels
+    from marlaas.model.lane_plan import LinearRowsLoRA
+
+    g = torch.Generator().manual_seed(5 + bias + 2 * x_grad)
+    counts = {2: 21, 0: 7, 3: 40}  # lane 1 absent
+    lane_N = torch.cat([torch.full((n,), lane) for lane, n in counts.items()])
+    N, L, fan_in, fan_out, r = int(lane_N.shape[0]), 4, 24, 40, 8
+    scale_L = torch.rand(L, generator=g) + 0.5
+    x = torch.randn(1, N, fan_in, generator=g)
+    W = torch.randn(fan_out, fan_in, generator=g)
+    b = torch.randn(fan_out, generator=g) if bias else None
+    A = torch.randn(L, r, fan_in, generator=g)
+    Bw = torch.randn(L, fan_out, r, generator=g)
+    grad_out = torch.randn(1, N, fan_out, generator=g)
+
+    def run(fast: bool) -> list[Tensor]:
+        xl = x.clone().requires_grad_(x_grad)
+        Al, Bl = A.clone().requires_grad_(True), Bw.clone().requires_grad_(True)
+        if fast:
+            plan = LanePlan.of(lane_N, L, scale_L, scale_L[lane_N], tokens=1, rank=r)
+            out = plan.linear(xl, W, b, Al, Bl, rows=N, tokens=1)
+            assert out is not None
+            assert LinearRowsLoRA.__name__ in type(out.grad_fn).__name__
+            with kernels.torch_path() if switched_off else contextlib.nullcontext():
+                out.backward(grad_out)
+        else:
+            base = torch.nn.functional.linear(xl, W, b)
+            out = _plain(xl[0, :, None], Al, Bl, base[0, :, None], lane_N, scale_L).view(1, N, -1)
+            out.backward(grad_out)
+        grads = [xl.grad if x_grad else None, Al.grad, Bl.grad]
+        return [out.detach()] + [torch.zeros(1) if t is None else t for t in grads]
+
+    for fast, plain in zip(run(True), run(False), strict=True):
+        torch.testing.assert_close(fast, plain, rtol=1e-4, atol=5e-5)
+
+
+def test_linear_as_one_node_only_where_it_applies() -> None:
+    """No fused node without gradients (the engine), for a base weight that trains, or
+    for rows that are not a packed micro-batch's runs: `None`, the caller's usual path."""
+    lane_N = torch.cat([torch.full((9,), 1), torch.full((30,), 0)])
+    plan = LanePlan.of(lane_N, 2, torch.ones(2), torch.ones(39), tokens=1, rank=4)
+    x, W = torch.randn(1, 39, 8), torch.randn(6, 8)
+    A = torch.randn(2, 4, 8, requires_grad=True)
+    Bw = torch.randn(2, 6, 4, requires_grad=True)
+    with torch.no_grad():
+        assert plan.linear(x, W, None, A, Bw, rows=39, tokens=1) is None
+    assert plan.linear(x, W.clone().requires_grad_(True), None, A, Bw, rows=39, tokens=1) is None
+    blocks = LanePlan.of(torch.tensor([0, 0, 1, 1]), 2, torch.ones(2), torch.ones(4), 8, 4)
+    assert blocks.linear(torch.randn(4, 8, 8), W, None, A, Bw, rows=4, tokens=8) is None

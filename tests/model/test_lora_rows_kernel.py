@@ -162,3 +162,26 @@ def test_backward_equals_autograd(
         for got, want in zip(out, (xd.grad, Ad.grad, Bd.grad), strict=True):
             assert got.shape == want.shape
             torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_backward_adds_into_a_given_input_gradient_or_skips_it() -> None:
+    """`g_x` given: the update's input gradient is added into it (a base layer's already
+    there); `need_x=False`: not computed at all; the weight gradients alike either way."""
+    g = torch.Generator().manual_seed(9)
+    L, N, r, fan_in, fan_out = 3, 10, 8, 32, 48
+    A, B = weights(L, r, fan_in, fan_out, False, g)
+    lane, scale = torch.tensor([2, 0, 0, 1, 2, 2, 1, 0, 1, 2]), torch.rand(L, generator=g)
+    order = torch.argsort(lane, stable=True)
+    x, grad = torch.randn(N, 1, fan_in, generator=g), torch.randn(N, 1, fan_out, generator=g)
+    gx, gA, gB = kernels.lora_rows_backward(x, grad, A, B, lane, order, scale)
+    base = torch.randn(N, 1, fan_in, generator=g)
+    into = base.clone()
+    gx2, gA2, gB2 = kernels.lora_rows_backward(x, grad, A, B, lane, order, scale, g_x=into)
+    assert gx2 is into
+    torch.testing.assert_close(into, base + gx)
+    none, gA3, gB3 = kernels.lora_rows_backward(x, grad, A, B, lane, order, scale, need_x=False)
+    assert none is None
+    for got in (gA2, gA3):
+        torch.testing.assert_close(got, gA)
+    for got in (gB2, gB3):
+        torch.testing.assert_close(got, gB)

@@ -20,7 +20,8 @@ reproduce) and returns None for any other, which keeps running its modules.
 
 Invariants:
 - Parameters are the modules' own tensors (nothing copied); the LoRA updates are the
-  injected layers' own (`LoRAModel.add_lora`, the same lane plan and kernels); half
+  injected layers' own (`LoRAModel.lora_linear`: the same lane plan and kernels, the
+  base layer and its update one autograd node in a trainer's packed forward); half
   precision linear layers over float32 activations (`marlaas.model.mixed`) multiply as
   their modules do.
 - The rotary tables come from the model's rotary module (every RoPE scaling it
@@ -171,8 +172,9 @@ class DecoderStack:
     def linear(self, x: Tensor, lin: Linear) -> Tensor:
         """`x W^T (+ b)` plus the LoRA update of the rows' adapters (the lane batch of the
         current `lanes()` context)."""
-        y = linear(x, lin.weight, lin.bias)
-        return y if lin.path is None else self.model.add_lora(lin.path, x, y)
+        if lin.path is None:
+            return linear(x, lin.weight, lin.bias)
+        return self.model.lora_linear(lin.path, x, lin.weight, lin.bias)
 
     def logits(self, h: Tensor) -> Tensor:
         """The output head over the final norm of the residual stream `h`."""

@@ -63,6 +63,7 @@ from marlaas.model.arch import (
     resolve_targets,
 )
 from marlaas.model.lane_plan import LanePlan
+from marlaas.model.mixed import linear as mixed_linear
 
 #: One adapter in PEFT layout: module path -> (A [r, in], B [out, r]).
 AdapterTensors = dict[str, tuple[Tensor, Tensor]]
@@ -124,6 +125,22 @@ class _LaneContext:
                 )
                 self._last = (batch.lane_B, *key, self.plan) if keep else None
         return self.batch, self.plan
+
+    def linear(self, path: str, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
+        """`F.linear(x, weight, bias)` plus module `path`'s LoRA update as one autograd node
+        where the lane plan has one for it (`LanePlan.linear`); None otherwise (the caller
+        runs the base layer, then `add_update`)."""
+        if self.owner != threading.get_ident() or self.batch is None:
+            return None
+        A_Lri = self.batch.A.get(path)
+        rows = self.batch.lane_B.shape[0]
+        tokens = x.shape[:-1].numel()
+        if A_Lri is None or x.dim() < 2 or rows == 0 or tokens % rows:
+            return None
+        current = self.current(tokens // rows, int(A_Lri.shape[1]))
+        assert current is not None
+        batch, plan = current
+        return plan.linear(x, weight, bias, A_Lri, batch.B[path], rows, tokens // rows)
 
     def add_update(self, path: str, x: Tensor, y: Tensor) -> Tensor:
         """`y` (the base layer's output for input `x`) plus the LoRA update of module
@@ -385,6 +402,16 @@ class LoRAModel:
         that run the base's layers themselves (`marlaas.rollout.decoder`). `y` may be
         written in place."""
         return self._context.add_update(path, x, y)
+
+    def lora_linear(self, path: str, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """`F.linear(x, weight, bias)` plus module `path`'s LoRA update (the current
+        lane batch's), as `add_lora` after the base layer, in one autograd node where the
+        lane plan has one (a trainer's packed forward: `LanePlan.linear`)."""
+        if torch.is_grad_enabled():  # the engine's forwards (no gradient) skip the lookup
+            fused = self._context.linear(path, x, weight, bias)
+            if fused is not None:
+                return fused
+        return self._context.add_update(path, x, mixed_linear(x, weight, bias))
 
     def _check_lane_batch(self, batch: LaneBatch) -> None:
         if batch.lane_B.dim() != 1 or batch.lane_B.dtype != torch.long:

@@ -69,7 +69,7 @@ KERNELS: dict[str, tuple[str, str, list[type]]] = {
             *(_PTR, _I64, _I64),
             *(_PTR, _I64, _I64, _I64),
             *(_PTR, _PTR, _PTR),
-            *(_PTR, _PTR, _PTR),
+            *(_PTR, _PTR, _PTR, _I64),
         ],
     ),
     "add_rms_norm": ("rms_norm", "add_rms_norm_f32", [_I64, _I64, _PTR, _PTR, _PTR, _F32, _PTR]),

@@ -63,7 +63,7 @@ def lora_rows(
 
 def lora_rows_trains(
     x_NTi: Tensor,
-    y_NTo: Tensor,
+    y_NTo: Tensor | None,
     A_Lri: Tensor,
     B_Lor: Tensor,
     lane_N: Tensor,
@@ -71,11 +71,18 @@ def lora_rows_trains(
     scale_L: Tensor | None,
     rows: tuple[int, int] | None = None,
 ) -> bool:
-    """Whether `lora_rows` and `lora_rows_backward` both take these tensors."""
+    """Whether `lora_rows` and `lora_rows_backward` both take these tensors (`y_NTo`
+    None: an output yet to be made, contiguous float32 on `x`'s device, of `B_Lor`'s
+    output features)."""
+    if y_NTo is None:
+        y_NTo = x_NTi.new_empty((*x_NTi.shape[:-1], int(B_Lor.shape[1])), device="meta")
+        if not x_NTi.is_cpu:
+            return False
     return (
         load("lora_rows") is not None
         and load("lora_rows_backward") is not None
-        and _shape(x_NTi, y_NTo, A_Lri, B_Lor, lane_N, order_N, scale_L, rows) is not None
+        and _shape(x_NTi, y_NTo, A_Lri, B_Lor, lane_N, order_N, scale_L, rows, y_cpu=True)
+        is not None
     )
 
 
@@ -88,10 +95,13 @@ def lora_rows_backward(
     order_N: Tensor,
     scale_L: Tensor | None,
     rows: tuple[int, int] | None = None,
-) -> tuple[Tensor, Tensor, Tensor] | None:
+    g_x: Tensor | None = None,
+    need_x: bool = True,
+) -> tuple[Tensor | None, Tensor, Tensor] | None:
     """The gradients of `lora_rows`' update for the gradient `g_NTo` of its output (laid
-    out as `y_NTo`): of `x_NTi` (its shape), of `A_Lri` and of `B_Lor` (`[L, out, r]`,
-    rank-major in memory); None where the kernel does not apply (the arguments as
+    out as `y_NTo`): of `x_NTi` (its shape; added into `g_x` where given, a contiguous
+    tensor of that shape; None without `need_x`), of `A_Lri` and of `B_Lor` (`[L, out,
+    r]`, rank-major in memory); None where the kernel does not apply (the arguments as
     `lora_rows`'; `g_NTo` contiguous)."""
     kernel = load("lora_rows_backward")
     shape = _shape(x_NTi, g_NTo, A_Lri, B_Lor, lane_N, order_N, scale_L, rows)
@@ -99,7 +109,13 @@ def lora_rows_backward(
         return None
     N, T, fan_in, fan_out, r = shape
     L = int(A_Lri.shape[0])
-    g_x = torch.empty_like(x_NTi)
+    add = g_x is not None
+    if g_x is not None and not (
+        g_x.is_contiguous() and g_x.dtype == torch.float32 and g_x.numel() == x_NTi.numel()
+    ):
+        raise ValueError("g_x must be a contiguous float32 tensor of x's size")
+    if g_x is None and need_x:
+        g_x = torch.empty_like(x_NTi)
     g_A = torch.zeros((L, r, fan_in), dtype=torch.float32)
     g_Bt = torch.zeros((L, r, fan_out), dtype=torch.float32)
     scratch = None if B_Lor.stride(1) == 1 else torch.empty(r * fan_out, dtype=torch.float32)
@@ -111,7 +127,7 @@ def lora_rows_backward(
         r,
         x_NTi.data_ptr(),
         g_NTo.data_ptr(),
-        g_x.data_ptr(),
+        0 if g_x is None else g_x.data_ptr(),
         A_Lri.data_ptr(),
         A_Lri.stride(0),
         A_Lri.stride(1),
@@ -125,6 +141,7 @@ def lora_rows_backward(
         g_A.data_ptr(),
         g_Bt.data_ptr(),
         0 if scratch is None else scratch.data_ptr(),
+        int(add),
     )
     return g_x, g_A, g_Bt.transpose(1, 2)
 
@@ -138,6 +155,7 @@ def _shape(
     order_N: Tensor,
     scale_L: Tensor | None,
     rows: tuple[int, int] | None,
+    y_cpu: bool = False,
 ) -> tuple[int, int, int, int, int] | None:
     """`(N, T, in, out, r)` of a `lora_rows` call, or None where the kernel does not take
     its tensors (see `lora_rows`)."""
@@ -151,7 +169,7 @@ def _shape(
     L, r, _ = A_Lri.shape
     if (
         not shaped
-        or not (x_NTi.is_cpu and y_NTo.is_cpu and A_Lri.is_cpu and B_Lor.is_cpu)
+        or not (x_NTi.is_cpu and (y_cpu or y_NTo.is_cpu) and A_Lri.is_cpu and B_Lor.is_cpu)
         or not (x_NTi.dtype == y_NTo.dtype == A_Lri.dtype == B_Lor.dtype == torch.float32)
         or not (x_NTi.is_contiguous() and y_NTo.is_contiguous())
         or r > LORA_ROWS_MAX_RANK

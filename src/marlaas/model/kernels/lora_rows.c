@@ -207,7 +207,9 @@ static inline void outer_add(float *acc, int64_t ld, int64_t r, const float *c,
  *     gx = A^T e (written),   gA[lane] += e x^T,   gBt[lane] += h g^T,
  *
  * gBt rank-major ([L, r, out], the transpose of B's gradient; the caller transposes it).
- * gA [L, r, in] and gBt contiguous, accumulated into; gx [U * T, in] contiguous. Units
+ * gA [L, r, in] and gBt contiguous, accumulated into; gx [U * T, in] contiguous, written
+ * (`add_gx` 0), added into (`add_gx` 1: a base layer's input gradient already there) or
+ * not computed (NULL: the input needs none). Units
  * are visited in `order` (sorted by lane: a lane's gradients stay in cache, its B is
  * transposed into `scratch` once); the tokens of up to `BLOCK` consecutive units of one
  * lane add into its gradients together. Other arguments as `lora_rows_f32`. */
@@ -216,7 +218,7 @@ void lora_rows_backward_f32(int64_t U, int64_t T, int64_t in, int64_t out, int64
                             const float *A, int64_t a_sl, int64_t a_sr,
                             const float *B, int64_t b_sl, int64_t b_so, int64_t b_sr,
                             const int64_t *lane, const int64_t *order, const float *scale,
-                            float *gA, float *gBt, float *scratch) {
+                            float *gA, float *gBt, float *scratch, int64_t add_gx) {
     int64_t current = -1, nt = 0;
     const float *Bt = scratch;
     int64_t bt_sk = out;
@@ -253,11 +255,14 @@ void lora_rows_backward_f32(int64_t U, int64_t T, int64_t in, int64_t out, int64
             const int64_t tok = u * T + t;
             xs[nt] = x + tok * in;
             gs[nt] = g + tok * out;
-            float *gxt = gx + tok * in;
             down(Al, a_sr, r, xs[nt], in, s, h + nt * r);
             down(Bt, bt_sk, r, gs[nt], out, s, e + nt * r);
-            for (int64_t i = 0; i < in; ++i) gxt[i] = 0.0f;
-            up(Al, a_sr, r, e + nt * r, gxt, in);
+            if (gx) {
+                float *gxt = gx + tok * in;
+                if (!add_gx)
+                    for (int64_t i = 0; i < in; ++i) gxt[i] = 0.0f;
+                up(Al, a_sr, r, e + nt * r, gxt, in);
+            }
             ++nt;
         }
     }
