@@ -5,6 +5,8 @@ decline what they do not take."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -155,3 +157,34 @@ def test_span_attention_steps_aside_on_torchs_path() -> None:
     assert fused.span_attention(q, k, k, spans, 0.25) is not None
     with kernels.torch_path():
         assert fused.span_attention(q, k, k, spans, 0.25) is None
+
+
+@pytest.mark.parametrize("weight_grad", [False, True])
+@pytest.mark.parametrize("switched_off", [False, True])
+def test_rms_norm_and_its_backward_equal_torchs(weight_grad: bool, switched_off: bool) -> None:
+    """`fused.rms_norm`: torch's `rms_norm` values and gradients (of the input, and of the
+    weight when it trains), features off the vector width, large and tiny scales; its
+    backward falls back to torch's when the kernels were switched off after the forward;
+    None where the kernels do not take the input."""
+    g = torch.Generator().manual_seed(4)
+    for scale in (1.0, 1e3, 1e-3):
+        x = (torch.randn(3, 7, 37, generator=g) * scale).requires_grad_()
+        w = (torch.rand(37, generator=g) + 0.5).requires_grad_(weight_grad)
+        dy = torch.randn(3, 7, 37, generator=g)
+        got = fused.rms_norm(x, w, 1e-6)
+        assert got is not None and "RMSNorm" in type(got.grad_fn).__name__
+        want = F.rms_norm(x, (37,), w, 1e-6)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        inputs = (x, w) if weight_grad else (x,)
+        with kernels.torch_path() if switched_off else contextlib.nullcontext():
+            got_grads = torch.autograd.grad(got, inputs, dy)
+        for a, b in zip(got_grads, torch.autograd.grad(want, inputs, dy), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 / scale)
+    assert (
+        fused.rms_norm(
+            torch.randn(2, 4, dtype=torch.float64), torch.ones(4, dtype=torch.float64), 1e-6
+        )
+        is None
+    )
+    with kernels.torch_path():
+        assert fused.rms_norm(torch.randn(2, 4), torch.ones(4), 1e-6) is None

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from marlaas.model.fused import rms_norm
 from marlaas.model.lora import LoRAModel, MultiLoRALinear
 from marlaas.model.mixed import HalfLinear, linear
 
@@ -75,6 +76,10 @@ class Norm:
 
     def __call__(self, x: Tensor) -> Tensor:
         if x.dtype == torch.float32:
+            if torch.is_grad_enabled() and x.requires_grad:  # the trainer: fused both ways
+                fused = rms_norm(x, self.weight, self.eps)
+                if fused is not None:
+                    return fused
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         # Hugging Face's order of roundings: normalised in float32, cast, then scaled.
         x32 = x.to(torch.float32)

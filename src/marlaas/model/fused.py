@@ -7,6 +7,8 @@ the CPU), torch's own ops elsewhere: the same values and gradients up to float r
   plus the activations they save).
 - `rotary(x, cos, sin) = x * cos + rotate_half(x) * sin` over `[..., H, D]`: one pass
   each way (torch: five ops forward, as many back).
+- `rms_norm(x, weight, eps)`: Llama's RMS norm, one pass each way (torch: a composite
+  of six ops forward and as many back); None where it does not apply.
 - `span_attention(q, k, v, spans)`: each query over its own span of key columns, the
   trainer's attention (SDPA's masked product covers every column and its CPU backward
   costs twice its forward); native only, None where it does not apply (the caller keeps
@@ -42,6 +44,53 @@ def rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         assert isinstance(out, Tensor)
         return out
     return x * cos.unsqueeze(-2) + rotate_half(x) * sin.unsqueeze(-2)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
+    """Llama's RMS norm `weight * x / sqrt(mean(x^2) + eps)` over the last axis, its
+    forward and backward each one native pass (`kernels.add_rms_norm`,
+    `kernels.rms_norm_backward`; torch's composite backward makes six); None where the
+    kernels do not take `x` (float32 CPU, contiguous)."""
+    if not (
+        x.is_cpu
+        and x.dtype == weight.dtype == torch.float32
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and not kernels.torch_path_on()
+        and kernels.native_kernels("add_rms_norm", "rms_norm_backward")
+    ):
+        return None
+    out = _RMSNorm.apply(x, weight, eps)
+    assert isinstance(out, Tensor)
+    return out
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        E = int(x.shape[-1])
+        out = kernels.add_rms_norm(x.view(-1, E), None, weight, eps)
+        assert out is not None  # `rms_norm` checked the kernel applies
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return out.view(x.shape)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight = ctx.saved_tensors
+        E = int(x.shape[-1])
+        g = grads[0].contiguous()
+        need_w = ctx.needs_input_grad[1]
+        out = kernels.rms_norm_backward(x.view(-1, E), weight, g.view(-1, E), ctx.eps, need_w)
+        if out is None:  # the kernels were switched off since the forward: torch's way
+            with torch.enable_grad():
+                x_, w_ = x.detach().requires_grad_(), weight.detach().requires_grad_(need_w)
+                y = F.rms_norm(x_, (E,), w_, ctx.eps)
+                inputs = (x_, w_) if need_w else (x_,)
+                got = torch.autograd.grad(y, inputs, g)
+            return got[0], got[1] if need_w else None, None
+        g_x, g_w = out
+        return g_x.view(x.shape), g_w, None
 
 
 def rotate_half(x: Tensor) -> Tensor:

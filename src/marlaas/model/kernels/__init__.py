@@ -47,7 +47,12 @@ from marlaas.model.kernels.attention import (
     span_attention_trains,
 )
 from marlaas.model.kernels.build import _library, native_kernels, torch_path, torch_path_on
-from marlaas.model.kernels.decoder import add_rms_norm, copy_rows, rope_store
+from marlaas.model.kernels.decoder import (
+    add_rms_norm,
+    copy_rows,
+    rms_norm_backward,
+    rope_store,
+)
 from marlaas.model.kernels.fused import (
     rotary,
     rotary_applies,
@@ -72,6 +77,7 @@ __all__ = [
     "lora_rows_backward",
     "lora_rows_trains",
     "native_kernels",
+    "rms_norm_backward",
     "rope_store",
     "rotary",
     "rotary_applies",

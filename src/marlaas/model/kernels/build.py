@@ -73,6 +73,11 @@ KERNELS: dict[str, tuple[str, str, list[type]]] = {
         ],
     ),
     "add_rms_norm": ("rms_norm", "add_rms_norm_f32", [_I64, _I64, _PTR, _PTR, _PTR, _F32, _PTR]),
+    "rms_norm_backward": (
+        "rms_norm",
+        "rms_norm_backward_f32",
+        [_I64, _I64, _PTR, _PTR, _PTR, _F32, _PTR, _PTR],
+    ),
     "copy_rows": (
         "copy_rows",
         "copy_rows_f32",

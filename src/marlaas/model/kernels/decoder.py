@@ -1,5 +1,6 @@
 """The engine decoder's element-wise kernels' wrappers: rotary with the cache write
-(`rope_store.c`) and the residual add with the RMS norm (`rms_norm.c`); see
+(`rope_store.c`) and the residual add with the RMS norm (`rms_norm.c`, and the norm's
+backward for the trainer); see
 `marlaas.model.kernels`."""
 
 from __future__ import annotations
@@ -116,6 +117,38 @@ def add_rms_norm(
         out.data_ptr(),
     )
     return out
+
+
+def rms_norm_backward(
+    h_TE: Tensor, weight_E: Tensor, g_TE: Tensor, eps: float, weight_grad: bool
+) -> tuple[Tensor, Tensor | None] | None:
+    """The gradients `(of h, of the weight or None)` of `weight * h / sqrt(mean(h^2) +
+    eps)` per token for the output's gradient `g_TE`; None where the kernel does not
+    apply: float32 CPU tensors, contiguous, `[T, E]` and `[E]`."""
+    kernel = load("rms_norm_backward")
+    T, E = h_TE.shape
+    if (
+        kernel is None
+        or not (h_TE.is_cpu and weight_E.is_cpu and g_TE.is_cpu)
+        or not (h_TE.dtype == weight_E.dtype == g_TE.dtype == torch.float32)
+        or not (h_TE.is_contiguous() and weight_E.is_contiguous() and g_TE.is_contiguous())
+        or tuple(weight_E.shape) != (E,)
+        or tuple(g_TE.shape) != (T, E)
+    ):
+        return None
+    g_h = torch.empty((T, E), dtype=torch.float32)
+    g_w = torch.zeros(E, dtype=torch.float32) if weight_grad else None
+    kernel(
+        T,
+        E,
+        h_TE.data_ptr(),
+        weight_E.data_ptr(),
+        g_TE.data_ptr(),
+        float(eps),
+        g_h.data_ptr(),
+        0 if g_w is None else g_w.data_ptr(),
+    )
+    return g_h, g_w
 
 
 def copy_rows(buffer: Tensor, dst: Sequence[int], src: Sequence[int], columns: int) -> bool:

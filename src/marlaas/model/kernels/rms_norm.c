@@ -34,3 +34,29 @@ void add_rms_norm_f32(int64_t T, int64_t E, float *h, const float *delta, const 
         for (int64_t i = 0; i < E; ++i) ot[i] = weight[i] * (ht[i] * inv);
     }
 }
+
+/* The backward of the RMS norm (no residual add) for the output's gradient g: per token,
+ * with r = 1 / sqrt(mean(h^2) + eps) recomputed and u = g * weight,
+ *
+ *     gh[t] = r * u - h[t] * r^3 * (u . h[t]) / E        (written)
+ *     gw   += g[t] * h[t] * r                             (when gw is given)
+ *
+ * the one pass of it that torch's composite backward makes in six. Layouts as the
+ * forward's; g and gh [T, E], gw [E]. */
+void rms_norm_backward_f32(int64_t T, int64_t E, const float *h, const float *weight,
+                           const float *g, float eps, float *gh, float *gw) {
+    for (int64_t t = 0; t < T; ++t) {
+        const float *ht = h + t * E, *gt = g + t * E;
+        float *ot = gh + t * E;
+        float sum = 0.0f, dot = 0.0f;
+        for (int64_t i = 0; i < E; ++i) {
+            sum += ht[i] * ht[i];
+            dot += gt[i] * weight[i] * ht[i];
+        }
+        const float r = 1.0f / sqrtf(sum / (float)E + eps);
+        const float c = r * r * r * dot / (float)E;
+        for (int64_t i = 0; i < E; ++i) ot[i] = r * gt[i] * weight[i] - c * ht[i];
+        if (gw)
+            for (int64_t i = 0; i < E; ++i) gw[i] += gt[i] * ht[i] * r;
+    }
+}
