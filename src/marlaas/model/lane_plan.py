@@ -56,6 +56,8 @@ from marlaas.model.kernels import (
 PIECE_ROWS = 16
 #: Blocks of fewer tokens than this, with several blocks to a lane, run as segments.
 MIN_BLOCK_TOKENS = 16
+#: Lane batches of more rows than this find their runs in one torch op, not in Python.
+RUNS_ON_DEVICE = 256
 
 
 @dataclass(frozen=True)
@@ -130,22 +132,27 @@ class Segments:
             if size == longest:
                 break
         size = best[1]
-        gather: list[int] = []
-        inverse: list[int] = []
-        lane_P: list[int] = []
-        first = 0
-        for lane, count in runs:
-            for start in range(first, first + count, size):
-                end = min(start + size, first + count)
-                inverse += range(len(gather), len(gather) + end - start)
-                gather += [*range(start, end), *[start] * (size - end + start)]
-                lane_P.append(lane)
-            first += count
+        # Pieces in run order: piece p of run r covers rows [start, end) of it, padded by
+        # repeating its first row; `inverse` maps each row to its place in the layout.
+        lane_R = torch.tensor([lane for lane, _ in runs], dtype=torch.long)
+        count_R = torch.tensor([count for _, count in runs], dtype=torch.long)
+        first_R = count_R.cumsum(0) - count_R
+        pieces_R = (count_R + size - 1) // size
+        run_P = torch.repeat_interleave(torch.arange(len(runs)), pieces_R)
+        k_P = torch.arange(int(pieces_R.sum())) - (pieces_R.cumsum(0) - pieces_R)[run_P]
+        start_P = first_R[run_P] + k_P * size
+        end_P = torch.minimum(start_P + size, (first_R + count_R)[run_P])
+        index_PS = start_P[:, None] + torch.arange(size)
+        valid_PS = index_PS < end_P[:, None]
+        gather = torch.where(valid_PS, index_PS, start_P[:, None]).reshape(-1)
+        inverse = torch.empty(int(count_R.sum()), dtype=torch.long)
+        inverse[index_PS[valid_PS]] = valid_PS.reshape(-1).nonzero().squeeze(1)
+        lane_P: list[int] = lane_R[run_P].tolist()
         segments = Segments(
             pieces=len(lane_P),
             size=size,
-            gather=torch.tensor(gather, dtype=torch.long, device=device),
-            inverse=torch.tensor(inverse, dtype=torch.long, device=device),
+            gather=gather.to(device),
+            inverse=inverse.to(device),
         )
         return segments, lane_P
 
@@ -167,16 +174,14 @@ class RowLanes:
     trains: bool = False
 
     @staticmethod
-    def of(
-        lanes_B: list[int], lane_B: Tensor, scale_L: Tensor | None, trains: bool = False
-    ) -> RowLanes | None:
+    def of(lane_B: Tensor, scale_L: Tensor | None, trains: bool = False) -> RowLanes | None:
         """None where the kernel never applies: off the CPU, or not built."""
         if lane_B.device.type != "cpu" or not native_kernels("lora_rows"):
             return None
-        order = sorted(range(len(lanes_B)), key=lanes_B.__getitem__)
+        lane_N = lane_B.to(torch.long).contiguous()
         return RowLanes(
-            lane_N=lane_B.to(torch.long).contiguous(),
-            order_N=torch.tensor(order, dtype=torch.long),
+            lane_N=lane_N,
+            order_N=torch.argsort(lane_N, stable=True),
             scale_L=scale_L,
             trains=trains,
         )
@@ -223,30 +228,38 @@ class LanePlan:
         """The plan of a lane batch for rows of `tokens` tokens and adapters of `rank`
         (`scale_L` None: the weights carry the scales), made on the host (reading
         `lane_B` is one device sync per forward when it lives on an accelerator)."""
-        lanes_B: list[int] = lane_B.tolist()
-        runs = [(lane, sum(1 for _ in run)) for lane, run in itertools.groupby(lanes_B)]
+        B = int(lane_B.shape[0])
+        if B > RUNS_ON_DEVICE:  # a packed micro-batch's tokens: its runs, not its rows
+            lanes_R, counts_R = torch.unique_consecutive(lane_B, return_counts=True)
+            runs = list(zip(lanes_R.tolist(), counts_R.tolist(), strict=True))
+        else:
+            runs = [(lane, sum(1 for _ in run)) for lane, run in itertools.groupby(lane_B.tolist())]
         size = math.gcd(*(count for _, count in runs)) if runs else 1
-        lanes_K = [lane for lane, count in runs for _ in range(count // size)]
+        blocks = sum(count // size for _, count in runs)
 
         def scales(index: Tensor | None) -> Tensor | None:
             if scale_L is None:
                 return None
             return scale_L if index is None else scale_L[index]
 
-        if lanes_K == list(range(num_lanes)):
-            return LanePlan(size, len(lanes_K), None, scales(None))
-        if size * tokens < MIN_BLOCK_TOKENS and len(lanes_K) > 2 * len(runs):
+        if blocks == num_lanes and all(
+            count == size and lane == k for k, (lane, count) in enumerate(runs)
+        ):  # one block per lane, in lane order
+            return LanePlan(size, blocks, None, scales(None))
+        if size * tokens < MIN_BLOCK_TOKENS and blocks > 2 * len(runs):
             # Long runs of short rows (a packed micro-batch, a token a row): a weight copy
             # per block of a few rows would cost more than the rows themselves. The native
             # kernels take every row where its weights lie, forward and backward; torch's
             # way is segments per run.
             distinct = len({lane for lane, _ in runs}) == len(runs)
-            if distinct and len(runs) < len(lanes_B):
-                rows = RowLanes.of(lanes_B, lane_B, scale_L, trains=True)
+            if distinct and len(runs) < B:
+                rows = RowLanes.of(lane_B, scale_L, trains=True)
                 segments, run_lanes = Segments.of_runs(runs, lane_B.device)
                 lane_P = torch.tensor(run_lanes, dtype=torch.long, device=lane_B.device)
                 return LanePlan(1, segments.pieces, lane_P, scales(lane_P), segments, rows)
-        rows = RowLanes.of(lanes_B, lane_B, scale_L) if size == 1 else None
+        lanes_B: list[int] = lane_B.tolist()
+        lanes_K = [lane for lane, count in runs for _ in range(count // size)]
+        rows = RowLanes.of(lane_B, scale_L) if size == 1 else None
         if size == 1 and 2 * tokens < rank:
             # Per-row blocks would copy every row's weights (rank x features each); the
             # segments copy each row's activations twice (tokens x features).
