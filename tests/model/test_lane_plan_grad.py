@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from marlaas.model.lane_plan import BlockLoRA, LanePlan
+from marlaas.model.lane_plan import LanePlan
+from marlaas.model.lora_grad import BlockLoRA, RowsLoRA
 
 
 def _plain(
@@ -166,11 +167,10 @@ def test_linear_and_lora_as_one_node_match_autograd(
     bias: bool, x_grad: bool, switched_off: bool
 ) -> None:
     """`LanePlan.linear` on a packed micro-batch: the base layer and the LoRA update in one
-    node (`LinearRowsLoRA`, the input gradient summed in one buffer) give the plain ops'
+    node (`RowsLoRA` with the base layer, the input gradient one buffer) give the plain ops'
     output and gradients; so does its backward when the kernels were switched off after
     the forward (torch's way)."""
     from marlaas.model import kernels
-    from marlaas.model.lane_plan import LinearRowsLoRA
 
     g = torch.Generator().manual_seed(5 + bias + 2 * x_grad)
     counts = {2: 21, 0: 7, 3: 40}  # lane 1 absent
@@ -191,7 +191,7 @@ def test_linear_and_lora_as_one_node_match_autograd(
             plan = LanePlan.of(lane_N, L, scale_L, scale_L[lane_N], tokens=1, rank=r)
             out = plan.linear(xl, W, b, Al, Bl, rows=N, tokens=1)
             assert out is not None
-            assert LinearRowsLoRA.__name__ in type(out.grad_fn).__name__
+            assert RowsLoRA.__name__ in type(out.grad_fn).__name__
             with kernels.torch_path() if switched_off else contextlib.nullcontext():
                 out.backward(grad_out)
         else:

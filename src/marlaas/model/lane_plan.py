@@ -22,12 +22,12 @@ included; `scale` is skipped when the weights carry it (`LaneBatch.prescaled`).
 
 Runs (a packed micro-batch, `marlaas.train.decoder.Packed`: a token a row, each lane's
 tokens one run of its own length): on the CPU the native kernels take every row where
-its lane's weights lie, forward and backward (`RowsLoRA`; with the base layer as one node,
-`LinearRowsLoRA`, whose input gradient the kernel adds into the base's: `bench trainer`'s
-32 tenants 123-126 -> 118-121 ms a forward/backward); elsewhere each run is cut into
-pieces of one size (`Segments.of_runs`).
+its lane's weights lie, forward and backward (`model.lora_grad.RowsLoRA`; with the base
+layer in the same node where it is float32, its input gradient one buffer: `bench
+trainer`'s 32 tenants 123-126 -> 118-121 ms a forward/backward); elsewhere each run is
+cut into pieces of one size (`Segments.of_runs`).
 
-With gradients on (the trainer), blocks run through `BlockLoRA`, one autograd node per
+With gradients on (the trainer), blocks run through `model.lora_grad.BlockLoRA`, one autograd node per
 module with a hand-written backward: autograd's own backward of the same ops picks
 batched-matmul layouts that are several times slower at LoRA's shapes (a rank-wide
 inner or outer dimension) and sums per-row weight gradients through a strided scatter.
@@ -39,18 +39,12 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from marlaas.model.kernels import (
-    lora_rows,
-    lora_rows_backward,
-    lora_rows_trains,
-    native_kernels,
-)
+from marlaas.model.kernels import lora_rows, lora_rows_trains, native_kernels
+from marlaas.model.lora_grad import BlockLoRA, RowsLoRA
 
 #: What one more piece costs in rows of padding, when `Segments.of_runs` sizes them.
 PIECE_ROWS = 16
@@ -172,6 +166,23 @@ class RowLanes:
     scale_L: Tensor | None
     #: The kernels run with gradients too (`RowsLoRA`), not only without.
     trains: bool = False
+
+    def rows_lora(
+        self,
+        x: Tensor,
+        A_Lri: Tensor,
+        B_Lor: Tensor,
+        y: Tensor | None,
+        W: Tensor | None,
+        b: Tensor | None,
+        shape: tuple[int, int, int, int, int],
+    ) -> Tensor:
+        """`RowsLoRA` over these rows (see there)."""
+        out = RowsLoRA.apply(
+            x, A_Lri, B_Lor, y, W, b, self.lane_N, self.order_N, self.scale_L, shape
+        )
+        assert isinstance(out, Tensor)
+        return out
 
     @staticmethod
     def of(lane_B: Tensor, scale_L: Tensor | None, trains: bool = False) -> RowLanes | None:
@@ -298,17 +309,12 @@ class LanePlan:
                 x, y, A_Lri, B_Lor, plan.lane_N, plan.order_N, plan.scale_L, rows=(rows, tokens)
             ):
                 return y
-        elif (
-            plan is not None
-            and plan.trains
-            and x.is_contiguous()
-            and lora_rows_trains(
+        elif plan is not None and plan.trains:
+            shape = lora_rows_trains(
                 x, y, A_Lri, B_Lor, plan.lane_N, plan.order_N, plan.scale_L, rows=(rows, tokens)
             )
-        ):
-            out = RowsLoRA.apply(x, A_Lri, B_Lor, y, plan, (rows, tokens))
-            assert isinstance(out, Tensor)
-            return out
+            if shape is not None:
+                return plan.rows_lora(x, A_Lri, B_Lor, y, None, None, shape)
         x_BTi, y_BTo = _as_rows(x, rows, tokens), _as_rows(y, rows, tokens)
         out = self._apply_torch(x_BTi, A_Lri, B_Lor, y_BTo, grad)
         if out is y_BTo:  # in place: y is the result
@@ -326,7 +332,7 @@ class LanePlan:
         tokens: int,
     ) -> Tensor | None:
         """`F.linear(x, W, b)` plus the LoRA update as one autograd node
-        (`LinearRowsLoRA`) where that applies: a trainer's packed forward with gradients,
+        (`RowsLoRA` with the base layer) where that applies: a trainer's packed forward with gradients,
         the native kernels, a frozen float32 base weight; else None (the caller runs the
         base layer and `apply`)."""
         plan = self.rows
@@ -337,16 +343,13 @@ class LanePlan:
             or W.requires_grad
             or (b is not None and b.requires_grad)
             or W.dtype != x.dtype
-            or not x.is_contiguous()
             or not (x.requires_grad or A_Lri.requires_grad or B_Lor.requires_grad)
-            or not lora_rows_trains(
-                x, None, A_Lri, B_Lor, plan.lane_N, plan.order_N, plan.scale_L, (rows, tokens)
-            )
         ):
             return None
-        out = LinearRowsLoRA.apply(x, W, b, A_Lri, B_Lor, plan, (rows, tokens))
-        assert isinstance(out, Tensor)
-        return out
+        shape = lora_rows_trains(
+            x, None, A_Lri, B_Lor, plan.lane_N, plan.order_N, plan.scale_L, (rows, tokens)
+        )
+        return None if shape is None else plan.rows_lora(x, A_Lri, B_Lor, None, W, b, shape)
 
     def _apply_torch(
         self, x_BTi: Tensor, A_Lri: Tensor, B_Lor: Tensor, y_BTo: Tensor, grad: bool
@@ -403,203 +406,3 @@ class LanePlan:
 def _as_rows(t: Tensor, rows: int, tokens: int) -> Tensor:
     """`t` seen as `[rows, tokens, features]` (itself where it already is)."""
     return t if t.shape[:-1] == (rows, tokens) else t.reshape(rows, tokens, t.shape[-1])
-
-
-class BlockLoRA(torch.autograd.Function):
-    """`y_Kno + scale_K * (x_Kni A_K^T) B_K^T` (`y_Kno` None: the update alone, as
-    segments add it) for blocks `K` of `n` rows, where
-    `A_K = A_L[lane_K]` (`lane_K` None: `A_L` itself), with a backward chosen for LoRA's
-    shapes: every product is a batched matmul whose rank-wide side is an outer
-    dimension, and the per-block weight gradients are summed into their lanes with one
-    `index_add_` on contiguous tensors. Exactly the gradients of the plain ops, up to
-    floating-point rounding (`tests/model/test_lane_plan_grad.py`)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x_Kni: Tensor,
-        A_Lri: Tensor,
-        B_Lor: Tensor,
-        y_Kno: Tensor | None,
-        lane_K: Tensor | None,
-        scale_K: Tensor | None,
-    ) -> Tensor:
-        A_Kri = A_Lri if lane_K is None else A_Lri.index_select(0, lane_K)
-        B_Kor = B_Lor if lane_K is None else B_Lor.index_select(0, lane_K)
-        h_Knr = torch.bmm(x_Kni, A_Kri.transpose(1, 2))
-        if scale_K is not None:
-            h_Knr = h_Knr * scale_K[:, None, None]
-        if y_Kno is None:
-            out_Kno = torch.bmm(h_Knr, B_Kor.transpose(1, 2))
-        else:
-            out_Kno = torch.baddbmm(y_Kno, h_Knr, B_Kor.transpose(1, 2))
-        ctx.save_for_backward(x_Kni, A_Kri, B_Kor, h_Knr, lane_K, scale_K)
-        ctx.lanes = int(A_Lri.shape[0])
-        return out_Kno
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
-        (g_Kno,) = grads
-        x_Kni, A_Kri, B_Kor, h_Knr, lane_K, scale_K = ctx.saved_tensors
-        need_x, need_A, need_B, need_y = ctx.needs_input_grad[:4]
-        g_x = g_A = g_B = None
-        if need_B:  # (h^T g)^T: the rank is the output's row count, not its inner size
-            g_B = torch.bmm(h_Knr.transpose(1, 2), g_Kno).transpose(1, 2)
-        if need_A or need_x:
-            # The gradient of h, transposed ([K, r, n]): the rank as the row count again.
-            gh_Krn = torch.bmm(B_Kor.transpose(1, 2), g_Kno.transpose(1, 2))
-            if scale_K is not None:
-                gh_Krn = gh_Krn * scale_K[:, None, None]
-            if need_A:
-                g_A = torch.bmm(gh_Krn, x_Kni)
-            if need_x:
-                g_x = torch.bmm(gh_Krn.transpose(1, 2), A_Kri)
-        if lane_K is not None:  # blocks of one lane add up in it
-            lanes = ctx.lanes
-            if g_A is not None:
-                g_A = g_A.new_zeros((lanes, *g_A.shape[1:])).index_add_(0, lane_K, g_A)
-            if g_B is not None:
-                g_B = g_B.new_zeros((lanes, *g_B.shape[1:])).index_add_(0, lane_K, g_B.contiguous())
-        return g_x, g_A, g_B, g_Kno if need_y else None, None, None
-
-
-class RowsLoRA(torch.autograd.Function):
-    """`y + scale * (x A^T) B^T` with each row's own lane, through the native kernels
-    both ways (`lora_rows`, `lora_rows_backward`): no gather of the rows into per-lane
-    pieces and no copy of the weights per row, so a packed micro-batch (each token a
-    row, its tenant's tokens one run) costs its tokens' products alone. `y` is added
-    into in place; the caller checks the kernels take the tensors
-    (`lora_rows_trains`)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: Tensor,
-        A_Lri: Tensor,
-        B_Lor: Tensor,
-        y: Tensor,
-        plan: RowLanes,
-        rows: tuple[int, int],
-    ) -> Tensor:
-        if y._base is not None:  # a view (F.linear's with a bias): autograd needs a copy
-            y = y.clone()
-        else:
-            ctx.mark_dirty(y)
-        done = lora_rows(x, y, A_Lri, B_Lor, plan.lane_N, plan.order_N, plan.scale_L, rows=rows)
-        assert done, "the caller checks lora_rows_trains"
-        ctx.save_for_backward(x, A_Lri, B_Lor)
-        ctx.plan, ctx.rows = plan, rows
-        return y
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
-        (g,) = grads
-        x, A_Lri, B_Lor = ctx.saved_tensors
-        plan: RowLanes = ctx.plan
-        need_x, need_A, need_B = ctx.needs_input_grad[:3]
-        out = lora_rows_backward(
-            x,
-            g.contiguous(),
-            A_Lri,
-            B_Lor,
-            plan.lane_N,
-            plan.order_N,
-            plan.scale_L,
-            ctx.rows,
-            need_x=need_x,
-        )
-        if out is None:  # the kernels were switched off since the forward: torch's way
-            out = _rows_backward(x, g, A_Lri, B_Lor, plan, ctx.rows)
-        g_x, g_A, g_B = out
-        return (
-            g_x if need_x else None,
-            g_A if need_A else None,
-            g_B if need_B else None,
-            g,
-            None,
-            None,
-        )
-
-
-class LinearRowsLoRA(torch.autograd.Function):
-    """`F.linear(x, W, b)` plus `RowsLoRA`'s update, as one node: the backward's input
-    gradient is the base's `g W` with the LoRA part added into it by the kernel, not two
-    tensors autograd then sums (a pass over every linear layer's input gradient fewer,
-    and a node fewer per layer). The base weight and bias are frozen (no gradient)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: Tensor,
-        W: Tensor,
-        b: Tensor | None,
-        A_Lri: Tensor,
-        B_Lor: Tensor,
-        plan: RowLanes,
-        rows: tuple[int, int],
-    ) -> Tensor:
-        y = F.linear(x, W, b).contiguous()
-        done = lora_rows(x, y, A_Lri, B_Lor, plan.lane_N, plan.order_N, plan.scale_L, rows=rows)
-        assert done, "the caller checks lora_rows_trains"
-        ctx.save_for_backward(x, W, A_Lri, B_Lor)
-        ctx.plan, ctx.rows = plan, rows
-        return y
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
-        (g,) = grads
-        x, W, A_Lri, B_Lor = ctx.saved_tensors
-        plan: RowLanes = ctx.plan
-        need_x, _, _, need_A, need_B = ctx.needs_input_grad[:5]
-        g = g.contiguous()
-        g_x = torch.mm(g.view(-1, g.shape[-1]), W).view(x.shape) if need_x else None
-        out = lora_rows_backward(
-            x,
-            g,
-            A_Lri,
-            B_Lor,
-            plan.lane_N,
-            plan.order_N,
-            plan.scale_L,
-            ctx.rows,
-            g_x=g_x,
-            need_x=need_x,
-        )
-        if out is None:  # the kernels were switched off since the forward: torch's way
-            lora_x, g_A, g_B = _rows_backward(x, g, A_Lri, B_Lor, plan, ctx.rows)
-            if g_x is not None:
-                g_x = g_x + lora_x
-        else:
-            _, g_A, g_B = out
-        return (
-            g_x,
-            None,
-            None,
-            g_A if need_A else None,
-            g_B if need_B else None,
-            None,
-            None,
-        )
-
-
-def _rows_backward(
-    x: Tensor, g: Tensor, A_Lri: Tensor, B_Lor: Tensor, plan: RowLanes, rows: tuple[int, int]
-) -> tuple[Tensor, Tensor, Tensor]:
-    """`RowsLoRA`'s gradients in torch's ops (each row's weights gathered)."""
-    N, T = rows
-    x_NTi, g_NTo = x.reshape(N, T, -1), g.reshape(N, T, -1)
-    A_Nri, B_Nor = A_Lri.index_select(0, plan.lane_N), B_Lor.index_select(0, plan.lane_N)
-    scale_N = (torch.ones(N, dtype=x.dtype) if plan.scale_L is None else plan.scale_L[plan.lane_N])[
-        :, None, None
-    ]
-    h_NTr = torch.bmm(x_NTi, A_Nri.transpose(1, 2)) * scale_N
-    e_NTr = torch.bmm(g_NTo, B_Nor) * scale_N
-    g_x = torch.bmm(e_NTr, A_Nri).reshape(x.shape)
-    L = A_Lri.shape[0]
-    g_A = A_Lri.new_zeros(A_Lri.shape).index_add_(
-        0, plan.lane_N, torch.bmm(e_NTr.transpose(1, 2), x_NTi)
-    )
-    g_B = B_Lor.new_zeros((L, *B_Lor.shape[1:])).index_add_(
-        0, plan.lane_N, torch.bmm(g_NTo.transpose(1, 2), h_NTr)
-    )
-    return g_x, g_A, g_B

@@ -11,6 +11,10 @@ from marlaas.model.kernels.build import kernel as load
 LORA_ROWS_MAX_RANK = 64
 
 
+#: A `lora_rows` call's `(N, T, in, out, r)`, as `_shape` finds it.
+Shape = tuple[int, int, int, int, int]
+
+
 def lora_rows(
     x_NTi: Tensor,
     y_NTo: Tensor,
@@ -20,6 +24,7 @@ def lora_rows(
     order_N: Tensor,
     scale_L: Tensor | None,
     rows: tuple[int, int] | None = None,
+    checked: Shape | None = None,
 ) -> bool:
     """Add `scale_L[l] * (x A_L[l]^T) B_L[l]^T` to the `T` tokens of every row `n` of
     `y_NTo [N, T, out]`, `l = lane_N[n]`, in place; False (nothing written) where the
@@ -29,33 +34,22 @@ def lora_rows(
     contiguous along `r` (PEFT's layout) or along `out` (rank-major, read in place),
     `lane_N` and `order_N` contiguous int64 with lanes in `[0, L)`; ranks up to
     `LORA_ROWS_MAX_RANK`. `rows = (N, T)`: `x` and `y` have any leading shape of `N * T`
-    tokens, row-major (no view to make: each is an op the device thread pays for)."""
+    tokens, row-major (no view to make: each is an op the device thread pays for).
+    `checked`: the shape `lora_rows_trains` returned for these tensors (not checked
+    again)."""
     kernel = load("lora_rows")
-    shape = _shape(x_NTi, y_NTo, A_Lri, B_Lor, lane_N, order_N, scale_L, rows)
+    shape = checked or _shape(x_NTi, y_NTo, A_Lri, B_Lor, lane_N, order_N, scale_L, rows)
     if kernel is None or shape is None:
         return False
-    N, T, fan_in, fan_out, r = shape
+    _, _, _, fan_out, r = shape
     # B rank-major (`out` contiguous, the adapter bank's layout) is read in place, with
     # no scratch (a per-call allocation fewer on the engine's path).
     scratch = None if B_Lor.stride(1) == 1 else torch.empty(r * fan_out, dtype=torch.float32)
     kernel(
-        N,
-        T,
-        fan_in,
-        fan_out,
-        r,
+        *shape,
         x_NTi.data_ptr(),
         y_NTo.data_ptr(),
-        A_Lri.data_ptr(),
-        A_Lri.stride(0),
-        A_Lri.stride(1),
-        B_Lor.data_ptr(),
-        B_Lor.stride(0),
-        B_Lor.stride(1),
-        B_Lor.stride(2),
-        lane_N.data_ptr(),
-        order_N.data_ptr(),
-        0 if scale_L is None else scale_L.data_ptr(),
+        *_lane_args(A_Lri, B_Lor, lane_N, order_N, scale_L),
         0 if scratch is None else scratch.data_ptr(),
     )
     return True
@@ -70,20 +64,13 @@ def lora_rows_trains(
     order_N: Tensor,
     scale_L: Tensor | None,
     rows: tuple[int, int] | None = None,
-) -> bool:
-    """Whether `lora_rows` and `lora_rows_backward` both take these tensors (`y_NTo`
-    None: an output yet to be made, contiguous float32 on `x`'s device, of `B_Lor`'s
-    output features)."""
-    if y_NTo is None:
-        y_NTo = x_NTi.new_empty((*x_NTi.shape[:-1], int(B_Lor.shape[1])), device="meta")
-        if not x_NTi.is_cpu:
-            return False
-    return (
-        load("lora_rows") is not None
-        and load("lora_rows_backward") is not None
-        and _shape(x_NTi, y_NTo, A_Lri, B_Lor, lane_N, order_N, scale_L, rows, y_cpu=True)
-        is not None
-    )
+) -> Shape | None:
+    """The call's shape where `lora_rows` and `lora_rows_backward` both take these
+    tensors, else None (`y_NTo` None: an output yet to be made, contiguous float32 on the
+    CPU, of `B_Lor`'s output features)."""
+    if load("lora_rows") is None or load("lora_rows_backward") is None:
+        return None
+    return _shape(x_NTi, y_NTo, A_Lri, B_Lor, lane_N, order_N, scale_L, rows)
 
 
 def lora_rows_backward(
@@ -107,7 +94,7 @@ def lora_rows_backward(
     shape = _shape(x_NTi, g_NTo, A_Lri, B_Lor, lane_N, order_N, scale_L, rows)
     if kernel is None or shape is None:
         return None
-    N, T, fan_in, fan_out, r = shape
+    _, _, fan_in, fan_out, r = shape
     L = int(A_Lri.shape[0])
     add = g_x is not None
     if g_x is not None and not (
@@ -120,14 +107,24 @@ def lora_rows_backward(
     g_Bt = torch.zeros((L, r, fan_out), dtype=torch.float32)
     scratch = None if B_Lor.stride(1) == 1 else torch.empty(r * fan_out, dtype=torch.float32)
     kernel(
-        N,
-        T,
-        fan_in,
-        fan_out,
-        r,
+        *shape,
         x_NTi.data_ptr(),
         g_NTo.data_ptr(),
         0 if g_x is None else g_x.data_ptr(),
+        *_lane_args(A_Lri, B_Lor, lane_N, order_N, scale_L),
+        g_A.data_ptr(),
+        g_Bt.data_ptr(),
+        0 if scratch is None else scratch.data_ptr(),
+        int(add),
+    )
+    return g_x, g_A, g_Bt.transpose(1, 2)
+
+
+def _lane_args(
+    A_Lri: Tensor, B_Lor: Tensor, lane_N: Tensor, order_N: Tensor, scale_L: Tensor | None
+) -> tuple[int, ...]:
+    """The weights' and lanes' arguments of both kernels, in their C order."""
+    return (
         A_Lri.data_ptr(),
         A_Lri.stride(0),
         A_Lri.stride(1),
@@ -138,40 +135,43 @@ def lora_rows_backward(
         lane_N.data_ptr(),
         order_N.data_ptr(),
         0 if scale_L is None else scale_L.data_ptr(),
-        g_A.data_ptr(),
-        g_Bt.data_ptr(),
-        0 if scratch is None else scratch.data_ptr(),
-        int(add),
     )
-    return g_x, g_A, g_Bt.transpose(1, 2)
 
 
 def _shape(
     x_NTi: Tensor,
-    y_NTo: Tensor,
+    y_NTo: Tensor | None,
     A_Lri: Tensor,
     B_Lor: Tensor,
     lane_N: Tensor,
     order_N: Tensor,
     scale_L: Tensor | None,
     rows: tuple[int, int] | None,
-    y_cpu: bool = False,
-) -> tuple[int, int, int, int, int] | None:
+) -> Shape | None:
     """`(N, T, in, out, r)` of a `lora_rows` call, or None where the kernel does not take
-    its tensors (see `lora_rows`)."""
-    fan_in, fan_out = int(x_NTi.shape[-1]), int(y_NTo.shape[-1])
+    its tensors (see `lora_rows`; `y_NTo` None: an output the caller makes to fit)."""
+    L, r, _ = A_Lri.shape
+    fan_in, fan_out = int(x_NTi.shape[-1]), int(B_Lor.shape[1])
     if rows is None:
         N, T = int(x_NTi.shape[0]), int(x_NTi.shape[1])
-        shaped = x_NTi.dim() == 3 and tuple(y_NTo.shape[:2]) == (N, T)
+        shaped = x_NTi.dim() == 3 and (y_NTo is None or tuple(y_NTo.shape[:2]) == (N, T))
     else:
         N, T = rows
-        shaped = x_NTi.numel() == N * T * fan_in and y_NTo.numel() == N * T * fan_out
-    L, r, _ = A_Lri.shape
+        shaped = x_NTi.numel() == N * T * fan_in
+    if y_NTo is not None:
+        shaped = (
+            shaped
+            and int(y_NTo.shape[-1]) == fan_out
+            and y_NTo.numel() == N * T * fan_out
+            and y_NTo.is_cpu
+            and y_NTo.dtype == torch.float32
+            and y_NTo.is_contiguous()
+        )
     if (
         not shaped
-        or not (x_NTi.is_cpu and (y_cpu or y_NTo.is_cpu) and A_Lri.is_cpu and B_Lor.is_cpu)
-        or not (x_NTi.dtype == y_NTo.dtype == A_Lri.dtype == B_Lor.dtype == torch.float32)
-        or not (x_NTi.is_contiguous() and y_NTo.is_contiguous())
+        or not (x_NTi.is_cpu and A_Lri.is_cpu and B_Lor.is_cpu)
+        or not (x_NTi.dtype == A_Lri.dtype == B_Lor.dtype == torch.float32)
+        or not x_NTi.is_contiguous()
         or r > LORA_ROWS_MAX_RANK
         or A_Lri.stride(-1) != 1
         or 1 not in (B_Lor.stride(1), B_Lor.stride(2))

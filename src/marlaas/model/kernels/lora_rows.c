@@ -111,6 +111,20 @@ static inline void up(const float *Bt, int64_t bt_sk, int64_t r, const float *h,
     }
 }
 
+/* A lane's B rank-major (`r` rows of `out`, row stride `*bt_sk`): in place where it
+ * already is (b_so == 1), else transposed into `scratch`. */
+static inline const float *rank_major(const float *Bl, int64_t b_so, int64_t b_sr, int64_t r,
+                                      int64_t out, float *scratch, int64_t *bt_sk) {
+    if (b_so == 1) {
+        *bt_sk = b_sr;
+        return Bl;
+    }
+    for (int64_t o = 0; o < out; ++o)
+        for (int64_t k = 0; k < r; ++k) scratch[k * out + o] = Bl[o * b_so + k * b_sr];
+    *bt_sk = out;
+    return scratch;
+}
+
 /* The `T` tokens of unit `u`: `r` as a compile-time constant for the common ranks (the
  * loops over it unroll); r <= 64 (the caller checks). */
 static inline __attribute__((always_inline)) void tokens(
@@ -136,14 +150,7 @@ void lora_rows_f32(int64_t U, int64_t T, int64_t in, int64_t out, int64_t r,
         const int64_t u = order[j];
         const int64_t l = lane[u];
         if (l != current) {
-            const float *Bl = B + l * b_sl;
-            if (b_so == 1) {  /* rank-major already: read in place */
-                Bt = Bl;
-                bt_sk = b_sr;
-            } else {
-                for (int64_t o = 0; o < out; ++o)
-                    for (int64_t k = 0; k < r; ++k) scratch[k * out + o] = Bl[o * b_so + k * b_sr];
-            }
+            Bt = rank_major(B + l * b_sl, b_so, b_sr, r, out, scratch, &bt_sk);
             current = l;
             /* The next lane's weights into L2 while this lane's rows run (they come from
              * L3 otherwise, at the first row of each lane): engine decode iteration at
@@ -233,14 +240,7 @@ void lora_rows_backward_f32(int64_t U, int64_t T, int64_t in, int64_t out, int64
         }
         if (j == U) break;
         if (l != current) {
-            const float *Bl = B + l * b_sl;
-            if (b_so == 1) {
-                Bt = Bl;
-                bt_sk = b_sr;
-            } else {
-                for (int64_t o = 0; o < out; ++o)
-                    for (int64_t k = 0; k < r; ++k) scratch[k * out + o] = Bl[o * b_so + k * b_sr];
-            }
+            Bt = rank_major(B + l * b_sl, b_so, b_sr, r, out, scratch, &bt_sk);
             current = l;
         }
         const float *Al = A + l * a_sl;
