@@ -27,9 +27,10 @@ from marlaas.train.grpo import GRPOTrainer
 
 def _gradients(
     model: LoRAModel, modules: bool, shared: bool
-) -> tuple[dict[str, Tensor], dict[str, float]]:
-    """Every tenant's accumulated gradient and loss after one forward_backward over a
-    step of grouped samples (whose prompts the trainer shares, or not)."""
+) -> tuple[dict[str, Tensor], dict[str, dict[str, float]]]:
+    """Every tenant's accumulated gradient and sums (loss and metrics: entropy, ratio,
+    KL...) after one forward_backward over a step of grouped samples (whose prompts the
+    trainer shares, or not)."""
     trainer = GRPOTrainer(model, max_tokens_per_microbatch=4096)
     for i, name in enumerate(TENANTS):
         _register(trainer, name, seed=i)
@@ -45,20 +46,22 @@ def _gradients(
     grads = {name: trainer.trainer._get(name).flat_P.grad for name in TENANTS}
     assert all(g is not None for g in grads.values())
     return {n: g for n, g in grads.items() if g is not None}, {
-        name: out[name].sums["loss"] for name in TENANTS
+        name: out[name].sums for name in TENANTS
     }
 
 
 def _trains_like_the_modules(
     model: LoRAModel, shared: bool, loss_tol: tuple[float, float], grad_rel: float
 ) -> None:
-    """The compact forward's losses (`loss_tol`: rel, abs) and gradients (relative norm of
-    the difference below `grad_rel`) against the modules', every tenant."""
-    got, got_loss = _gradients(model, modules=False, shared=shared)
-    want, want_loss = _gradients(model, modules=True, shared=shared)
+    """The compact forward's losses and metrics (`loss_tol`: rel, abs) and gradients
+    (relative norm of the difference below `grad_rel`) against the modules', every
+    tenant."""
+    got, got_sums = _gradients(model, modules=False, shared=shared)
+    want, want_sums = _gradients(model, modules=True, shared=shared)
     rel_tol, abs_tol = loss_tol
     for name in TENANTS:
-        assert got_loss[name] == pytest.approx(want_loss[name], rel=rel_tol, abs=abs_tol), name
+        assert {"loss", "entropy", "ratio"} <= set(want_sums[name])
+        assert got_sums[name] == pytest.approx(want_sums[name], rel=rel_tol, abs=abs_tol), name
         rel = float((got[name] - want[name]).norm() / want[name].norm())
         assert rel < grad_rel, (name, rel)
 

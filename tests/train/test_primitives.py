@@ -6,12 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 from test_trainer import TENANTS, _rel_diff
+from torch import Tensor
 from train_data import make_batch
 
 from marlaas.config.specs import LoRASpec
 from marlaas.errors import ConfigError, TenantNotFound
-from marlaas.model.lora import LoRAModel
+from marlaas.model.lora import AdapterTensors, LoRAModel
 from marlaas.train.batch import TrainBatchError
+from marlaas.train.decoder import Packed
 from marlaas.train.grpo import GRPOTraining
 from marlaas.train.losses import token_logprobs
 from marlaas.train.objectives import CrossEntropy, PolicyGradient, make_objective
@@ -69,9 +71,14 @@ def test_a_batch_in_two_forward_backward_chunks_gives_the_adapter_of_one_call(
     assert "kl_base" in whole["t-rank8-kl"].sums
 
 
-def test_each_tenant_has_its_own_objective_in_one_pass(lora_model: LoRAModel) -> None:
+@pytest.mark.parametrize("pack", [True, False])
+def test_each_tenant_has_its_own_objective_in_one_pass(
+    lora_model: LoRAModel, pack: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A cross-entropy tenant and a policy-gradient tenant share a pass; the
-    cross-entropy loss is -sum(w * log p) of a plain forward under its adapter."""
+    cross-entropy loss is -sum(w * log p) of a plain forward under its adapter, and
+    the metrics are those of its logits, with the rows' tokens packed or not."""
+    monkeypatch.setattr(Packed, "MIN_PADDING", 0.0 if pack else 1.0)
     _, rl = _grpo("t-rank2", lora_model)
     g = torch.Generator().manual_seed(4)
     data = []
@@ -88,19 +95,38 @@ def test_each_tenant_has_its_own_objective_in_one_pass(lora_model: LoRAModel) ->
     assert trainer.stats.max_microbatch_lanes == 2 and trainer.stats.passes == 1
     assert set(out["t-rank2"].sums) >= {"clipped", "ratio", "entropy"}
     tensors = trainer.adapter("sft")
-    expected = 0.0
+    expected, correct = 0.0, 0
     for d in data:
-        lane = lora_model.lane_batch([(lora, tensors)], torch.zeros(1, dtype=torch.long))
-        with torch.no_grad(), lora_model.lanes(lane):
-            logits = lora_model.base(input_ids=torch.tensor([d.input_ids])).logits
+        logits = _plain_logits(lora_model, lora, tensors, d)
         lp = token_logprobs(logits, torch.tensor([d.target_ids]))[0]
         expected -= float((torch.tensor(d.weights_T) * lp).sum())
+        top = logits[0].argmax(-1) == torch.tensor(d.target_ids)
+        correct += int((top & (torch.tensor(d.weights_T) != 0)).sum())
     assert out["sft"].loss == pytest.approx(expected, rel=1e-5)
+    assert out["sft"].sums["correct"] == correct
+    # The policy-gradient tenant's entropy: its weighted positions' alone.
+    entropy = 0.0
+    rl_tensors = trainer.adapter("t-rank2")
+    for d in rl.data:
+        logits = _plain_logits(lora_model, TENANTS["t-rank2"][0], rl_tensors, d)
+        logp = torch.log_softmax(logits[0] / rl.temperature, -1)
+        weighted = torch.tensor(d.weights_T) != 0
+        entropy -= float((logp.exp() * logp).sum(-1)[weighted].sum())
+    assert out["t-rank2"].sums["entropy"] == pytest.approx(entropy, rel=1e-5)
     assert out["sft"].tokens == sum(sum(w != 0 for w in d.weights_T) for d in data)
     steps = trainer.optim_step([("sft", AdamParams(lr=1e-2, max_grad_norm=None))])
     assert steps["sft"].grad_norm > 0 and trainer.version("t-rank2") == 0
     after = trainer.forward([TrainInput("sft", tuple(data), CrossEntropy())])
     assert after["sft"].loss < out["sft"].loss  # one step of SFT lowered the loss
+
+
+def _plain_logits(
+    lora_model: LoRAModel, lora: LoRASpec, tensors: AdapterTensors, d: Datum
+) -> Tensor:
+    """`d`'s logits `[1, T, V]` under one adapter, through the modules, alone."""
+    lane = lora_model.lane_batch([(lora, tensors)], torch.zeros(1, dtype=torch.long))
+    with torch.no_grad(), lora_model.lanes(lane):
+        return lora_model.base(input_ids=torch.tensor([d.input_ids])).logits  # type: ignore[no-any-return]
 
 
 def test_forward_returns_every_log_prob_and_leaves_no_gradient(lora_model: LoRAModel) -> None:

@@ -5,6 +5,7 @@ them next to other objectives in one pass."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -41,7 +42,7 @@ def _inputs(seed: int = 0, rows: int = 3, positions: int = 7) -> tuple[LossInput
     weights_BT[:, :2] = 0.0  # prompt positions
     x = LossInputs(
         logprobs_BT=p_BT,
-        logits_BTV=torch.zeros(rows, positions, 5),
+        logits_NV=torch.zeros(int((weights_BT != 0).sum()), 5),
         weights_BT=weights_BT,
         sampling_logprobs_BT=q_BT,
         advantages_BT=torch.randn(rows, positions, generator=g),
@@ -76,7 +77,7 @@ def test_ppo_equals_importance_sampling_inside_the_clip_range() -> None:
     x, _ = _inputs()
     near = LossInputs(
         logprobs_BT=x.logprobs_BT,
-        logits_BTV=x.logits_BTV,
+        logits_NV=x.logits_NV,
         weights_BT=x.weights_BT,
         sampling_logprobs_BT=x.logprobs_BT.detach() + 0.01,  # r within [0.8, 1.2]
         advantages_BT=x.advantages_BT,
@@ -97,7 +98,7 @@ def test_masked_positions_carry_nothing_even_at_minus_infinity(objective: Object
     masked = x.weights_BT == 0
     logprobs = torch.where(masked, float("-inf"), p)
     sampling = torch.where(masked, float("-inf"), x.sampling_logprobs_BT)
-    y = LossInputs(logprobs, x.logits_BTV, x.weights_BT, sampling, x.advantages_BT)
+    y = LossInputs(logprobs, x.logits_NV, x.weights_BT, sampling, x.advantages_BT)
     loss, sums = objective(y)
     (grad,) = torch.autograd.grad(loss, p)
     assert math.isfinite(float(loss.detach()))
@@ -112,13 +113,8 @@ def test_the_loss_is_a_weighted_sum_that_splits_over_rows(objective: Objective) 
     whole, whole_sums = objective(x)
 
     def rows(sl: slice, scale: float = 1.0) -> LossInputs:
-        return LossInputs(
-            x.logprobs_BT[sl],
-            x.logits_BTV[sl],
-            x.weights_BT[sl] * scale,
-            x.sampling_logprobs_BT[sl],
-            x.advantages_BT[sl],
-        )
+        part = x.rows(sl.start, sl.stop)
+        return dataclasses.replace(part, weights_BT=part.weights_BT * scale)
 
     first, first_sums = objective(rows(slice(0, 1)))
     rest, rest_sums = objective(rows(slice(1, 4)))
@@ -182,10 +178,11 @@ def test_the_trainer_runs_each_in_one_pass_with_its_own_log_probs(lora_model: Lo
         assert rows is not None
         width = max(len(d.input_ids) for d in inp.data)
         p = torch.tensor([_pad(r, width) for r in rows]).requires_grad_()
+        weights = torch.tensor([_pad(d.weights_T, width) for d in inp.data])
         x = LossInputs(
             logprobs_BT=p,
-            logits_BTV=torch.zeros(len(rows), width, 2),
-            weights_BT=torch.tensor([_pad(d.weights_T, width) for d in inp.data]),
+            logits_NV=torch.zeros(int((weights != 0).sum()), 2),
+            weights_BT=weights,
             sampling_logprobs_BT=torch.tensor(
                 [_pad(d.sampling_logprobs_T, width) for d in inp.data]
             ),

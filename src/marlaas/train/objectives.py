@@ -55,7 +55,8 @@ class LossInputs:
     """One tenant's rows of one micro-batch; every `[B, T]` tensor covers the same rows.
 
     `logprobs_BT` is `log_softmax(logits / temperature)` at each target, with gradient;
-    `logits_BTV` the temperature-scaled logits it came from (for entropy terms).
+    `logits_NV` the temperature-scaled logits it came from at the weighted positions
+    (`mask_BT`, row-major), without gradient, for the metrics (entropy, accuracy).
     Positions whose weight is 0 (prompt, tool output, padding) carry no loss and count
     as no token; `sampling_logprobs_BT` and `advantages_BT` are 0 where the data gave
     none. `base_logprobs_BT` (the plain base, no gradient) is set only for objectives
@@ -63,7 +64,7 @@ class LossInputs:
     """
 
     logprobs_BT: Tensor
-    logits_BTV: Tensor
+    logits_NV: Tensor
     weights_BT: Tensor
     sampling_logprobs_BT: Tensor
     advantages_BT: Tensor
@@ -72,6 +73,19 @@ class LossInputs:
     @property
     def mask_BT(self) -> Tensor:
         return self.weights_BT != 0
+
+    def rows(self, a: int, b: int) -> LossInputs:
+        """Rows `a:b` alone, with their weighted positions' logits."""
+        first = int(self.mask_BT[:a].sum())
+        last = first + int(self.mask_BT[a:b].sum())
+        return LossInputs(
+            logprobs_BT=self.logprobs_BT[a:b],
+            logits_NV=self.logits_NV[first:last],
+            weights_BT=self.weights_BT[a:b],
+            sampling_logprobs_BT=self.sampling_logprobs_BT[a:b],
+            advantages_BT=self.advantages_BT[a:b],
+            base_logprobs_BT=None if self.base_logprobs_BT is None else self.base_logprobs_BT[a:b],
+        )
 
 
 class Objective(Protocol):
@@ -116,7 +130,7 @@ class CrossEntropy:
         with torch.no_grad():
             # The target is the argmax when its log-prob is the largest one (ties count);
             # only weighted positions are looked at.
-            z_NV = x.logits_BTV.detach()[mask_BT]
+            z_NV = x.logits_NV
             top_N = z_NV.max(dim=-1).values - torch.logsumexp(z_NV, dim=-1)
             correct = (x.logprobs_BT.detach()[mask_BT] >= top_N - 1e-6).sum()
             sums = {
@@ -232,7 +246,7 @@ def _surrogate_rows(
         # Only weighted positions count: the entropy of those alone (a micro-batch's
         # padding and prompt positions are often half its layout).
         entropy_BT = torch.zeros_like(log_ratio_BT)
-        entropy_BT[mask_BT] = entropy_from_logits(x.logits_BTV.detach()[mask_BT][None])[0]
+        entropy_BT[mask_BT] = entropy_from_logits(x.logits_NV[None])[0]
         sums = {
             "loss": t.weighted_BT.detach().sum(dim=1),
             "tokens": mask_BT.sum(dim=1),

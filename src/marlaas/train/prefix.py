@@ -43,7 +43,7 @@ from torch import Tensor
 from marlaas.model.cache import cache_tensors, empty_cache, wrap_cache
 from marlaas.model.lora import LaneBatch, LoRAModel
 from marlaas.train.batch import MicroBatch, Rows
-from marlaas.train.decoder import TrainDecoder
+from marlaas.train.decoder import TokenLogits, TrainDecoder
 
 #: Largest cost of the shared forward, relative to the plain one, for it to be used.
 MAX_COST = 0.85
@@ -120,8 +120,8 @@ class SharedPrefix:
         lanes: LaneBatch,
         ids_BS: Tensor,
         decoder: TrainDecoder | None = None,
-    ) -> Tensor:
-        """Logits `[B, S, V]` of the suffix tokens `ids_BS`, each row under its lane in
+    ) -> TokenLogits:
+        """Logits of the suffix tokens `ids_BS`, each row under its lane in
         `lanes`, after its prefix (the two passes of the module doc); through the
         compact `decoder` where given, else the model's modules."""
         dev = ids_BS.device
@@ -156,7 +156,7 @@ class SharedPrefix:
                 past_key_values=wrap_cache([k for k, _ in past], [v for _, v in past]),
                 use_cache=True,
             ).logits
-            return logits
+            return TokenLogits(logits)
 
 
 class _RowGather(torch.autograd.Function):

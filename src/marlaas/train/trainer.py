@@ -64,7 +64,7 @@ from marlaas.train.batch import (
     plan_microbatches,
     tensorise_data,
 )
-from marlaas.train.decoder import TrainDecoder
+from marlaas.train.decoder import TokenLogits, TrainDecoder
 from marlaas.train.lanes import MicroLanes
 from marlaas.train.losses import token_logprobs
 from marlaas.train.objectives import LossInputs, lane_rows
@@ -321,14 +321,16 @@ class MultiLaneTrainer:
             )
         return out
 
-    def _logits(self, ids_BT: Tensor, attn_BT: Tensor, lanes: LaneBatch | None = None) -> Tensor:
+    def _logits(
+        self, ids_BT: Tensor, attn_BT: Tensor, lanes: LaneBatch | None = None
+    ) -> TokenLogits:
         """Logits of right-padded rows (`attn_BT`: the valid tokens), each under its lane
         of `lanes` (None: the plain base)."""
         decoder = self._compact()
         if decoder is None:
             with self.model.lanes(lanes) if lanes is not None else contextlib.nullcontext():
                 out = self.model.base(input_ids=ids_BT, attention_mask=attn_BT, use_cache=False)
-            return out.logits  # type: ignore[no-any-return]
+            return TokenLogits(out.logits)
         pos_BT = torch.arange(ids_BT.shape[1], device=ids_BT.device).expand_as(ids_BT)
         return decoder.forward(ids_BT, attn_BT, pos_BT, lanes=lanes)[0]
 
@@ -358,8 +360,10 @@ class MultiLaneTrainer:
         lane_states = [states[k] for k in plan.lanes]
         lane_B = plan.lane_B.to(dev)
         temps_L = [i.temperature for i in lane_inputs]
-        temp_B = (
-            None if all(t == 1.0 for t in temps_L) else torch.tensor(temps_L, device=dev)[lane_B]
+        temp_BT = (
+            None
+            if all(t == 1.0 for t in temps_L)
+            else torch.tensor(temps_L, device=dev)[lane_B, None].expand(ids_BT.shape)
         )
         self.stats.microbatches += 1
         self.stats.max_microbatch_tokens = max(self.stats.max_microbatch_tokens, plan.tokens)
@@ -372,55 +376,43 @@ class MultiLaneTrainer:
                 [torch.arange(plan.offsets[lane], plan.offsets[lane + 1]) for lane in base_lanes]
             ).to(dev)
             with torch.no_grad():
-                z_base = _scaled(
-                    self._logits(ids_BT[sel], attn_BT[sel]),
-                    None if temp_B is None else temp_B[sel],
-                )
+                base = self._logits(ids_BT[sel], attn_BT[sel])
+                lp_base, _ = _logprobs(base, tgt_BT[sel], None if temp_BT is None else temp_BT[sel])
                 ref_BT = torch.zeros_like(beh_BT)
-                ref_BT[sel] = token_logprobs(z_base, tgt_BT[sel])
-                del z_base
+                ref_BT[sel] = lp_base
+                del base
 
         lanes = MicroLanes.of(self.model, lane_states, lane_B, grad=backward)
         lane_batch = lanes.batch
         shared = SharedPrefix.plan(rows, plan)
         if shared is None:
-            logits_BTV = self._logits(ids_BT, attn_BT, lane_batch)
+            logits = self._logits(ids_BT, attn_BT, lane_batch)
         else:  # from here on, every [B, T] tensor is in the suffix layout
             self.stats.shared_prefix_microbatches += 1
             ids_BT, tgt_BT, beh_BT, w_BT, adv_BT = (
                 shared.suffix(x) for x in (ids_BT, tgt_BT, beh_BT, w_BT, adv_BT)
             )
             ref_BT = None if ref_BT is None else shared.suffix(ref_BT)
-            logits_BTV = shared.logits(self.model, lane_batch, ids_BT, self._compact())
+            if temp_BT is not None:
+                temp_BT = temp_BT[:, :1].expand(ids_BT.shape)
+            logits = shared.logits(self.model, lane_batch, ids_BT, self._compact())
         # The backward needs no lane context: autograd keeps the lane tensors it used.
-        z_BTV = _scaled(logits_BTV, temp_B)
-        lp_BT = token_logprobs(z_BTV, tgt_BT)
+        lp_BT, z = _logprobs(logits, tgt_BT, temp_BT)
         if lp_NT is not None and shared is None:  # rows that want log-probs never share
             lp_NT[idx_B, :T] = lp_BT.detach().to("cpu", torch.float32)
+        mask_BT = w_BT != 0
+        z_NV = z.detach()[logits.tokens(mask_BT)]  # the weighted positions', row-major
         losses: list[Tensor] = []
         # Every lane's rows in one set of ops where their objectives allow it.
-        together = lane_rows(
-            [i.loss for i in lane_inputs],
-            lane_B,
-            LossInputs(lp_BT, z_BTV, w_BT, beh_BT, adv_BT, ref_BT),
-        )
+        x = LossInputs(lp_BT, z_NV, w_BT, beh_BT, adv_BT, ref_BT)
+        together = lane_rows([i.loss for i in lane_inputs], lane_B, x)
         if together is not None:
             loss, row_sums = together
             losses.append(loss)
             sums.add_rows(plan.lanes, torch.tensor(plan.lanes, device=dev)[lane_B], row_sums)
         else:
             for lane, inp in enumerate(lane_inputs):
-                a, b = plan.offsets[lane], plan.offsets[lane + 1]
-                loss, lane_sums = inp.loss(
-                    LossInputs(
-                        logprobs_BT=lp_BT[a:b],
-                        logits_BTV=z_BTV[a:b],
-                        weights_BT=w_BT[a:b],
-                        sampling_logprobs_BT=beh_BT[a:b],
-                        advantages_BT=adv_BT[a:b],
-                        base_logprobs_BT=None if ref_BT is None else ref_BT[a:b],
-                    )
-                )
+                loss, lane_sums = inp.loss(x.rows(plan.offsets[lane], plan.offsets[lane + 1]))
                 losses.append(loss)
                 sums.add(plan.lanes[lane], lane_sums)
         if backward:
@@ -469,7 +461,13 @@ class _Sums:
         return out
 
 
-def _scaled(logits_BTV: Tensor, temp_B: Tensor | None) -> Tensor:
-    """Logits in at least float32, divided by each row's sampling temperature."""
-    z_BTV = logits_BTV.to(torch.promote_types(logits_BTV.dtype, torch.float32))
-    return z_BTV if temp_B is None else z_BTV / temp_B[:, None, None]
+def _logprobs(
+    logits: TokenLogits, targets_BT: Tensor, temp_BT: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """The log-probs `[B, T]` of `targets_BT` under `logits` divided by each position's
+    sampling temperature (zeros at the padding of packed logits), and those scaled
+    logits, in at least float32, at the logits' positions."""
+    z = logits.values.to(torch.promote_types(logits.values.dtype, torch.float32))
+    if temp_BT is not None:
+        z = z / logits.tokens(temp_BT)[..., None]
+    return logits.rows(token_logprobs(z, logits.tokens(targets_BT))), z
