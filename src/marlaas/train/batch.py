@@ -25,9 +25,10 @@ Invariants:
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from statistics import fmean, pstdev
+from statistics import fmean
 
 import torch
 from torch import Tensor
@@ -212,9 +213,9 @@ class TenantStepResult:
             kl_behaviour=sums.get("kl_behaviour", 0.0) / n,
             entropy=sums.get("entropy", 0.0) / n,
             reward_mean=fmean(batch.rewards),
-            reward_std=pstdev(batch.rewards),
+            reward_std=_pstdev(batch.rewards),
             advantage_mean=fmean(batch.advantages),
-            advantage_std=pstdev(batch.advantages),
+            advantage_std=_pstdev(batch.advantages),
             tokens=batch.tokens,
             rows=len(batch.trajectories),
             staleness_max=max(staleness),
@@ -223,6 +224,13 @@ class TenantStepResult:
             lr=lr,
             rows_trained=rows_trained,
         )
+
+
+def _pstdev(xs: Sequence[float]) -> float:
+    """The population standard deviation of `xs` in floats (`statistics.pstdev` sums
+    exact fractions: 21 us for a group of 4, 1.3 ms of a 32-tenant step's results)."""
+    mean = fmean(xs)
+    return math.sqrt(fmean([(x - mean) ** 2 for x in xs]))
 
 
 @dataclass(frozen=True)
