@@ -264,6 +264,49 @@ def paper(
     typer.echo(f"wrote {json_out}, {json_out.with_suffix('.md')}, {json_out.with_suffix('.png')}")
 
 
+@app.command("dtype")
+def dtype_bench(
+    json_out: Path = typer.Option(Path("bench-dtype.json"), "--json", help="Result file."),
+    tenants: int = typer.Option(12, min=1, help="Tenants of the learning run (each dtype)."),
+    steps: int = typer.Option(
+        None, min=1, help="RL steps per tenant (default: the workload file's)."
+    ),
+    workload: str = typer.Option(
+        "learning", help="A compute-regime workload: a shipped name or a file."
+    ),
+    threads: int = typer.Option(1, min=1, help="torch threads."),
+    model: Path = typer.Option(None, help="Base model directory (default: embedded)."),
+    out: Path = typer.Option(
+        None, help="Folder for the run outputs (default: a temporary folder, removed)."
+    ),
+) -> None:
+    """Does bfloat16 learn as well as float32? The same learning run in each dtype."""
+    import tempfile
+
+    from transformers.utils import logging as hf_logging
+
+    from marlaas.bench.dtype import markdown, run_dtype_bench
+    from marlaas.bench.workloads import resolve_workload
+
+    chosen = resolve_workload(workload)
+    if chosen.regime != "compute":
+        raise typer.BadParameter(f"workload {chosen.path.name} is not a compute regime")
+    hf_logging.disable_progress_bar()
+    with tempfile.TemporaryDirectory(prefix="marlaas-bench-dtype-") as tmp:
+        result = run_dtype_bench(
+            chosen,
+            tenants=tenants,
+            steps=steps,
+            out_dir=out if out is not None else Path(tmp),
+            json_path=json_out,
+            base_path=model,
+            threads=threads,
+            log=typer.echo,
+        )
+    typer.echo(markdown(result))
+    typer.echo(f"wrote {json_out}, {json_out.with_suffix('.md')}")
+
+
 @app.command("api")
 def api(
     json_out: Path = typer.Option(Path("bench-api.json"), "--json", help="Result file."),
