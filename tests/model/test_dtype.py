@@ -1,5 +1,6 @@
-"""The base's dtype: `auto` is the checkpoint's own on an accelerator and float32 on the
-CPU; an explicit dtype is the whole model's on an accelerator, and on the CPU a half
+"""The base's dtype: `auto` is the checkpoint's own on an accelerator, and on the CPU
+bfloat16 only for a bfloat16 checkpoint on a CPU that computes it natively (else
+float32); an explicit dtype is the whole model's on an accelerator, and on the CPU a half
 dtype is the linear layers' weights only (`marlaas.model.mixed`: embeddings, norms, the
 head and the activations stay float32); LoRA slots stay float32."""
 
@@ -13,6 +14,7 @@ from arch_support import CONFIGS, char_tokenizer, save_model
 from torch import nn
 from transformers import AutoConfig, PreTrainedModel
 
+import marlaas.model.base as base_module
 from marlaas.config.specs import check_dtype, parse_target_modules
 from marlaas.errors import ConfigError
 from marlaas.model.bank import AdapterBank
@@ -44,9 +46,17 @@ def bf16_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_model(config, tmp_path_factory.mktemp("bf16"), char_tokenizer())
 
 
-def test_auto_is_the_checkpoints_dtype_on_an_accelerator(bf16_dir: Path) -> None:
+def test_auto_is_the_checkpoints_dtype_where_the_device_computes_it(
+    bf16_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     config = AutoConfig.from_pretrained(bf16_dir)
     assert resolve_dtype("auto", "cuda", config) == torch.bfloat16
+    monkeypatch.setattr(base_module, "native_bfloat16", lambda device: True)
+    assert resolve_dtype("auto", "cpu", config) == torch.bfloat16
+    config.dtype = torch.float16  # a float16 half is emulated on the CPU: float32
+    assert resolve_dtype("auto", "cpu", config) == torch.float32
+    config.dtype = torch.bfloat16
+    monkeypatch.setattr(base_module, "native_bfloat16", lambda device: False)
     assert resolve_dtype("auto", "cpu", config) == torch.float32
     assert resolve_dtype("float16", "cpu", config) == torch.float16
     assert resolve_dtype("auto", "cuda", CONFIGS["qwen2"]()) == torch.float32  # none recorded
@@ -59,7 +69,7 @@ def test_auto_is_the_checkpoints_dtype_on_an_accelerator(bf16_dir: Path) -> None
 def test_a_half_dtype_on_the_cpu_is_the_linear_weights_and_slots_stay_float32(
     bf16_dir: Path,
 ) -> None:
-    plain, _ = load_base(bf16_dir)
+    plain, _ = load_base(bf16_dir, dtype="float32")
     assert {p.dtype for p in plain.parameters()} == {torch.float32}
     assert not any(isinstance(m, HalfLinear) for m in plain.modules())
     base, _ = load_base(bf16_dir, dtype="bfloat16")
@@ -90,9 +100,25 @@ async def test_the_services_own_engine_loads_its_base_in_the_asked_dtype(
     (no job backend to share) loads the base as asked, adapters in float32."""
     from marlaas.service.inference import open_engine
 
-    engine = await open_engine(bf16_dir, max_rank=4, adapter_slots=2, device="cpu")
+    engine = await open_engine(bf16_dir, max_rank=4, adapter_slots=2, device="cpu", dtype="float32")
     assert {p.dtype for p in engine.model.base.parameters()} == {torch.float32}
     engine = await open_engine(
         bf16_dir, max_rank=4, adapter_slots=2, device="cpu", dtype="bfloat16"
     )
     assert _split_dtypes(engine.model.base) == ({torch.bfloat16}, {torch.float32})
+
+
+def test_the_embedded_base_runs_in_bfloat16_where_the_cpu_computes_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The embedded base declares bfloat16 (`marlaas bench dtype`: no loss of accuracy),
+    its weights stored in float32: `auto` takes bfloat16 linears on a CPU with native
+    bfloat16 only."""
+    root = base_module.default_base_path()
+    if not (root / "config.json").is_file():
+        pytest.skip("the embedded base is not built (marlaas base build)")
+    config = AutoConfig.from_pretrained(root)
+    monkeypatch.setattr(base_module, "native_bfloat16", lambda device: True)
+    assert resolve_dtype("auto", "cpu", config) == torch.bfloat16
+    monkeypatch.setattr(base_module, "native_bfloat16", lambda device: False)
+    assert resolve_dtype("auto", "cpu", config) == torch.float32

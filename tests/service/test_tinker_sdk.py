@@ -24,7 +24,8 @@ PROMPT = "Q: reverse hello\nA: "
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    with serving(tmp_path_factory.mktemp("tinker-serve")) as served:
+    # float32: the exact invariants below (chunks add up, prompt log-probs) are its own.
+    with serving(tmp_path_factory.mktemp("tinker-serve"), "--dtype", "float32") as served:
         yield served
 
 

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from marlaas.bench.cost import weight_matrices
 from marlaas.model.lora import LoRAModel
+from marlaas.model.mixed import native_bfloat16
 
 
 @dataclass(frozen=True)
@@ -151,10 +152,7 @@ def measure_machine(
 
 def bf16_hardware(device: torch.device) -> bool:
     """Whether `device` computes bfloat16 natively (else it is emulated, and slow)."""
-    if device.type == "cuda":
-        return bool(torch.cuda.is_bf16_supported())
-    cpu: Any = torch.cpu
-    return bool(cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported())
+    return native_bfloat16(device)
 
 
 def _shape_flops(

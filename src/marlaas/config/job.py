@@ -311,7 +311,8 @@ class PipelineSpec(Spec):
     dtype: ModelDType = Field(
         "auto",
         description="The base's weights in memory: float32, bfloat16 or float16; auto: the "
-        "checkpoint's own dtype on an accelerator, float32 on the CPU. On the CPU a half "
+        "checkpoint's own dtype where the device computes it (on a CPU bfloat16 only with "
+        "native bfloat16, else float32). On the CPU a half "
         "dtype is the linear layers' weights only, over float32 activations. LoRA "
         "weights, optimizer state and log-probs stay float32 whatever the base.",
     )

@@ -74,16 +74,17 @@ TargetModules = (
     | None
 )
 
-#: The base model's weights in memory: `auto` is the checkpoint's own dtype on an
-#: accelerator and float32 on the CPU; on the CPU a half dtype is the linear layers'
-#: weights only, over float32 activations (`marlaas.model.mixed`).
+#: The base model's weights in memory: `auto` is the checkpoint's own dtype where the
+#: device computes it (`model.base.resolve_dtype`); on the CPU a half dtype is the linear
+#: layers' weights only, over float32 activations (`marlaas.model.mixed`).
 ModelDType = Literal["auto", "float32", "bfloat16", "float16"]
 
 #: The help text of the command line's `--dtype`.
 DTYPE_HELP = (
-    "The base's weights: auto (the checkpoint's dtype on an accelerator, float32 on the "
-    "CPU), float32, bfloat16 or float16 (on the CPU: the linear layers' weights only, "
-    "activations stay float32). LoRA weights and log-probs stay float32."
+    "The base's weights: auto (the checkpoint's dtype where the device computes it: "
+    "on a CPU bfloat16 only with native bfloat16, else float32), float32, bfloat16 or "
+    "float16 (on the CPU: the linear layers' weights only, activations stay float32). "
+    "LoRA weights and log-probs stay float32."
 )
 
 

@@ -31,6 +31,18 @@ from torch import Tensor, nn
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
+def native_bfloat16(device: str | torch.device) -> bool:
+    """Whether `device` computes bfloat16 natively (AVX512-BF16 or AMX on a CPU; else
+    torch emulates it, several times slower than float32)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return bool(torch.cuda.is_bf16_supported())
+    if device.type != "cpu":
+        return False
+    cpu = torch.cpu
+    return bool(cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported())
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """`x W^T (+ b)` in `x`'s dtype; a weight of another dtype (a `HalfLinear`'s)
     multiplies `x` rounded to its dtype and the result is cast back."""

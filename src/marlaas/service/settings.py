@@ -163,8 +163,8 @@ class ServiceSettings(Spec):
     )
     serve_dtype: ModelDType = Field(
         "auto",
-        description="That base's weights in memory (auto: the checkpoint's dtype on an "
-        "accelerator, float32 on the CPU).",
+        description="That base's weights in memory (auto: the checkpoint's dtype where "
+        "the device computes it; on a CPU bfloat16 only with native bfloat16).",
     )
     default_target_modules: TargetModules = Field(
         None,
