@@ -21,7 +21,7 @@ from marlaas.device.config import DeviceConfig
 from marlaas.device.device import ExecutorDevice
 from marlaas.device.executor import ExecutorClosed
 from marlaas.device.inprocess import open_inprocess_device
-from marlaas.device.ops import Op, Phase
+from marlaas.device.ops import PASSES, Op, Phase
 from marlaas.train.batch import TenantStepResult, TrainBatch, TrainBatchError
 from marlaas.train.grpo import GRPOTraining
 from marlaas.types import RolloutRequest, SamplingParams, Trajectory
@@ -82,6 +82,16 @@ async def train(device: ExecutorDevice, b: TrainBatch) -> TenantStepResult:
     outputs = await device.forward_backward([TRAINING.train_input(b)])
     step = await device.optim_step(b.tenant, TRAINING.adam)
     return TRAINING.result(b, outputs[b.tenant], step)
+
+
+async def _queued_pass(device: ExecutorDevice) -> None:
+    """Until a forward_backward waits in the executor's queue (one loop turn is not always
+    enough on a loaded machine: the test then saw two decode iterations before it)."""
+    for _ in range(10_000):
+        if any(op.phase in PASSES for op in list(device.executor._ops)):
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError("the forward_backward never reached the executor's queue")
 
 
 def on_device(device: ExecutorDevice, fn: Any) -> asyncio.Future[Any]:
@@ -178,7 +188,7 @@ async def test_a_waiting_pass_gives_way_to_an_inference_window(
     request = RolloutRequest(tenant="a", prompt_ids=(30, 31), sampling=sampling)
     completion = device.sample(request, interactive=True)
     trained = asyncio.ensure_future(train(device, batch("a", 0)))
-    await asyncio.sleep(0)  # its forward_backward is queued
+    await _queued_pass(device)  # its forward_backward waits beside the completion
     release.set()
     await held
     done, result = await completion, await trained
