@@ -7,6 +7,8 @@ modules."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from test_shared_prefix import _data
@@ -14,6 +16,7 @@ from test_trainer import TENANTS, _register
 from torch import Tensor
 from train_data import VOCAB
 
+import marlaas.model.lane_plan as lane_plan
 import marlaas.train.decoder as decoder
 import marlaas.train.prefix as prefix
 from helpers.tiny_archs import ARCHS, tiny_model
@@ -77,14 +80,31 @@ def test_gradients_and_losses_equal_the_modules(
     _trains_like_the_modules(model, shared, (1e-5, 1e-6), 1e-5)
 
 
+@pytest.mark.parametrize("pack", [True, False])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_half_linear_weights_train_like_the_modules(arch: str) -> None:
+def test_half_linear_weights_train_like_the_modules(
+    arch: str, pack: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """bfloat16 linear weights over float32 activations (a half dtype on the CPU): the
-    compact forward and its backward multiply as the modules do (`marlaas.model.mixed`);
-    a float32 ulp of difference may round to a bfloat16 one, hence the tolerance."""
+    compact forward and its backward multiply as the modules do (`marlaas.model.mixed`),
+    packed (each linear layer and its LoRA one node, `RowsLoRA` with the half base
+    weight) or not; a float32 ulp of difference may round to a bfloat16 one, hence the
+    tolerance."""
+    monkeypatch.setattr(decoder.Packed, "MIN_PADDING", 0.0 if pack else 1.0)
+    fused: list[torch.dtype] = []
+    linear = lane_plan.LanePlan.linear
+
+    def watched(self: lane_plan.LanePlan, x: Tensor, W: Tensor, *rest: Any) -> Tensor | None:
+        out = linear(self, x, W, *rest)
+        if out is not None:
+            fused.append(W.dtype)
+        return out
+
+    monkeypatch.setattr(lane_plan.LanePlan, "linear", watched)
     model = LoRAModel(tiny_model(arch, VOCAB), max_rank=16)
     assert half_linears(model.base, torch.bfloat16) > 0
     _trains_like_the_modules(model, True, (1e-4, 1e-4), 5e-3)
+    assert (set(fused) == {torch.bfloat16}) if pack else not fused
 
 
 @pytest.mark.parametrize("arch", [a for a in ARCHS if a not in MODEL_TYPES])

@@ -45,6 +45,7 @@ from torch import Tensor
 
 from marlaas.model.kernels import lora_rows, lora_rows_trains, native_kernels
 from marlaas.model.lora_grad import BlockLoRA, RowsLoRA
+from marlaas.model.mixed import HALF_DTYPES
 
 #: What one more piece costs in rows of padding, when `Segments.of_runs` sizes them.
 PIECE_ROWS = 16
@@ -333,8 +334,8 @@ class LanePlan:
     ) -> Tensor | None:
         """`F.linear(x, W, b)` plus the LoRA update as one autograd node
         (`RowsLoRA` with the base layer) where that applies: a trainer's packed forward with gradients,
-        the native kernels, a frozen float32 base weight; else None (the caller runs the
-        base layer and `apply`)."""
+        the native kernels, a frozen base weight in `x`'s dtype or a half one
+        (`model.mixed`); else None (the caller runs the base layer and `apply`)."""
         plan = self.rows
         if (
             plan is None
@@ -342,7 +343,7 @@ class LanePlan:
             or not torch.is_grad_enabled()
             or W.requires_grad
             or (b is not None and b.requires_grad)
-            or W.dtype != x.dtype
+            or (W.dtype != x.dtype and W.dtype not in HALF_DTYPES)
             or not (x.requires_grad or A_Lri.requires_grad or B_Lor.requires_grad)
         ):
             return None

@@ -18,10 +18,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from marlaas.model.kernels import lora_rows, lora_rows_backward
+from marlaas.model.mixed import linear as mixed_linear
 
 
 class BlockLoRA(torch.autograd.Function):
@@ -92,7 +92,9 @@ class RowsLoRA(torch.autograd.Function):
     With the base layer instead of `y` (`W`, `b`; `y` None): `F.linear(x, W, b)` plus the
     update as one node, whose input gradient is the base's `g W` with the kernel adding
     the update's part into it, not two tensors autograd then sums (a pass over every
-    linear layer's input gradient fewer, and a node fewer per layer). The base is frozen.
+    linear layer's input gradient fewer, and a node fewer per layer). The base is frozen;
+    a half `W` (`model.mixed`) multiplies as `mixed.linear` does both ways: `x`, and `g`
+    in the backward, rounded to its dtype, the product returned in `x`'s.
 
     `shape` is the call's `(N, T, in, out, r)` as `kernels.lora_rows_trains` found it
     (the caller checks the kernels take the tensors)."""
@@ -113,7 +115,7 @@ class RowsLoRA(torch.autograd.Function):
     ) -> Tensor:
         if y is None:
             assert W is not None
-            y = F.linear(x, W, b).contiguous()
+            y = mixed_linear(x, W, b).contiguous()
         elif y._base is not None:  # a view (F.linear's with a bias): autograd needs a copy
             y = y.clone()
         else:
@@ -130,7 +132,14 @@ class RowsLoRA(torch.autograd.Function):
         need_x, need_A, need_B, need_y = ctx.needs_input_grad[:4]
         g = grads[0].contiguous()
         # With the base layer: its input gradient first, the kernel adds the update's.
-        base_x = None if W is None or not need_x else torch.mm(g.view(-1, g.shape[-1]), W)
+        base_x = None
+        if W is not None and need_x:
+            g_2d = g.view(-1, g.shape[-1])
+            base_x = (
+                torch.mm(g_2d, W)
+                if W.dtype == g.dtype
+                else torch.mm(g_2d.to(W.dtype), W).to(g.dtype)
+            )
         out = lora_rows_backward(
             x,
             g,
