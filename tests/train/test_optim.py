@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
+from helpers.native import kernels_off
 from marlaas.config.specs import GRPOSpec, LoRASpec
 from marlaas.errors import ConfigError
+from marlaas.model import kernels
 from marlaas.model.lora import LoRAModel
 from marlaas.train.optim import (
     AdamParams,
@@ -23,7 +27,19 @@ CONFIGS = [
 ]
 
 
-def test_adamw_matches_torch_for_every_tenant() -> None:
+@pytest.fixture(params=["native", "torch"])
+def kernel_or_torch(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The update through the native kernel (`kernels.adamw`) or torch's ops."""
+    if request.param == "torch":
+        with kernels_off():
+            yield request.param
+        return
+    if not kernels.native_kernels("adamw"):
+        pytest.skip("the native kernels are not built here")
+    yield request.param
+
+
+def test_adamw_matches_torch_for_every_tenant(kernel_or_torch: str) -> None:
     g = torch.Generator().manual_seed(0)
     sizes = [7, 130, 33]
     ours = [torch.randn(n, generator=g) for n in sizes]
@@ -49,7 +65,7 @@ def test_adamw_matches_torch_for_every_tenant() -> None:
     assert [s.step for s in states] == [6, 6, 6]
 
 
-def test_together_is_bitwise_alone() -> None:
+def test_together_is_bitwise_alone(kernel_or_torch: str) -> None:
     g = torch.Generator().manual_seed(1)
     params = [torch.randn(n, generator=g) for n in (5, 9, 4)]
     grads = [torch.randn_like(p) for p in params]

@@ -20,6 +20,8 @@
 - `swiglu` / `swiglu_backward` and `rotary` (with its transpose, the backward) are the
   trainer's element-wise steps of a decoder layer, one pass each instead of torch's
   several (`fused.c`).
+- `adamw` is the trainer's AdamW update of a tenant's flat vector in one pass
+  (`adamw.c`) where torch's multi-tensor ops make eight.
 - `copy_rows` moves slot-cache rows (a finished row's place taken by a live one, a
   prompt's cache copied to the rows that share it) in one pass with no temporary.
 - `rope_store` applies the rotary embedding to a forward's new queries (in place) and
@@ -54,6 +56,7 @@ from marlaas.model.kernels.decoder import (
     rope_store,
 )
 from marlaas.model.kernels.fused import (
+    adamw,
     rotary,
     rotary_applies,
     swiglu,
@@ -71,6 +74,7 @@ __all__ = [
     "LORA_ROWS_MAX_RANK",
     "Spans",
     "_library",
+    "adamw",
     "add_rms_norm",
     "copy_rows",
     "lora_rows",

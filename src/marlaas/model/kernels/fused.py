@@ -73,3 +73,40 @@ def rotary(x: Tensor, cos: Tensor, sin: Tensor, transpose: bool = False) -> Tens
         int(transpose),
     )
     return out
+
+
+def adamw(
+    p: Tensor,
+    g: Tensor,
+    m: Tensor,
+    v: Tensor,
+    *,
+    decay: float,
+    lerp: float,
+    beta2: float,
+    bias2_sqrt: float,
+    eps: float,
+    step: float,
+) -> bool:
+    """One AdamW update of `p` with gradient `g`, its moments `m` and `v` advanced, all
+    in place in one pass (`adamw.c` has the formula); False where the kernel does not
+    apply (float32 CPU vectors of one length, contiguous)."""
+    kernel = load("adamw")
+    if kernel is None or not (p.numel() == g.numel() == m.numel() == v.numel()):
+        return False
+    if not _ok(p, g, m, v):
+        return False
+    kernel(
+        p.numel(),
+        p.data_ptr(),
+        g.data_ptr(),
+        m.data_ptr(),
+        v.data_ptr(),
+        decay,
+        lerp,
+        beta2,
+        bias2_sqrt,
+        eps,
+        step,
+    )
+    return True
