@@ -122,3 +122,30 @@ def test_the_embedded_base_runs_in_bfloat16_where_the_cpu_computes_it(
     assert resolve_dtype("auto", "cpu", config) == torch.bfloat16
     monkeypatch.setattr(base_module, "native_bfloat16", lambda device: False)
     assert resolve_dtype("auto", "cpu", config) == torch.float32
+
+
+def test_half_products_run_at_bucketed_row_counts() -> None:
+    """Without gradient, a half product's rows are padded to `bucket_rows` (a multiple of
+    16, from 128 rows on at most an eighth more) so that oneDNN's per-shape kernels repeat; the
+    padding changes nothing but the rows' order of summation at most."""
+    from marlaas.model.mixed import bucket_rows, linear, matmul
+
+    assert [bucket_rows(n) for n in (1, 16, 17, 127, 129, 1527, 2135)] == [
+        16, 16, 32, 128, 144, 1536, 2304,
+    ]  # fmt: skip
+    assert all(0 <= bucket_rows(n) - n < max(16, n // 8 + 1) for n in range(1, 5000))
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(24, 40, generator=g).to(torch.bfloat16)
+    b = torch.randn(24, generator=g).to(torch.bfloat16)
+    x = torch.randn(3, 7, 40, generator=g)  # 21 rows: run as 32
+    want = torch.nn.functional.linear(x.to(torch.bfloat16), w, b).to(torch.float32)
+    got = linear(x, w, b)
+    assert got.shape == (3, 7, 24) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    a = torch.randn(21, 24, generator=g)
+    torch.testing.assert_close(
+        matmul(a, w), (a.to(torch.bfloat16) @ w).to(torch.float32), rtol=1e-5, atol=1e-5
+    )
+    x.requires_grad_(True)  # with gradient: autograd's own ops, no padding
+    linear(x, w, b).sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from marlaas.model.kernels import lora_rows, lora_rows_backward
 from marlaas.model.mixed import linear as mixed_linear
+from marlaas.model.mixed import matmul as mixed_matmul
 
 
 class BlockLoRA(torch.autograd.Function):
@@ -135,11 +136,7 @@ class RowsLoRA(torch.autograd.Function):
         base_x = None
         if W is not None and need_x:
             g_2d = g.view(-1, g.shape[-1])
-            base_x = (
-                torch.mm(g_2d, W)
-                if W.dtype == g.dtype
-                else torch.mm(g_2d.to(W.dtype), W).to(g.dtype)
-            )
+            base_x = torch.mm(g_2d, W) if W.dtype == g.dtype else mixed_matmul(g_2d, W)
         out = lora_rows_backward(
             x,
             g,
