@@ -127,7 +127,8 @@ def test_the_embedded_base_runs_in_bfloat16_where_the_cpu_computes_it(
 def test_half_products_run_at_bucketed_row_counts() -> None:
     """Without gradient, a half product's rows are padded to `bucket_rows` (a multiple of
     16, from 128 rows on at most an eighth more) so that oneDNN's per-shape kernels repeat; the
-    padding changes nothing but the rows' order of summation at most."""
+    padding changes nothing but the rows' order of summation at most, the gradient to
+    the input alike."""
     from marlaas.model.mixed import bucket_rows, linear, matmul
 
     assert [bucket_rows(n) for n in (1, 16, 17, 127, 129, 1527, 2135)] == [
@@ -146,6 +147,11 @@ def test_half_products_run_at_bucketed_row_counts() -> None:
     torch.testing.assert_close(
         matmul(a, w), (a.to(torch.bfloat16) @ w).to(torch.float32), rtol=1e-5, atol=1e-5
     )
-    x.requires_grad_(True)  # with gradient: autograd's own ops, no padding
-    linear(x, w, b).sum().backward()
-    assert x.grad is not None and x.grad.shape == x.shape
+    # With gradient to x (a frozen weight): buckets both ways, autograd's gradient.
+    x.requires_grad_(True)
+    (linear(x, w, b) * want).sum().backward()
+    got_grad, x.grad = x.grad, None
+    plain = torch.nn.functional.linear(x.to(torch.bfloat16), w, b).to(torch.float32)
+    (plain * want).sum().backward()
+    assert got_grad is not None and x.grad is not None
+    torch.testing.assert_close(got_grad, x.grad, rtol=1e-5, atol=1e-5)

@@ -23,6 +23,8 @@ Invariants:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -50,10 +52,31 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     if weight.dtype == x.dtype:
         return F.linear(x, weight, bias)
     if torch.is_grad_enabled() and x.requires_grad:
-        return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
+        if weight.requires_grad or (bias is not None and bias.requires_grad):
+            return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
+        return _FrozenHalfLinear.apply(x, weight, bias)  # type: ignore[no-any-return]
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     out = F.linear(_half_rows(x.reshape(rows, x.shape[-1]), weight.dtype), weight, bias)
     return out[:rows].to(x.dtype).view(*x.shape[:-1], out.shape[-1])
+
+
+class _FrozenHalfLinear(torch.autograd.Function):
+    """`linear` of a frozen half weight with gradient to `x` alone: autograd's own
+    backward of the same ops, `g` rounded to the weight's dtype times the weight, with
+    the rows in buckets both ways."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        ctx.save_for_backward(weight)
+        ctx.shape = x.shape
+        with torch.no_grad():
+            return linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor, None, None]:
+        (weight,) = ctx.saved_tensors
+        g = grads[0].reshape(-1, grads[0].shape[-1])
+        return matmul(g, weight).view(ctx.shape), None, None
 
 
 def matmul(a: Tensor, weight: Tensor) -> Tensor:
