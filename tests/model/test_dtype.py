@@ -125,25 +125,26 @@ def test_the_embedded_base_runs_in_bfloat16_where_the_cpu_computes_it(
 
 
 def test_half_products_run_at_bucketed_row_counts() -> None:
-    """Without gradient, a half product's rows are padded to `bucket_rows` (a multiple of
+    """A half product's rows are padded to `bucket_rows` (from 32 rows on a multiple of
     16, from 128 rows on at most an eighth more) so that oneDNN's per-shape kernels repeat; the
     padding changes nothing but the rows' order of summation at most, the gradient to
     the input alike."""
     from marlaas.model.mixed import bucket_rows, linear, matmul
 
-    assert [bucket_rows(n) for n in (1, 16, 17, 127, 129, 1527, 2135)] == [
-        16, 16, 32, 128, 144, 1536, 2304,
+    assert [bucket_rows(n) for n in (1, 16, 31, 33, 127, 129, 1527, 2135)] == [
+        1, 16, 31, 48, 128, 144, 1536, 2304,
     ]  # fmt: skip
     assert all(0 <= bucket_rows(n) - n < max(16, n // 8 + 1) for n in range(1, 5000))
+    assert len({bucket_rows(n) for n in range(1, 5000)}) < 100  # shapes that repeat
     g = torch.Generator().manual_seed(0)
     w = torch.randn(24, 40, generator=g).to(torch.bfloat16)
     b = torch.randn(24, generator=g).to(torch.bfloat16)
-    x = torch.randn(3, 7, 40, generator=g)  # 21 rows: run as 32
+    x = torch.randn(5, 7, 40, generator=g)  # 35 rows: run as 48
     want = torch.nn.functional.linear(x.to(torch.bfloat16), w, b).to(torch.float32)
     got = linear(x, w, b)
-    assert got.shape == (3, 7, 24) and got.dtype == torch.float32
+    assert got.shape == (5, 7, 24) and got.dtype == torch.float32
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    a = torch.randn(21, 24, generator=g)
+    a = torch.randn(35, 24, generator=g)
     torch.testing.assert_close(
         matmul(a, w), (a.to(torch.bfloat16) @ w).to(torch.float32), rtol=1e-5, atol=1e-5
     )
@@ -155,3 +156,30 @@ def test_half_products_run_at_bucketed_row_counts() -> None:
     (plain * want).sum().backward()
     assert got_grad is not None and x.grad is not None
     torch.testing.assert_close(got_grad, x.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_a_few_rows_of_a_bfloat16_layer_skip_onednn_and_round_alike(
+    rows: int, with_bias: bool
+) -> None:
+    """`kernels.half_linear_small` (one to four rows on a CPU with AVX512-BF16): torch's
+    bfloat16 result up to one bfloat16 rounding step (products summed in another order
+    may land on the other side of a rounding boundary); `mixed.linear` takes it."""
+    from marlaas.model import kernels
+    from marlaas.model.mixed import linear, native_bfloat16
+
+    if not (native_bfloat16("cpu") and kernels.native_kernels("half_linear_small")):
+        pytest.skip("needs a CPU with AVX512-BF16 and the native kernels")
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(72, 96, generator=g).to(torch.bfloat16)
+    b = torch.randn(72, generator=g).to(torch.bfloat16) if with_bias else None
+    x = torch.randn(rows, 96, generator=g)
+    want = torch.nn.functional.linear(x.to(torch.bfloat16), w, b).to(torch.float32)
+    got = kernels.half_linear_small(x, w, b)
+    assert got is not None and got.shape == (rows, 72)
+    assert torch.all((got - want).abs() <= want.abs() * 2**-7)
+    assert float((got == want).float().mean()) > 0.9  # rounded to bfloat16 as torch does
+    assert torch.equal(linear(x[None], w, b)[0], got)
+    assert kernels.half_linear_small(torch.randn(5, 96), w, b) is None  # too many rows
+    assert kernels.half_linear_small(torch.randn(1, 40), w[:, :40].contiguous(), b) is None

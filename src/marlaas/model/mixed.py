@@ -23,11 +23,14 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from marlaas.model import kernels
 
 #: The dtypes `half_linears` takes.
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -56,8 +59,17 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
             return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
         return _FrozenHalfLinear.apply(x, weight, bias)  # type: ignore[no-any-return]
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows <= kernels.HALF_LINEAR_MAX_ROWS and _native_bfloat16_cpu():
+        small = kernels.half_linear_small(x.reshape(rows, x.shape[-1]), weight, bias)
+        if small is not None:
+            return small.to(x.dtype).view(*x.shape[:-1], small.shape[-1])
     out = F.linear(_half_rows(x.reshape(rows, x.shape[-1]), weight.dtype), weight, bias)
     return out[:rows].to(x.dtype).view(*x.shape[:-1], out.shape[-1])
+
+
+@functools.cache
+def _native_bfloat16_cpu() -> bool:
+    return native_bfloat16("cpu")
 
 
 class _FrozenHalfLinear(torch.autograd.Function):
@@ -86,13 +98,20 @@ def matmul(a: Tensor, weight: Tensor) -> Tensor:
     return torch.mm(_half_rows(a, weight.dtype), weight)[:rows].to(a.dtype)
 
 
+#: Row counts below this run unpadded (`bucket_rows`).
+SMALL_ROWS = 32
+
+
 def bucket_rows(rows: int) -> int:
-    """The row count a half product of `rows` rows runs at: up to a multiple of 16, and
-    of an eighth of the power of two below it from 128 rows on (at most 1/8 padding).
-    oneDNN, torch's half matmul on the CPU, builds a kernel per shape on first use:
-    ~0.3 ms for a `[1000-1400, 128] x [128, 352]` (0.26 ms to run it), every time a
-    forward's token count is new (a trainer's packed micro-batches, a decode batch's
-    rows); with buckets their shapes repeat."""
+    """The row count a half product of `rows` rows runs at: under `SMALL_ROWS` as it is
+    (a few shapes, each built once; padding would cost more ops than the product),
+    else up to a multiple of 16, and of an eighth of the power of two below it from 128
+    rows on (at most 1/8 padding). oneDNN, torch's half matmul on the CPU, builds a
+    kernel per shape on first use: ~0.3 ms for a `[1000-1400, 128] x [128, 352]` (0.26
+    ms to run it), every time a forward's token count is new (a trainer's packed
+    micro-batches, a decode batch's rows); with buckets their shapes repeat."""
+    if rows < SMALL_ROWS:
+        return rows
     step = max(16, 1 << max(rows.bit_length() - 4, 0))
     return -(-rows // step) * step
 

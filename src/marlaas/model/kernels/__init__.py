@@ -20,6 +20,9 @@
 - `swiglu` / `swiglu_backward` and `rotary` (with its transpose, the backward) are the
   trainer's element-wise steps of a decoder layer, one pass each instead of torch's
   several (`fused.c`).
+- `half_linear_small` is a bfloat16 linear layer of one to four rows on a CPU with
+  AVX512-BF16 (`half_linear.c`): oneDNN's ~10 us per call is three times the product at
+  the embedded base's shapes.
 - `adamw` is the trainer's AdamW update of a tenant's flat vector in one pass
   (`adamw.c`) where torch's multi-tensor ops make eight.
 - `copy_rows` moves slot-cache rows (a finished row's place taken by a live one, a
@@ -56,7 +59,9 @@ from marlaas.model.kernels.decoder import (
     rope_store,
 )
 from marlaas.model.kernels.fused import (
+    HALF_LINEAR_MAX_ROWS,
     adamw,
+    half_linear_small,
     rotary,
     rotary_applies,
     swiglu,
@@ -71,12 +76,14 @@ from marlaas.model.kernels.lora import (
 )
 
 __all__ = [
+    "HALF_LINEAR_MAX_ROWS",
     "LORA_ROWS_MAX_RANK",
     "Spans",
     "_library",
     "adamw",
     "add_rms_norm",
     "copy_rows",
+    "half_linear_small",
     "lora_rows",
     "lora_rows_backward",
     "lora_rows_trains",

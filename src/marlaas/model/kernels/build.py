@@ -83,6 +83,11 @@ KERNELS: dict[str, tuple[str, str, list[type]]] = {
         "copy_rows_f32",
         [*(_I64, _I64, _I64, _I64, _I64, _I64, _I64), *(_PTR, _PTR, _PTR)],
     ),
+    "half_linear_small": (
+        "half_linear",
+        "half_linear_small_f32",
+        [_I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR],
+    ),
     "adamw": ("adamw", "adamw_f32", [_I64, _PTR, _PTR, _PTR, _PTR, *(_F32,) * 6]),
     "swiglu": ("fused", "swiglu_f32", [_I64, _PTR, _PTR, _PTR]),
     "swiglu_backward": ("fused", "swiglu_backward_f32", [_I64, _PTR, _PTR, _PTR, _PTR, _PTR]),

@@ -110,3 +110,36 @@ def adamw(
         step,
     )
     return True
+
+
+#: Most rows `half_linear_small` takes (beyond, oneDNN's fixed cost is amortised).
+HALF_LINEAR_MAX_ROWS = 4
+
+
+def half_linear_small(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
+    """`bf16(bf16(x) W^T + b)` as float32 for a few rows `x [M, K]` (float32) and a
+    bfloat16 weight `[N, K]` (and bias), as `model.mixed.linear` computes it through
+    torch, without oneDNN's fixed cost (`half_linear.c`); None where it does not apply
+    (more than `HALF_LINEAR_MAX_ROWS` rows, `K` not a multiple of 32 up to 4096, other
+    dtypes or layouts). Only for a CPU with AVX512-BF16: the source does not build
+    elsewhere (the caller checks first)."""
+    if x.dim() != 2 or not 0 < x.shape[0] <= HALF_LINEAR_MAX_ROWS:
+        return None
+    M, K = (int(n) for n in x.shape)
+    N = int(weight.shape[0])
+    if K % 32 or K > 4096 or tuple(weight.shape) != (N, K):
+        return None
+    if not (x.is_cpu and x.dtype == torch.float32 and x.is_contiguous()):
+        return None
+    for t in (weight, bias):
+        if t is not None and not (t.is_cpu and t.dtype == torch.bfloat16 and t.is_contiguous()):
+            return None
+    if bias is not None and tuple(bias.shape) != (N,):
+        return None
+    kernel = load("half_linear_small")
+    if kernel is None:
+        return None
+    y = torch.empty((M, N), dtype=torch.float32)
+    b = 0 if bias is None else bias.data_ptr()
+    kernel(M, N, K, x.data_ptr(), weight.data_ptr(), b, y.data_ptr())
+    return y
