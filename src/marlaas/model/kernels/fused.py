@@ -121,8 +121,8 @@ def half_linear_small(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor 
     bfloat16 weight `[N, K]` (and bias), as `model.mixed.linear` computes it through
     torch, without oneDNN's fixed cost (`half_linear.c`); None where it does not apply
     (more than `HALF_LINEAR_MAX_ROWS` rows, `K` not a multiple of 32 up to 4096, other
-    dtypes or layouts). Only for a CPU with AVX512-BF16: the source does not build
-    elsewhere (the caller checks first)."""
+    dtypes or layouts). For a CPU with AVX512-BF16 (the caller checks first): built
+    without, the source computes the same in plain C, slowly, only so that it builds."""
     if x.dim() != 2 or not 0 < x.shape[0] <= HALF_LINEAR_MAX_ROWS:
         return None
     M, K = (int(n) for n in x.shape)

@@ -10,13 +10,14 @@
  *
  * Layouts: x [M, K] float32 contiguous; W [N, K] and b [N] bfloat16 (uint16 bits);
  * y [M, N] float32. K a multiple of 32 and at most 4096, M at most 4 (the caller checks).
+ * Built without AVX512-BF16 (the caller then never calls it: `model.mixed`) it computes
+ * the same in plain C, so that the source builds on every CPU.
  */
-#ifndef __AVX512BF16__
-#error "half_linear.c needs AVX512-BF16"
-#endif
-#include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
 
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
@@ -35,6 +36,7 @@ static inline float round_bf16(float f) {
 
 void half_linear_small_f32(int64_t M, int64_t N, int64_t K, const float *x, const uint16_t *W,
                            const uint16_t *b, float *y) {
+#ifdef __AVX512BF16__
     enum { MAX_M = 4, MAX_CHUNKS = 4096 / 32 };
     __m512bh xb[MAX_M][MAX_CHUNKS];
     const int64_t C = K / 32;
@@ -52,6 +54,16 @@ void half_linear_small_f32(int64_t M, int64_t N, int64_t K, const float *x, cons
             for (int64_t m = 0; m < M; ++m) acc[m] = _mm512_dpbf16_ps(acc[m], xb[m][c], w);
         }
         const float bias = b ? bf16_to_f32(b[n]) : 0.0f;
-        for (int64_t m = 0; m < M; ++m) y[m * N + n] = round_bf16(_mm512_reduce_add_ps(acc[m]) + bias);
+        for (int64_t m = 0; m < M; ++m)
+            y[m * N + n] = round_bf16(_mm512_reduce_add_ps(acc[m]) + bias);
     }
+#else
+    for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) {
+            float sum = 0.0f;
+            for (int64_t k = 0; k < K; ++k)
+                sum += round_bf16(x[m * K + k]) * bf16_to_f32(W[n * K + k]);
+            y[m * N + n] = round_bf16(sum + (b ? bf16_to_f32(b[n]) : 0.0f));
+        }
+#endif
 }
