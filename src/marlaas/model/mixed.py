@@ -13,6 +13,11 @@ and with them the residual stream, attention, the KV cache, the LoRA updates and
 log-prob; the compact forwards multiply through `linear` the same way, so they and the
 Hugging Face modules still compute the same thing.
 
+torch's bfloat16 matmul on the CPU is oneDNN's, with two fixed costs that the embedded
+base's small layers make visible: a kernel built per shape on first use (as long as
+running it: `bucket_rows` pads rows to shapes that repeat) and ~10 us a call (one to
+four rows go through `kernels.half_linear_small` instead, rounding alike).
+
 Invariants:
 - The weights are converted in place and exist once (the float32 copy is freed).
 - `linear(x, w, b)` on a float32 `x` with a half `w` equals `HalfLinear`'s forward
