@@ -156,3 +156,21 @@ def test_builds_in_a_temporary_folder_without_a_writable_cache(
     built = build._build(build._source("span_attention"), shutil.which("cc") or "gcc")
     assert built.parent == tmp_path / "tmp" / f"marlaas-kernels-{os.getuid()}"
     assert built.exists()
+
+
+def test_a_changed_shared_header_builds_again(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The cache keys on the headers beside a source (`simd.h`), not the source alone: a
+    source that includes a changed header is compiled again."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    folder = tmp_path / "src"
+    folder.mkdir()
+    (folder / "k.c").write_text('#include "v.h"\nint k(void) { return V; }\n')
+    (folder / "v.h").write_text("#define V 1\n")
+    cc = shutil.which("cc") or "gcc"
+    first = build._build(folder / "k.c", cc)
+    assert build._build(folder / "k.c", cc) == first  # cached
+    (folder / "v.h").write_text("#define V 2\n")
+    second = build._build(folder / "k.c", cc)
+    assert second != first and second.exists()

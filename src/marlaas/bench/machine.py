@@ -143,16 +143,11 @@ def measure_machine(
         square_size=square,
         square_flops=2.0 * square**3 / t_square,
         bandwidth=2.0 * n * 4 / t_copy,
-        bf16_hardware=bf16_hardware(device),
+        bf16_hardware=native_bfloat16(device),
         bf16_model_shape_flops=bf16,
         weights_flops=weights_flops,
         weights_dtype=None if half is None else str(half).removeprefix("torch."),
     )
-
-
-def bf16_hardware(device: torch.device) -> bool:
-    """Whether `device` computes bfloat16 natively (else it is emulated, and slow)."""
-    return native_bfloat16(device)
 
 
 def _shape_flops(

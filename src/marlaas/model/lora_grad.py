@@ -133,10 +133,7 @@ class RowsLoRA(torch.autograd.Function):
         need_x, need_A, need_B, need_y = ctx.needs_input_grad[:4]
         g = grads[0].contiguous()
         # With the base layer: its input gradient first, the kernel adds the update's.
-        base_x = None
-        if W is not None and need_x:
-            g_2d = g.view(-1, g.shape[-1])
-            base_x = torch.mm(g_2d, W) if W.dtype == g.dtype else mixed_matmul(g_2d, W)
+        base_x = None if W is None or not need_x else mixed_matmul(g.view(-1, g.shape[-1]), W)
         out = lora_rows_backward(
             x,
             g,

@@ -47,8 +47,11 @@ def native_bfloat16(device: str | torch.device) -> bool:
     device = torch.device(device)
     if device.type == "cuda":
         return bool(torch.cuda.is_bf16_supported())
-    if device.type != "cpu":
-        return False
+    return device.type == "cpu" and _cpu_bfloat16()
+
+
+@functools.cache
+def _cpu_bfloat16() -> bool:
     cpu = torch.cpu
     return bool(cpu._is_avx512_bf16_supported() or cpu._is_amx_tile_supported())
 
@@ -64,17 +67,13 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
             return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
         return _FrozenHalfLinear.apply(x, weight, bias)  # type: ignore[no-any-return]
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows <= kernels.HALF_LINEAR_MAX_ROWS and _native_bfloat16_cpu():
-        small = kernels.half_linear_small(x.reshape(rows, x.shape[-1]), weight, bias)
-        if small is not None:
-            return small.to(x.dtype).view(*x.shape[:-1], small.shape[-1])
-    out = F.linear(_half_rows(x.reshape(rows, x.shape[-1]), weight.dtype), weight, bias)
-    return out[:rows].to(x.dtype).view(*x.shape[:-1], out.shape[-1])
-
-
-@functools.cache
-def _native_bfloat16_cpu() -> bool:
-    return native_bfloat16("cpu")
+    x_2d = x.reshape(rows, x.shape[-1])
+    out = None
+    if rows <= kernels.HALF_LINEAR_MAX_ROWS and _cpu_bfloat16():
+        out = kernels.half_linear_small(x_2d, weight, bias)
+    if out is None:
+        out = F.linear(_half_rows(x_2d, weight.dtype), weight, bias)[:rows]
+    return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
 
 
 class _FrozenHalfLinear(torch.autograd.Function):
@@ -97,8 +96,11 @@ class _FrozenHalfLinear(torch.autograd.Function):
 
 
 def matmul(a: Tensor, weight: Tensor) -> Tensor:
-    """`a W` for `a [n, out]` in `a`'s dtype and a weight `[out, in]` of a half dtype (a
-    layer's input gradient: `a` rounded as `linear` rounds `x`, rows in buckets)."""
+    """`a W` for `a [n, out]` in `a`'s dtype and a weight `[out, in]` (a layer's input
+    gradient); a weight of another dtype multiplies `a` rounded as `linear` rounds `x`,
+    rows in buckets."""
+    if weight.dtype == a.dtype:
+        return torch.mm(a, weight)
     rows = int(a.shape[0])
     return torch.mm(_half_rows(a, weight.dtype), weight)[:rows].to(a.dtype)
 

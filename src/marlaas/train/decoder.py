@@ -170,7 +170,7 @@ class TokenLogits:
         valid tokens `[1, N, ...]`."""
         return x_BT if self.packed is None else self.packed.rows(x_BT)
 
-    def rows(self, x: Tensor) -> Tensor:
+    def padded(self, x: Tensor) -> Tensor:
         """A tensor at the logits' positions back in the rows' layout (zeros at
         padding)."""
         return x if self.packed is None else self.packed.padded(x)

@@ -76,8 +76,9 @@ class LossInputs:
 
     def rows(self, a: int, b: int) -> LossInputs:
         """Rows `a:b` alone, with their weighted positions' logits."""
-        first = int(self.mask_BT[:a].sum())
-        last = first + int(self.mask_BT[a:b].sum())
+        mask_BT = self.mask_BT
+        first = int(mask_BT[:a].sum())
+        last = first + int(mask_BT[a:b].sum())
         return LossInputs(
             logprobs_BT=self.logprobs_BT[a:b],
             logits_NV=self.logits_NV[first:last],

@@ -256,54 +256,28 @@ def adamw_step_(
     lrs = [c.lr_at(s.step) for s, c in zip(states, configs, strict=True)]
     for s in states:
         s.step += 1
-    if _fused_adamw(p, g, states, configs, lrs):
-        return lrs
     beta1 = [c.betas[0] for c in configs]
     beta2 = [c.betas[1] for c in configs]
-    torch._foreach_mul_(p, [1.0 - lr * c.weight_decay for lr, c in zip(lrs, configs, strict=True)])
+    decay = [1.0 - lr * c.weight_decay for lr, c in zip(lrs, configs, strict=True)]
+    bias1 = [1.0 - b**s.step for b, s in zip(beta1, states, strict=True)]
+    bias2_sqrt = [(1.0 - b**s.step) ** 0.5 for b, s in zip(beta2, states, strict=True)]
+    step = [-lr / b for lr, b in zip(lrs, bias1, strict=True)]
+    eps = [c.eps for c in configs]
+    if all(kernels.adamw_applies(*t) for t in zip(p, g, m, v, strict=True)):
+        # One native pass per tenant (torch's multi-tensor ops below make eight): 32
+        # tenants of 75k parameters 4.7-4.9 -> 2.0 ms.
+        for k in range(len(p)):
+            kernels.adamw(
+                p[k], g[k], m[k], v[k], decay=decay[k], lerp=1.0 - beta1[k], beta2=beta2[k],
+                bias2_sqrt=bias2_sqrt[k], eps=eps[k], step=step[k],
+            )  # fmt: skip
+        return lrs
+    torch._foreach_mul_(p, decay)
     torch._foreach_lerp_(m, g, [1.0 - b for b in beta1])
     torch._foreach_mul_(v, beta2)
     torch._foreach_addcmul_(v, g, g, [1.0 - b for b in beta2])
-    bias1 = [1.0 - b**s.step for b, s in zip(beta1, states, strict=True)]
-    bias2_sqrt = [(1.0 - b**s.step) ** 0.5 for b, s in zip(beta2, states, strict=True)]
     denom = torch._foreach_sqrt(v)
     torch._foreach_div_(denom, bias2_sqrt)
-    torch._foreach_add_(denom, [c.eps for c in configs])
-    torch._foreach_addcdiv_(p, m, denom, [-lr / b for lr, b in zip(lrs, bias1, strict=True)])
+    torch._foreach_add_(denom, eps)
+    torch._foreach_addcdiv_(p, m, denom, step)
     return lrs
-
-
-def _fused_adamw(
-    params: list[Tensor],
-    grads: list[Tensor],
-    states: Sequence[AdamState],
-    configs: Sequence[AdamParams],
-    lrs: Sequence[float],
-) -> bool:
-    """`adamw_step_`'s update (its steps already advanced) through the native kernel,
-    one pass per tenant (`kernels.adamw`: torch's multi-tensor ops make eight): 32
-    tenants of 75k parameters 4.7-4.9 -> 2.0 ms. False, with nothing changed, where the
-    kernel does not take the tensors (off, or not float32 CPU vectors)."""
-    tensors = [
-        (p, g, s.exp_avg_P, s.exp_avg_sq_P) for p, g, s in zip(params, grads, states, strict=True)
-    ]
-    if not all(t.numel() == p.numel() for p, *rest in tensors for t in rest):
-        return False
-    for k, ((p, g, m, v), s, c, lr) in enumerate(zip(tensors, states, configs, lrs, strict=True)):
-        beta1, beta2 = c.betas
-        done = kernels.adamw(
-            p,
-            g,
-            m,
-            v,
-            decay=1.0 - lr * c.weight_decay,
-            lerp=1.0 - beta1,
-            beta2=beta2,
-            bias2_sqrt=(1.0 - beta2**s.step) ** 0.5,
-            eps=c.eps,
-            step=-lr / (1.0 - beta1**s.step),
-        )
-        if not done:  # the kernel is off, or these tensors are not its: torch's way
-            assert k == 0, "tenants of one step differ in what the kernel takes"
-            return False
-    return True

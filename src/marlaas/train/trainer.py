@@ -360,10 +360,8 @@ class MultiLaneTrainer:
         lane_states = [states[k] for k in plan.lanes]
         lane_B = plan.lane_B.to(dev)
         temps_L = [i.temperature for i in lane_inputs]
-        temp_BT = (
-            None
-            if all(t == 1.0 for t in temps_L)
-            else torch.tensor(temps_L, device=dev)[lane_B, None].expand(ids_BT.shape)
+        temp_B = (
+            None if all(t == 1.0 for t in temps_L) else torch.tensor(temps_L, device=dev)[lane_B]
         )
         self.stats.microbatches += 1
         self.stats.max_microbatch_tokens = max(self.stats.max_microbatch_tokens, plan.tokens)
@@ -377,7 +375,7 @@ class MultiLaneTrainer:
             ).to(dev)
             with torch.no_grad():
                 base = self._logits(ids_BT[sel], attn_BT[sel])
-                lp_base, _ = _logprobs(base, tgt_BT[sel], None if temp_BT is None else temp_BT[sel])
+                lp_base, _ = _logprobs(base, tgt_BT[sel], None if temp_B is None else temp_B[sel])
                 ref_BT = torch.zeros_like(beh_BT)
                 ref_BT[sel] = lp_base
                 del base
@@ -393,26 +391,24 @@ class MultiLaneTrainer:
                 shared.suffix(x) for x in (ids_BT, tgt_BT, beh_BT, w_BT, adv_BT)
             )
             ref_BT = None if ref_BT is None else shared.suffix(ref_BT)
-            if temp_BT is not None:
-                temp_BT = temp_BT[:, :1].expand(ids_BT.shape)
             logits = shared.logits(self.model, lane_batch, ids_BT, self._compact())
         # The backward needs no lane context: autograd keeps the lane tensors it used.
-        lp_BT, z = _logprobs(logits, tgt_BT, temp_BT)
+        lp_BT, z = _logprobs(logits, tgt_BT, temp_B)
         if lp_NT is not None and shared is None:  # rows that want log-probs never share
             lp_NT[idx_B, :T] = lp_BT.detach().to("cpu", torch.float32)
         mask_BT = w_BT != 0
         z_NV = z.detach()[logits.tokens(mask_BT)]  # the weighted positions', row-major
         losses: list[Tensor] = []
         # Every lane's rows in one set of ops where their objectives allow it.
-        x = LossInputs(lp_BT, z_NV, w_BT, beh_BT, adv_BT, ref_BT)
-        together = lane_rows([i.loss for i in lane_inputs], lane_B, x)
+        loss_in = LossInputs(lp_BT, z_NV, w_BT, beh_BT, adv_BT, ref_BT)
+        together = lane_rows([i.loss for i in lane_inputs], lane_B, loss_in)
         if together is not None:
             loss, row_sums = together
             losses.append(loss)
             sums.add_rows(plan.lanes, torch.tensor(plan.lanes, device=dev)[lane_B], row_sums)
         else:
             for lane, inp in enumerate(lane_inputs):
-                loss, lane_sums = inp.loss(x.rows(plan.offsets[lane], plan.offsets[lane + 1]))
+                loss, lane_sums = inp.loss(loss_in.rows(plan.offsets[lane], plan.offsets[lane + 1]))
                 losses.append(loss)
                 sums.add(plan.lanes[lane], lane_sums)
         if backward:
@@ -462,12 +458,12 @@ class _Sums:
 
 
 def _logprobs(
-    logits: TokenLogits, targets_BT: Tensor, temp_BT: Tensor | None
+    logits: TokenLogits, targets_BT: Tensor, temp_B: Tensor | None
 ) -> tuple[Tensor, Tensor]:
-    """The log-probs `[B, T]` of `targets_BT` under `logits` divided by each position's
+    """The log-probs `[B, T]` of `targets_BT` under `logits` divided by each row's
     sampling temperature (zeros at the padding of packed logits), and those scaled
     logits, in at least float32, at the logits' positions."""
     z = logits.values.to(torch.promote_types(logits.values.dtype, torch.float32))
-    if temp_BT is not None:
-        z = z / logits.tokens(temp_BT)[..., None]
-    return logits.rows(token_logprobs(z, logits.tokens(targets_BT))), z
+    if temp_B is not None:
+        z = z / logits.tokens(temp_B[:, None].expand(targets_BT.shape))[..., None]
+    return logits.padded(token_logprobs(z, logits.tokens(targets_BT))), z

@@ -33,8 +33,8 @@
 
 Build: each C source is compiled with the system's C compiler (`cc`, or `$CC`) into a
 shared library in the user's cache (`$XDG_CACHE_HOME/marlaas/kernels`, else a private
-temporary folder; named by a hash of the source and flags, so a changed source builds
-again), written to a temporary
+temporary folder; named by a hash of the source, the shared header `simd.h` and the
+flags, so a changed source or header builds again), written to a temporary
 name and renamed, so concurrent processes never load a half-written file. It takes
 well under a second. Where there is no compiler, or the build or load fails, or
 `MARLAAS_NATIVE_KERNELS=0`, the kernels decline (None or False, logged once) and callers
@@ -61,6 +61,7 @@ from marlaas.model.kernels.decoder import (
 from marlaas.model.kernels.fused import (
     HALF_LINEAR_MAX_ROWS,
     adamw,
+    adamw_applies,
     half_linear_small,
     rotary,
     rotary_applies,
@@ -81,6 +82,7 @@ __all__ = [
     "Spans",
     "_library",
     "adamw",
+    "adamw_applies",
     "add_rms_norm",
     "copy_rows",
     "half_linear_small",

@@ -134,10 +134,12 @@ def _source(stem: str) -> Path:
 
 
 def _build(source: Path, cc: str) -> Path:
-    """The shared library of `source`, compiled unless the cache has it."""
+    """The shared library of `source`, compiled unless the cache has it (keyed on the
+    source, the headers beside it that sources include, the flags and the CPU)."""
     # -march=native: a cache shared by machines of other CPUs must not hand them this one.
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
     digest = hashlib.sha256(
-        source.read_bytes() + " ".join([cc, *_COMPILE, *_LINK, _cpu()]).encode()
+        source.read_bytes() + headers + " ".join([cc, *_COMPILE, *_LINK, _cpu()]).encode()
     ).hexdigest()[:16]
     target = _kernel_dir() / f"{source.stem}-{digest}.so"
     if target.exists():

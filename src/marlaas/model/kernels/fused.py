@@ -75,6 +75,16 @@ def rotary(x: Tensor, cos: Tensor, sin: Tensor, transpose: bool = False) -> Tens
     return out
 
 
+def adamw_applies(p: Tensor, g: Tensor, m: Tensor, v: Tensor) -> bool:
+    """Whether `adamw` takes these tensors: float32 CPU vectors of one length,
+    contiguous, and the kernel built."""
+    return (
+        load("adamw") is not None
+        and p.numel() == g.numel() == m.numel() == v.numel()
+        and _ok(p, g, m, v)
+    )
+
+
 def adamw(
     p: Tensor,
     g: Tensor,
@@ -87,16 +97,10 @@ def adamw(
     bias2_sqrt: float,
     eps: float,
     step: float,
-) -> bool:
+) -> None:
     """One AdamW update of `p` with gradient `g`, its moments `m` and `v` advanced, all
-    in place in one pass (`adamw.c` has the formula); False where the kernel does not
-    apply (float32 CPU vectors of one length, contiguous)."""
-    kernel = load("adamw")
-    if kernel is None or not (p.numel() == g.numel() == m.numel() == v.numel()):
-        return False
-    if not _ok(p, g, m, v):
-        return False
-    kernel(
+    in place in one pass (`adamw.c` has the formula); the caller checks `adamw_applies`."""
+    load("adamw")(
         p.numel(),
         p.data_ptr(),
         g.data_ptr(),
@@ -109,7 +113,6 @@ def adamw(
         eps,
         step,
     )
-    return True
 
 
 #: Most rows `half_linear_small` takes (beyond, oneDNN's fixed cost is amortised).

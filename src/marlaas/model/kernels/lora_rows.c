@@ -22,43 +22,9 @@
  * b_sr (one of b_so, b_sr is 1); lane and order [U]; scale [L], or NULL for weights
  * that carry their scale; r <= 64. `scratch` holds r * out floats (used when b_so != 1).
  */
-#include <stdint.h>
+#include "simd.h"
 
-#define W 16
-typedef float vf __attribute__((vector_size(W * sizeof(float)), aligned(4), may_alias));
 #define GROUP 8
-
-static inline float hsum(vf v) {
-    float s = 0.0f;
-    for (int i = 0; i < W; ++i) s += v[i];
-    return s;
-}
-
-typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
-
-/* One level of the reduction of eight vectors to their eight sums: lanes of x's then y's
- * partial sums, in groups half the size. */
-static inline vf halve(vf x, vf y, vi lo, vi hi) {
-    return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
-}
-
-/* The sums of the eight vectors `acc`, in lanes 0 .. 7 of the result (a few shuffles,
- * not a horizontal sum each). */
-static inline vf sums8(const vf *acc) {
-    static const vi lo16 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-    static const vi hi16 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-    static const vi lo8 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-    static const vi hi8 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-    static const vi lo4 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-    static const vi hi4 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
-    static const vi lo2 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-    static const vi hi2 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
-    vf p[4];
-    for (int c = 0; c < 4; ++c) p[c] = halve(acc[2 * c], acc[2 * c + 1], lo16, hi16);
-    for (int c = 0; c < 2; ++c) p[c] = halve(p[2 * c], p[2 * c + 1], lo8, hi8);
-    p[0] = halve(p[0], p[1], lo4, hi4);
-    return halve(p[0], p[0], lo2, hi2);
-}
 
 /* h[k] = s * (A_k . x) for k < r. A group past r repeats row r - 1 (results unused). */
 static inline void down(const float *A, int64_t a_sr, int64_t r, const float *x, int64_t in,

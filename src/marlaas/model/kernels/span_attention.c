@@ -31,11 +31,8 @@
  * lse)).
  */
 #include <math.h>
-#include <stdint.h>
 
-#define W 16
-typedef float vf __attribute__((vector_size(W * sizeof(float)), aligned(4), may_alias));
-typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
+#include "simd.h"
 
 /* exp of sixteen floats at once: glibc's vector math library (libmvec, linked) where the
  * compiler targets AVX-512, whose loops it does not always vectorise into that call by
@@ -55,27 +52,12 @@ static inline void exp16(const float *x, float *out) {
 }
 #endif
 
-/* One level of a 16-way horizontal sum: x and y hold the partial sums of 16 / s columns
- * each, in groups of s lanes; the result holds those of x's then y's columns in groups
- * of s / 2. Four levels turn 16 vectors of products into one vector of 16 sums. */
-static inline vf halve(vf x, vf y, vi lo, vi hi) {
-    return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
-}
-
 /* scores[c] = scale * (q . k_c) for the 16 columns c from kl on: the products of each
  * column summed down to one vector, the 16 vectors reduced together (a few shuffles a
  * column instead of a horizontal sum each). */
 static inline __attribute__((always_inline)) void scores16(const float *q, const float *kl,
                                                            int64_t kv_ss, const int64_t D,
                                                            float scale, float *scores) {
-    static const vi lo16 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-    static const vi hi16 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-    static const vi lo8 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-    static const vi hi8 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
-    static const vi lo4 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-    static const vi hi4 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
-    static const vi lo2 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-    static const vi hi2 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
     vf p[W];
     for (int c = 0; c < W; ++c) {
         const float *kc = kl + c * kv_ss;
@@ -83,10 +65,7 @@ static inline __attribute__((always_inline)) void scores16(const float *q, const
         for (int64_t j = W; j < D; j += W) acc += *(const vf *)(q + j) * *(const vf *)(kc + j);
         p[c] = acc;
     }
-    for (int c = 0; c < 8; ++c) p[c] = halve(p[2 * c], p[2 * c + 1], lo16, hi16);
-    for (int c = 0; c < 4; ++c) p[c] = halve(p[2 * c], p[2 * c + 1], lo8, hi8);
-    for (int c = 0; c < 2; ++c) p[c] = halve(p[2 * c], p[2 * c + 1], lo4, hi4);
-    *(vf *)scores = halve(p[0], p[1], lo2, hi2) * scale;
+    *(vf *)scores = sums16(p) * scale;
 }
 
 static inline __attribute__((always_inline)) void attend(

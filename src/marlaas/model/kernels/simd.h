@@ -1,0 +1,47 @@
+/* What the native kernels share: vectors of sixteen floats, and the shuffle reduction
+ * that sums several vectors at once, lane by lane (a few shuffles a vector instead of a
+ * horizontal sum each). Included by the kernels' sources; their build cache keys on it
+ * too (`kernels.build`). */
+#ifndef MARLAAS_SIMD_H
+#define MARLAAS_SIMD_H
+
+#include <stdint.h>
+
+#define W 16
+typedef float vf __attribute__((vector_size(W * sizeof(float)), aligned(4), may_alias));
+typedef int32_t vi __attribute__((vector_size(W * sizeof(int32_t))));
+
+/* One level of the reduction: x and y hold partial sums in groups of s lanes; the result
+ * holds x's then y's in groups of s / 2. */
+static inline vf halve(vf x, vf y, vi lo, vi hi) {
+    return __builtin_shuffle(x, y, lo) + __builtin_shuffle(x, y, hi);
+}
+
+static const vi LO16 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+static const vi HI16 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+static const vi LO8 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+static const vi HI8 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+static const vi LO4 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+static const vi HI4 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+static const vi LO2 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+static const vi HI2 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+
+/* Lane c of the result: the sum of the lanes of v[c], for the sixteen vectors v. */
+static inline vf sums16(const vf *v) {
+    vf p[8];
+    for (int c = 0; c < 8; ++c) p[c] = halve(v[2 * c], v[2 * c + 1], LO16, HI16);
+    for (int c = 0; c < 4; ++c) p[c] = halve(p[2 * c], p[2 * c + 1], LO8, HI8);
+    for (int c = 0; c < 2; ++c) p[c] = halve(p[2 * c], p[2 * c + 1], LO4, HI4);
+    return halve(p[0], p[1], LO2, HI2);
+}
+
+/* Lanes 0 .. 7 of the result: the sums of the lanes of the eight vectors v. */
+static inline vf sums8(const vf *v) {
+    vf p[4];
+    for (int c = 0; c < 4; ++c) p[c] = halve(v[2 * c], v[2 * c + 1], LO16, HI16);
+    for (int c = 0; c < 2; ++c) p[c] = halve(p[2 * c], p[2 * c + 1], LO8, HI8);
+    p[0] = halve(p[0], p[1], LO4, HI4);
+    return halve(p[0], p[0], LO2, HI2);
+}
+
+#endif
