@@ -60,6 +60,25 @@ def test_rope_store_rotates_and_writes_each_token_into_its_cell(
     assert torch.equal(values, want_values)
 
 
+@pytest.mark.parametrize(("dim", "rot"), [(32, 32), (24, 16)])
+def test_rope_store_rounds_into_a_bfloat16_cache_as_torch_rounds(dim: int, rot: int) -> None:
+    """A bfloat16 cache (`rollout.kv.cache_dtype`) gets the float32 kernel's keys and
+    values rounded as `Tensor.to` rounds them, bit for bit; the queries are the same."""
+    g = torch.Generator().manual_seed(dim)
+    T, rows, cap, H, Hkv = 6, 4, 10, 4, 2
+    q, k, v = (torch.randn(T, h, dim, generator=g) for h in (H, Hkv, Hkv))
+    cos, sin = _tables(T, rot, g)
+    row_T, col_T = torch.tensor([0, 1, 1, 3, 2, 0]), torch.tensor([0, 4, 5, 9, 2, 1])
+    keys, values = torch.zeros(rows, Hkv, cap, dim), torch.zeros(rows, Hkv, cap, dim)
+    q32 = q.clone()
+    assert kernels.rope_store(q32, k, v, cos, sin, keys, values, row_T, col_T)
+    half_keys = torch.zeros(rows, Hkv, cap, dim, dtype=torch.bfloat16)
+    half_values = torch.zeros_like(half_keys)
+    assert kernels.rope_store(q, k, v, cos, sin, half_keys, half_values, row_T, col_T)
+    assert torch.equal(q, q32)
+    assert torch.equal(half_keys, keys.bfloat16()) and torch.equal(half_values, values.bfloat16())
+
+
 def test_rope_store_declines_what_it_does_not_take() -> None:
     T, H, D = 3, 2, 8
     q, k, v = (torch.randn(T, H, D) for _ in range(3))
@@ -73,6 +92,8 @@ def test_rope_store_declines_what_it_does_not_take() -> None:
         (q, k, v, torch.ones(T, D + 2), sin, keys, values, rows, cols),  # rot > D
         (q, k, v, cos, sin, keys, values, rows.int(), cols),  # not int64
         (q, k, v, cos, sin, keys, values.transpose(2, 3), rows, cols),  # other strides
+        (q, k, v, cos, sin, keys.bfloat16(), values, rows, cols),  # two cache dtypes
+        (q, k, v, cos, sin, keys.half(), values.half(), rows, cols),  # a float16 cache
     ):
         assert not kernels.rope_store(*args)
     assert torch.equal(q, before) and not keys.any() and not values.any()
@@ -113,6 +134,17 @@ def test_copy_rows_moves_the_first_columns_of_every_block_and_head() -> None:
     view.index_copy_(2, torch.tensor(dst), view.index_select(2, torch.tensor(src)))
     assert kernels.copy_rows(buffer, dst, src, columns)
     assert torch.equal(buffer, want)  # the later columns and the other rows untouched
+
+
+def test_copy_rows_moves_a_bfloat16_cache_alike() -> None:
+    g = torch.Generator().manual_seed(4)
+    buffer = torch.randn(2, 2, 8, 2, 10, 6, generator=g).bfloat16()
+    want = buffer.clone()
+    dst, src, columns = [1, 5], [7, 0], 7
+    view = want[:, :, :, :, :columns]
+    view.index_copy_(2, torch.tensor(dst), view.index_select(2, torch.tensor(src)))
+    assert kernels.copy_rows(buffer, dst, src, columns)
+    assert torch.equal(buffer, want)
 
 
 @pytest.mark.parametrize(

@@ -101,6 +101,35 @@ def test_a_prefill_chunk_attends_each_tokens_causal_span(
     torch.testing.assert_close(got.double(), want, atol=2e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize(("N", "dim"), [(1, 32), (1, 24), (4, 64)])
+def test_a_bfloat16_cache_reads_as_its_values_widened(N: int, dim: int) -> None:
+    """Keys and values in bfloat16 (`rollout.kv.cache_dtype`): the float32 kernel's output
+    over those values widened, decode and prefill, with and without the vector loops (a
+    head size off the vector width)."""
+    g = torch.Generator().manual_seed(N * 100 + dim)
+    R, cap = 6, 48
+    pos_RN = torch.tensor([[3, 17, 33, 40, 0, 25]]).T + torch.arange(N)
+    columns = int(pos_RN.max()) + 1
+    k = torch.randn(R + 1, 2, cap, dim, generator=g).bfloat16()[1:, :, :columns]
+    v = torch.randn(R + 1, 2, cap, dim, generator=g).bfloat16()[1:, :, :columns]
+    q = torch.randn(R, 4, N, dim, generator=g)
+    spans = AttentionPlan.build(pos_RN, columns, [None]).span(None)
+    got = kernels.span_attention(q, k, v, spans, dim**-0.5, None)
+    want = kernels.span_attention(q, k.float(), v.float(), spans, dim**-0.5, None)
+    assert got is not None and want is not None
+    # Bit for bit where the vector loops run; off the vector width the compiler may sum
+    # the scalar dot products in another order.
+    torch.testing.assert_close(got, want, atol=0 if dim % 16 == 0 else 1e-6, rtol=0)
+    torch.testing.assert_close(
+        got.double(), reference(q, k, v, pos_RN, None, None), atol=2e-6, rtol=1e-5
+    )
+    # slot_attention takes the half cache on torch's ops too (widened first).
+    plan = AttentionPlan.build(pos_RN, columns, [None])
+    with kernels.torch_path():
+        plain = slot_attention(q, k, v, plan, scaling=dim**-0.5)
+    torch.testing.assert_close(plain, want, atol=2e-6, rtol=1e-5)
+
+
 def test_declines_what_it_does_not_take() -> None:
     q, k = torch.randn(2, 2, 1, 8), torch.randn(2, 1, 4, 8)
     start, end = torch.tensor([0, 0]), torch.tensor([2, 4])
@@ -115,6 +144,11 @@ def test_declines_what_it_does_not_take() -> None:
         )
         is None
     )
+    half = k.bfloat16()
+    assert kernels.span_attention_lse(q, half, half, Spans(start, end, 4), 1.0) is None
+    assert (
+        kernels.span_attention(q, k.bfloat16(), k, Spans(start, end, 4), 1.0, None) is None
+    )  # keys and values of two dtypes
     assert (
         kernels.span_attention(q, k, k, Spans(start, end, 0), 1.0, None) is None
     )  # a row of no column

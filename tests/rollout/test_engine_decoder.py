@@ -25,7 +25,7 @@ from marlaas.model.mixed import half_linears
 from marlaas.model.tokenizer import build_tokenizer
 from marlaas.rollout.decoder import CompactDecoder
 from marlaas.rollout.forward import RowForward
-from marlaas.rollout.kv import SlotKV, kv_geometry
+from marlaas.rollout.kv import SlotKV, cache_dtype, kv_geometry
 
 VOCAB = len(build_tokenizer())
 SPEC = LoRASpec(rank=4, alpha=8.0)  # every linear layer: each projection's update runs
@@ -44,7 +44,7 @@ def _run(model: LoRAModel, bank: AdapterBank) -> tuple[list[Tensor], SlotKV, lis
     """Prefill three rows (left-padded, each its own adapter), continue two of them with
     a second turn, then decode all three for three steps; every forward's logits, the
     cache, and the rows' lengths."""
-    kv = SlotKV(kv_geometry(model.base.config), model.dtype, model.device, 4, 128)
+    kv = SlotKV(kv_geometry(model.base.config), cache_dtype(model), model.device, 4, 128)
     forward = RowForward(model, bank, kv)
     slot_R = torch.tensor([bank.acquire(f"t{i}").slot for i in range(3)])
     gen = torch.Generator().manual_seed(3)
@@ -71,6 +71,8 @@ def _compare(
     (logits, kv, lengths), (ref_logits, ref_kv, _) = got, want
     for a, b in zip(logits, ref_logits, strict=True):
         torch.testing.assert_close(a.float(), b.float(), atol=atol, rtol=0)
+    # A half cache: a float32 ulp of difference can round to neighbouring half values.
+    rtol = 2.0**-7 if kv.dtype == torch.bfloat16 else 0.0
     for layer in range(len(kv.keys)):
         for row, n in enumerate(lengths):
             for buffers, ref in ((kv.keys, ref_kv.keys), (kv.values, ref_kv.values)):
@@ -78,7 +80,7 @@ def _compare(
                     buffers[layer][row, :, :n].float(),
                     ref[layer][row, :, :n].float(),
                     atol=atol,
-                    rtol=0,
+                    rtol=rtol,
                 )
 
 
@@ -133,12 +135,16 @@ def test_a_model_with_a_replaced_module_is_left_to_the_modules() -> None:
 def test_half_linear_weights_give_the_modules_logits(arch: str) -> None:
     """A half dtype on the CPU (`marlaas.model.mixed`: bfloat16 linear weights over
     float32 activations): the compact decoder, the native kernels and the modules
-    multiply alike. Rounding an input to bfloat16 can turn a float32 ulp of difference
-    into a bfloat16 one, hence a wider tolerance than float32's."""
+    multiply alike, and cache keys and values in bfloat16 alike. Rounding an input to
+    bfloat16 can turn a float32 ulp of difference into a bfloat16 one, hence a wider
+    tolerance than float32's."""
     model, bank = _model(arch, torch.float32)
     assert half_linears(model.base, torch.bfloat16) > 0
     assert model.dtype == torch.float32 and CompactDecoder.of(model) is not None
-    _compare(_run(model, bank), _modules_path(model, bank), atol=2e-3)
+    assert cache_dtype(model) == torch.bfloat16  # both paths write and read a half cache
+    got = _run(model, bank)
+    assert got[1].buffer.dtype == torch.bfloat16
+    _compare(got, _modules_path(model, bank), atol=2e-3)
 
 
 def test_half_linear_weights_are_closer_to_float32_than_a_bfloat16_model() -> None:

@@ -6,8 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers.tiny_archs import tiny_model
 from marlaas.errors import ModelError
-from marlaas.rollout.kv import KVGeometry, SlotKV, kv_geometry
+from marlaas.model.lora import LoRAModel
+from marlaas.model.mixed import half_linears
+from marlaas.rollout.kv import KVGeometry, SlotKV, cache_dtype, kv_geometry
 
 GEOMETRY = KVGeometry(num_layers=2, kv_heads=2, head_dim=3, windows=(None, None))
 
@@ -101,3 +104,33 @@ def test_geometry_reads_windows_and_refuses_unknown_layer_types() -> None:
     odd.layer_types = ["full_attention", "chunked_attention"]
     with pytest.raises(ModelError, match="chunked_attention"):
         kv_geometry(odd)
+
+
+def test_the_cache_takes_the_half_dtype_of_a_cpus_half_linears() -> None:
+    """`cache_dtype`: a float32 base keeps float32; bfloat16 linears over float32
+    activations on the CPU cache bfloat16; a whole half model caches its own dtype."""
+    assert cache_dtype(LoRAModel(tiny_model("llama", 64), max_rank=2)) == torch.float32
+    mixed = tiny_model("llama", 64)
+    half_linears(mixed, torch.bfloat16)
+    assert cache_dtype(LoRAModel(mixed, max_rank=2)) == torch.bfloat16
+    half16 = tiny_model("llama", 64)
+    half_linears(half16, torch.float16)  # no kernel reads a float16 cache: float32
+    assert cache_dtype(LoRAModel(half16, max_rank=2)) == torch.float32
+    whole = tiny_model("llama", 64).to(torch.bfloat16)
+    assert cache_dtype(LoRAModel(whole, max_rank=2)) == torch.bfloat16
+
+
+def test_a_half_cache_stores_rounded_and_round_trips_rows() -> None:
+    kv = SlotKV(GEOMETRY, torch.bfloat16, torch.device("cpu"), 8, 40)
+    kv.reserve(3, 10)
+    positions = torch.tensor([[0, 1, 2]])
+    new_k = _states(1, 3, 0.1) / 7.0  # not representable in bfloat16
+    cache = kv.cache(0, positions, columns=3)
+    keys, _ = cache.update(new_k, -new_k, 0)
+    assert keys.dtype == torch.bfloat16
+    assert torch.equal(kv.keys[0][0, :, :3], new_k[0].bfloat16())
+    row = kv.export_row(0, 3)
+    kv.move_rows([2], [0], 3)
+    assert torch.equal(kv.export_row(2, 3), row)
+    kv.import_row(1, row)
+    assert torch.equal(kv.export_row(1, 3), row)

@@ -27,6 +27,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from marlaas.model.lora import LoRAModel, MultiLoRALinear
+from marlaas.rollout.kv import cache_dtype
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,8 @@ class ModelCost:
     attention_flops_per_context: float
     #: Sliding window of each attention layer (None: full attention).
     windows: tuple[int | None, ...]
-    #: Key and value bytes per token, summed over the layers.
+    #: Key and value bytes per token, summed over the layers, in the engine's cache dtype
+    #: (`marlaas.rollout.kv.cache_dtype`).
     kv_bytes: float
     #: Vocabulary size (logits per row).
     vocab: int
@@ -58,7 +60,7 @@ class ModelCost:
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
         layers = int(config.num_hidden_layers)
-        elem = next(model.base.parameters()).element_size()
+        elem = cache_dtype(model).itemsize  # what the engine caches
         weight_flops = 0.0
         half_weight_flops = 0.0
         weight_bytes = 0.0

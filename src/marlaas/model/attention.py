@@ -137,8 +137,9 @@ def slot_attention(
     softcap: float | None = None,
     window: int | None = None,
 ) -> Tensor:
-    """Attention of `query [R, H, N, D]` over `key`/`value [R, Hkv, S, D]` under the
-    plan's mask for `window`; returns `[R, N, H, D]` (the layout HF modules expect)."""
+    """Attention of `query [R, H, N, D]` over `key`/`value [R, Hkv, S, D]` (the query's
+    dtype, or a half cache's) under the plan's mask for `window`; returns `[R, N, H, D]`
+    in the query's dtype (the layout HF modules expect)."""
     R, H, N, D = query.shape
     Hkv = int(key.shape[1])
     G = H // Hkv
@@ -147,6 +148,8 @@ def slot_attention(
         native = span_attention(query, key, value, plan.span(window), scale, softcap)
         if native is not None:
             return native
+    if key.dtype != query.dtype:  # a half cache (`rollout.kv.cache_dtype`) off the kernel
+        key, value = key.to(query.dtype), value.to(query.dtype)
     mask_R1NS = plan.mask(window)
     if N > 1 and softcap is None:
         out = F.scaled_dot_product_attention(

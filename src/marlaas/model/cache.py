@@ -75,14 +75,15 @@ class SlotLayer(CacheLayerMixin):
     def update(
         self, key_states: Tensor, value_states: Tensor, *args: object, **kwargs: object
     ) -> tuple[Tensor, Tensor]:
-        """Write `[R, Hkv, N, D]` new states in place; the rows' keys and values."""
+        """Write `[R, Hkv, N, D]` new states in place (in the buffers' dtype); the rows'
+        keys and values."""
         assert self.keys is not None and self.values is not None
-        D = self.keys.shape[-1]
+        D, dtype = self.keys.shape[-1], self.keys.dtype
         # Flat order (row, token, head): a view of how the projections laid them out.
-        self.keys.view(-1, D).index_copy_(0, self._index, key_states.transpose(1, 2).reshape(-1, D))
-        self.values.view(-1, D).index_copy_(
-            0, self._index, value_states.transpose(1, 2).reshape(-1, D)
-        )
+        k_TD = key_states.transpose(1, 2).reshape(-1, D).to(dtype)
+        v_TD = value_states.transpose(1, 2).reshape(-1, D).to(dtype)
+        self.keys.view(-1, D).index_copy_(0, self._index, k_TD)
+        self.values.view(-1, D).index_copy_(0, self._index, v_TD)
         return (
             self.keys[self._rows, :, : self._columns],
             self.values[self._rows, :, : self._columns],

@@ -9,9 +9,11 @@ rows in 14.7 ms where float32 took 8.6. So on the CPU a half dtype applies to th
 weights of the base's linear layers only (`half_linears`): each becomes a `HalfLinear`
 that rounds its float32 input to the half dtype, multiplies (products summed in float32
 by the hardware) and returns float32. The embeddings, norms and output head stay float32,
-and with them the residual stream, attention, the KV cache, the LoRA updates and every
-log-prob; the compact forwards multiply through `linear` the same way, so they and the
-Hugging Face modules still compute the same thing.
+and with them the residual stream, attention's arithmetic, the LoRA updates and every
+log-prob; the engine caches keys and values in bfloat16 (`rollout.kv.cache_dtype`: half
+the bytes a decode step reads; the span kernels widen them as they load). The compact
+forwards multiply through `linear` the same way, so they and the Hugging Face modules
+still compute the same thing.
 
 torch's bfloat16 matmul on the CPU is oneDNN's, with two fixed costs that the embedded
 base's small layers make visible: a kernel built per shape on first use (as long as
@@ -141,6 +143,11 @@ class HalfLinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.weight, self.bias)
+
+
+def half_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype of `model`'s `HalfLinear` layers (None: it has none)."""
+    return next((m.weight.dtype for m in model.modules() if isinstance(m, HalfLinear)), None)
 
 
 def half_linears(model: nn.Module, dtype: torch.dtype) -> int:

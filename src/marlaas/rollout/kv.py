@@ -1,7 +1,7 @@
 """The decode batch's key/value cache: buffers allocated once, written in place.
 
 Layout: per layer, keys and values are `[rows, H, columns, D]` buffers (kv heads, head
-dim), all views of one `[layers, 2, rows, H, columns, D]` buffer, so a row's whole cache
+dim; in `cache_dtype`: bfloat16 on a CPU running bfloat16 linears), all views of one `[layers, 2, rows, H, columns, D]` buffer, so a row's whole cache
 is moved, kept (`export_row`) or restored in one op rather than two per layer (in the
 pipeline every op of the device thread may wait on the event loop's hold of the
 interpreter). Batch row `b` is buffer row `b`, and its token at position `j` sits in
@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -42,6 +42,10 @@ from marlaas.errors import ModelError
 from marlaas.model.arch import check_attention
 from marlaas.model.cache import SlotCache, SlotLayer
 from marlaas.model.kernels import copy_rows
+from marlaas.model.mixed import half_dtype
+
+if TYPE_CHECKING:
+    from marlaas.model.lora import LoRAModel
 
 #: One sequence's cache: `[layers, 2 (keys, values), H, L, D]`.
 RowKV = Tensor
@@ -100,6 +104,20 @@ def kv_geometry(config: object) -> KVGeometry:
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
     return KVGeometry(num_layers, kv_heads, head_dim, windows)
+
+
+def cache_dtype(model: LoRAModel) -> torch.dtype:
+    """The dtype the engine caches `model`'s keys and values in: the model's, except on a
+    CPU whose base runs bfloat16 linear layers over float32 activations
+    (`marlaas.model.mixed`): there bfloat16, what a model of that dtype caches (as
+    Hugging Face's bfloat16 models do). A decode step at many rows mostly reads the
+    cache, so it reads half the bytes (the span kernels widen them as they load); the
+    sampler's log-probs stay the behaviour log-probs, and the importance ratio corrects
+    the rounding as it does the linears'."""
+    half = half_dtype(model.base)
+    if model.device.type == "cpu" and model.dtype == torch.float32 and half == torch.bfloat16:
+        return half
+    return model.dtype
 
 
 def _grown(needed: int, have: int, limit: int, floor: int) -> int:
@@ -210,10 +228,11 @@ class SlotKV:
 
     def store(self, layer: int, writes: SlotWrites, k_THD: Tensor, v_THD: Tensor) -> None:
         """Write new keys and values `[T, Hkv, D]` (tokens in `writes` order) into
-        `layer`'s buffers."""
+        `layer`'s buffers (rounded to the cache's dtype)."""
         D = self.geometry.head_dim
-        self.keys[layer].view(-1, D).index_copy_(0, writes.flat, k_THD.reshape(-1, D))
-        self.values[layer].view(-1, D).index_copy_(0, writes.flat, v_THD.reshape(-1, D))
+        k_TD, v_TD = k_THD.reshape(-1, D).to(self.dtype), v_THD.reshape(-1, D).to(self.dtype)
+        self.keys[layer].view(-1, D).index_copy_(0, writes.flat, k_TD)
+        self.values[layer].view(-1, D).index_copy_(0, writes.flat, v_TD)
 
     def views(self, layer: int, row0: int, rows: int, columns: int) -> tuple[Tensor, Tensor]:
         """`layer`'s keys and values of rows `row0 ..`, their first `columns` columns."""

@@ -25,8 +25,9 @@ def span_attention(
 ) -> Tensor | None:
     """Attention of `query [R, H, N, D]` (N tokens per cache row) where query token `n`
     of row `r`, `q = r * N + n`, attends its `spans` columns (`R * N` of them, each at
-    most `S`) of row `r` of `key`/`value [R, Hkv, S, D]`; `[R, N, H, D]`, or None where
-    the kernel does not apply (see the module doc)."""
+    most `S`) of row `r` of `key`/`value [R, Hkv, S, D]` (float32, or a bfloat16 cache);
+    `[R, N, H, D]` float32, or None where the kernel does not apply (see the module
+    doc)."""
     out = _forward(query, key, value, spans, scale, softcap, lse=False)
     return None if out is None else out[0]
 
@@ -52,9 +53,10 @@ def _forward(
     softcap: float | None,
     lse: bool,
 ) -> tuple[Tensor, Tensor | None] | None:
-    kernel = load("span_attention")
+    half = key.dtype == torch.bfloat16 and not lse
+    kernel = load("span_attention_bf16" if half else "span_attention")
     R, H, N, D = query.shape
-    if kernel is None or not _takes(query, key, value, spans):
+    if kernel is None or not _takes(query, key, value, spans, half):
         return None
     out = torch.empty((R, N, H, D), dtype=torch.float32)
     lse_QH = torch.empty((R * N, H), dtype=torch.float32) if lse else None
@@ -149,8 +151,9 @@ def _layout(query: Tensor, key: Tensor, value: Tensor, spans: Spans) -> tuple[in
     )
 
 
-def _takes(query: Tensor, key: Tensor, value: Tensor, spans: Spans) -> bool:
-    """Whether the span kernels take these tensors (see `span_attention`)."""
+def _takes(query: Tensor, key: Tensor, value: Tensor, spans: Spans, half: bool = False) -> bool:
+    """Whether the span kernels take these tensors (see `span_attention`): float32, or
+    with `half` (the forward over a cache) bfloat16 keys and values."""
     R, H, N, _ = query.shape
     Hkv = int(key.shape[1])
     start_Q, end_Q, widest = spans
@@ -159,7 +162,8 @@ def _takes(query: Tensor, key: Tensor, value: Tensor, spans: Spans) -> bool:
         or widest > int(key.shape[2])
         or H % Hkv
         or not (query.is_cpu and key.is_cpu and value.is_cpu)
-        or not (query.dtype == key.dtype == value.dtype == torch.float32)
+        or query.dtype != torch.float32
+        or not (key.dtype == value.dtype == (torch.bfloat16 if half else torch.float32))
         or key.stride() != value.stride()
         or key.stride(-1) != 1
         or query.stride(-1) != 1

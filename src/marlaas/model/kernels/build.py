@@ -38,6 +38,16 @@ KERNELS: dict[str, tuple[str, str, list[type]]] = {
             *(_PTR, _PTR, _F32, _F32, _PTR, _PTR, _PTR),
         ],
     ),
+    "span_attention_bf16": (
+        "span_attention",
+        "span_attention_bf16",
+        [
+            *(_I64, _I64, _I64, _I64, _I64),
+            *(_PTR, _I64, _I64, _I64, _PTR, _PTR),
+            *(_I64, _I64, _I64),
+            *(_PTR, _PTR, _F32, _F32, _PTR, _PTR, _PTR),
+        ],
+    ),
     "span_attention_backward": (
         "span_attention",
         "span_attention_backward_f32",
@@ -95,6 +105,16 @@ KERNELS: dict[str, tuple[str, str, list[type]]] = {
     "rope_store": (
         "rope_store",
         "rope_store_f32",
+        [
+            *(_I64, _I64, _I64, _I64, _I64),
+            *(_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR),
+            *(_PTR, _PTR, _I64, _I64, _I64),
+            *(_PTR, _PTR),
+        ],
+    ),
+    "rope_store_bf16": (
+        "rope_store",
+        "rope_store_bf16",
         [
             *(_I64, _I64, _I64, _I64, _I64),
             *(_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR),

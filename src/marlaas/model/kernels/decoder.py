@@ -27,20 +27,23 @@ def rope_store(
 ) -> bool:
     """Rotate the queries `q_THD` in place and write the rotated keys `k_THD` and the
     values `v_THD` of token `t` into cache row `row_T[t]`, column `col_T[t]` of `keys` /
-    `values [rows, Hkv, S, D]`; False (nothing written) where the kernel does not apply
-    (see the module doc). The rotation is Hugging Face's `x * cos + rotate_half(x) * sin`
+    `values [rows, Hkv, S, D]` (float32, or bfloat16: rounded as `Tensor.to` rounds);
+    False (nothing written) where the kernel does not apply (see the module doc). The
+    rotation is Hugging Face's `x * cos + rotate_half(x) * sin`
     on the first `rot` features (`cos_TR`/`sin_TR [T, rot]`, contiguous, `rot` even and
     at most `D`). Queries, keys and values have their heads and features contiguous (any
     token stride); `row_T`/`col_T` are contiguous int64 and inside the buffers (the
     caller's guarantee: the kernel writes there unchecked)."""
-    kernel = load("rope_store")
+    kernel = load("rope_store_bf16" if keys.dtype == torch.bfloat16 else "rope_store")
     T, H, D = q_THD.shape
     Hkv = int(k_THD.shape[1])
     rot = int(cos_TR.shape[-1])
-    tensors = (q_THD, k_THD, v_THD, cos_TR, sin_TR, keys, values)
+    tensors = (q_THD, k_THD, v_THD, cos_TR, sin_TR)
     if (
         kernel is None
         or not all(t.is_cpu and t.dtype == torch.float32 for t in tensors)
+        or not (keys.is_cpu and values.is_cpu and keys.dtype == values.dtype)
+        or keys.dtype not in (torch.float32, torch.bfloat16)
         or any(t.stride(-1) != 1 or t.stride(-2) != D for t in (q_THD, k_THD, v_THD))
         or tuple(v_THD.shape) != tuple(k_THD.shape)
         or int(k_THD.shape[0]) != T
@@ -153,11 +156,13 @@ def rms_norm_backward(
 
 def copy_rows(buffer: Tensor, dst: Sequence[int], src: Sequence[int], columns: int) -> bool:
     """Copy rows `src` of a slot cache `buffer [blocks..., rows, heads, columns, D]`
-    (float32, contiguous; the rows axis third from the end of the leading ones) into rows
+    (float32, or bfloat16 of an even `D`; contiguous; the rows axis third from the end of the leading ones) into rows
     `dst`, their first `columns` columns, in one pass; False (nothing written) where the
     kernel does not apply, or a row is both a source and a destination (then the caller
     must read every source before it writes)."""
     kernel = load("copy_rows")
+    if buffer.dtype == torch.bfloat16 and buffer.is_contiguous() and buffer.shape[-1] % 2 == 0:
+        buffer = buffer.view(torch.float32)  # moves bytes: two halves are one float
     if (
         kernel is None
         or buffer.dim() < 4

@@ -21,11 +21,16 @@
  * ms); 32 rows, in cache, 0.049 -> 0.045 ms. That is ~18 GB/s: a plain sum over the
  * same blocks reads 16 GB/s without prefetching and 29 GB/s with it, a contiguous sum
  * 55 GB/s (interleaving keys and values per row, or one online-softmax pass over
- * them, measured no faster).
+ * them, measured no faster). What decides it is whether the cache fits the last-level
+ * cache: four layers of 256 rows x ~65 columns (Hkv 2, D 32) are 34 MB in float32, read
+ * from memory at 15-23 GB/s (1.35-2.2 ms a step); one layer's 8.6 MB, read over and
+ * over, at 40-43 GB/s. A bfloat16 cache (17 MB) reads in 0.93-0.97 ms, where this
+ * kernel's arithmetic (~0.2 ms a layer, the same in either dtype) is most of the time.
  *
  * Layouts (float32, the last axis contiguous): q [R, H, N, D] with strides q_sr, q_sh,
- * q_sn; keys and values [R, Hkv, S, D] with strides kv_sr, kv_sh, kv_ss (both buffers
- * alike); start, end [R * N]; out [R, N, H, D] contiguous. `scratch` holds
+ * q_sn; keys and values [R, Hkv, S, D] (float32, or bfloat16: `span_attention_bf16`,
+ * the engine's cache on a CPU running bfloat16 linears) with strides kv_sr, kv_sh, kv_ss
+ * (both buffers alike); start, end [R * N]; out [R, N, H, D] contiguous. `scratch` holds
  * G * (max_b end[b] - start[b]) floats. `lse` [R * N, H], when not NULL, receives each
  * query head's log-sum-exp of its scaled scores (what the backward needs: p = exp(s -
  * lse)).
@@ -52,17 +57,49 @@ static inline void exp16(const float *x, float *out) {
 }
 #endif
 
-/* scores[c] = scale * (q . k_c) for the 16 columns c from kl on: the products of each
- * column summed down to one vector, the 16 vectors reduced together (a few shuffles a
- * column instead of a horizontal sum each). */
-static inline __attribute__((always_inline)) void scores16(const float *q, const float *kl,
-                                                           int64_t kv_ss, const int64_t D,
-                                                           float scale, float *scores) {
+/* Keys and values are float32, or bfloat16 where the cache holds the half dtype (`bf16`,
+ * a compile-time constant in each entry point): element `i` of buffer `p` as a float, a
+ * vector of sixteen from `i` on (a bfloat16 is a float32's upper half: widened, shifted),
+ * and its address (to prefetch). */
+typedef uint16_t vh __attribute__((vector_size(W * sizeof(uint16_t)), aligned(2), may_alias));
+
+static inline __attribute__((always_inline)) vf kv_vec(const void *p, int64_t i, const int bf16) {
+    if (bf16) return (vf)(__builtin_convertvector(*(const vh *)((const uint16_t *)p + i), vi) << 16);
+    return *(const vf *)((const float *)p + i);
+}
+
+static inline __attribute__((always_inline)) float kv_at(const void *p, int64_t i, const int bf16) {
+    if (!bf16) return ((const float *)p)[i];
+    const uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    __builtin_memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline __attribute__((always_inline)) const char *kv_addr(const void *p, int64_t i,
+                                                               const int bf16) {
+    return (const char *)p + i * (bf16 ? 2 : 4);
+}
+
+/* Prefetch a key or value vector of D elements (a cache line at a time). */
+static inline __attribute__((always_inline)) void prefetch_kv(const void *p, int64_t i,
+                                                            const int64_t D, const int bf16) {
+    const int64_t per_line = bf16 ? 32 : 16;
+    for (int64_t d = 0; d < D; d += per_line) __builtin_prefetch(kv_addr(p, i + d, bf16), 0, 3);
+}
+
+/* scores[c] = scale * (q . k_c) for the 16 columns c = at, at + kv_ss, ... of `k`: the
+ * products of each column summed down to one vector, the 16 vectors reduced together (a
+ * few shuffles a column instead of a horizontal sum each). */
+static inline __attribute__((always_inline)) void scores16(const float *q, const void *k,
+                                                           int64_t at, int64_t kv_ss,
+                                                           const int64_t D, float scale,
+                                                           float *scores, const int bf16) {
     vf p[W];
     for (int c = 0; c < W; ++c) {
-        const float *kc = kl + c * kv_ss;
-        vf acc = *(const vf *)q * *(const vf *)kc;
-        for (int64_t j = W; j < D; j += W) acc += *(const vf *)(q + j) * *(const vf *)(kc + j);
+        const int64_t kc = at + c * kv_ss;
+        vf acc = *(const vf *)q * kv_vec(k, kc, bf16);
+        for (int64_t j = W; j < D; j += W) acc += *(const vf *)(q + j) * kv_vec(k, kc + j, bf16);
         p[c] = acc;
     }
     *(vf *)scores = sums16(p) * scale;
@@ -70,16 +107,15 @@ static inline __attribute__((always_inline)) void scores16(const float *q, const
 
 static inline __attribute__((always_inline)) void attend(
     int64_t R, int64_t N, int64_t H, int64_t Hkv, const int64_t D, const int64_t G,
-    const float *q, int64_t q_sr, int64_t q_sh, int64_t q_sn, const float *k, const float *v,
+    const float *q, int64_t q_sr, int64_t q_sh, int64_t q_sn, const void *k, const void *v,
     int64_t kv_sr, int64_t kv_sh, int64_t kv_ss, const int64_t *start, const int64_t *end,
-    float scale, float softcap, float *out, float *lse, float *scratch) {
+    float scale, float softcap, float *out, float *lse, float *scratch, const int bf16) {
     for (int64_t b = 0; b < R * N; ++b) {
         const int64_t row = b / N;
         const int64_t s0 = start[b];
         const int64_t n = end[b] - s0;
         for (int64_t kv = 0; kv < Hkv; ++kv) {
-            const float *kb = k + row * kv_sr + kv * kv_sh + s0 * kv_ss;
-            const float *vb = v + row * kv_sr + kv * kv_sh + s0 * kv_ss;
+            const int64_t at = row * kv_sr + kv * kv_sh + s0 * kv_ss;  /* column s0's */
             const float *qb = q + row * q_sr + (b % N) * q_sn + kv * G * q_sh;
             float *ob = out + (b * H + kv * G) * D;
             /* The blocks are read in the order keys, values, next keys, ...: while one is
@@ -91,24 +127,23 @@ static inline __attribute__((always_inline)) void attend(
             const int64_t nb = kv + 1 < Hkv ? b : b + 1;
             const int64_t nkv = kv + 1 < Hkv ? kv + 1 : 0;
             const int64_t nn = nb < R * N && (nkv || nb / N != row) ? end[nb] - start[nb] : 0;
-            const float *nk = k + (nn ? (nb / N) * kv_sr + nkv * kv_sh + start[nb] * kv_ss : 0);
+            const int64_t nat = nn ? (nb / N) * kv_sr + nkv * kv_sh + start[nb] * kv_ss : 0;
             int64_t l0 = 0;
             if (D % W == 0)  /* sixteen columns at a time, then the rest one by one */
                 for (; l0 + W <= n; l0 += W) {
                     for (int64_t c = 0; c < W; ++c)  /* this block's values */
-                        for (int64_t d = 0; d < D; d += W)  /* a vector: a cache line */
-                            __builtin_prefetch(vb + (l0 + c) * kv_ss + d, 0, 3);
+                        prefetch_kv(v, at + (l0 + c) * kv_ss, D, bf16);
                     for (int64_t g = 0; g < G; ++g)
-                        scores16(qb + g * q_sh, kb + l0 * kv_ss, kv_ss, D, scale,
-                                 scratch + g * n + l0);
+                        scores16(qb + g * q_sh, k, at + l0 * kv_ss, kv_ss, D, scale,
+                                 scratch + g * n + l0, bf16);
                 }
             for (int64_t l = l0; l < n; ++l) {
-                const float *kl = kb + l * kv_ss;
-                for (int64_t d = 0; d < D; d += W) __builtin_prefetch(vb + l * kv_ss + d, 0, 3);
+                const int64_t kl = at + l * kv_ss;
+                prefetch_kv(v, kl, D, bf16);
                 for (int64_t g = 0; g < G; ++g) {
                     const float *qg = qb + g * q_sh;
                     float dot = 0.0f;
-                    for (int64_t d = 0; d < D; ++d) dot += qg[d] * kl[d];
+                    for (int64_t d = 0; d < D; ++d) dot += qg[d] * kv_at(k, kl + d, bf16);
                     scratch[g * n + l] = dot * scale;
                 }
             }
@@ -136,16 +171,21 @@ static inline __attribute__((always_inline)) void attend(
             for (int64_t g = 0; g < G; ++g)
                 for (int64_t d = 0; d < D; ++d) acc[g][d] = 0.0f;
             for (int64_t l = 0; l < n; ++l) {
-                const float *vl = vb + l * kv_ss;
-                if (l < nn)
-                    for (int64_t d = 0; d < D; d += W) __builtin_prefetch(nk + l * kv_ss + d, 0, 3);
-                for (int64_t g = 0; g < G; ++g) {
-                    const float w = scratch[g * n + l];
-                    for (int64_t d = 0; d < D; ++d) acc[g][d] += w * vl[d];
-                }
+                const int64_t vl = at + l * kv_ss;
+                if (l < nn) prefetch_kv(k, nat + l * kv_ss, D, bf16);
+                if (D % W == 0)
+                    for (int64_t d = 0; d < D; d += W) {
+                        const vf x = kv_vec(v, vl + d, bf16);
+                        for (int64_t g = 0; g < G; ++g)
+                            *(vf *)(acc[g] + d) += scratch[g * n + l] * x;
+                    }
+                else
+                    for (int64_t g = 0; g < G; ++g) {
+                        const float w = scratch[g * n + l];
+                        for (int64_t d = 0; d < D; ++d) acc[g][d] += w * kv_at(v, vl + d, bf16);
+                    }
             }
-            for (int64_t l = n; l < nn; ++l)
-                for (int64_t d = 0; d < D; d += W) __builtin_prefetch(nk + l * kv_ss + d, 0, 3);
+            for (int64_t l = n; l < nn; ++l) prefetch_kv(k, nat + l * kv_ss, D, bf16);
             for (int64_t g = 0; g < G; ++g)
                 for (int64_t d = 0; d < D; ++d) ob[g * D + d] = acc[g][d] * inv[g];
         }
@@ -172,7 +212,8 @@ static inline __attribute__((always_inline)) void attend(
         default: CALL(D, G);                   \
     }
 #define ATTEND(DIM, GROUP) attend(R, N, H, Hkv, DIM, GROUP, q, q_sr, q_sh, q_sn, k, v, kv_sr, \
-                                  kv_sh, kv_ss, start, end, scale, softcap, out, lse, scratch)
+                                  kv_sh, kv_ss, start, end, scale, softcap, out, lse, scratch, \
+                                  bf16)
 
 void span_attention_f32(int64_t R, int64_t N, int64_t H, int64_t Hkv, int64_t D,
                           const float *q, int64_t q_sr, int64_t q_sh, int64_t q_sn,
@@ -181,6 +222,20 @@ void span_attention_f32(int64_t R, int64_t N, int64_t H, int64_t Hkv, int64_t D,
                           const int64_t *start, const int64_t *end,
                           float scale, float softcap, float *out, float *lse, float *scratch) {
     const int64_t G = H / Hkv;
+    const int bf16 = 0;
+    SPECIALISED(ATTEND)
+}
+
+/* The same over a bfloat16 cache (keys and values; queries and outputs float32): half
+ * the bytes a decode step reads, which is most of what it reads at many rows. */
+void span_attention_bf16(int64_t R, int64_t N, int64_t H, int64_t Hkv, int64_t D,
+                         const float *q, int64_t q_sr, int64_t q_sh, int64_t q_sn,
+                         const uint16_t *k, const uint16_t *v,
+                         int64_t kv_sr, int64_t kv_sh, int64_t kv_ss,
+                         const int64_t *start, const int64_t *end,
+                         float scale, float softcap, float *out, float *lse, float *scratch) {
+    const int64_t G = H / Hkv;
+    const int bf16 = 1;
     SPECIALISED(ATTEND)
 }
 
@@ -232,8 +287,8 @@ static inline __attribute__((always_inline)) void attend_backward(
                     float p[G][W], ds[G][W];
                     for (int64_t g = 0; g < G; ++g) {
                         float s[W], dp[W];
-                        scores16(qb + g * q_sh, kb + l0 * kv_ss, kv_ss, D, scale, s);
-                        scores16(dout + (h0 + g) * D, vb + l0 * kv_ss, kv_ss, D, 1.0f, dp);
+                        scores16(qb + g * q_sh, kb, l0 * kv_ss, kv_ss, D, scale, s, 0);
+                        scores16(dout + (h0 + g) * D, vb, l0 * kv_ss, kv_ss, D, 1.0f, dp, 0);
                         for (int c = 0; c < W; ++c) s[c] -= lg[g];
                         exp16(s, p[g]);
                         for (int c = 0; c < W; ++c) ds[g][c] = p[g][c] * (dp[c] - delta[g]) * scale;
