@@ -183,3 +183,40 @@ def test_a_few_rows_of_a_bfloat16_layer_skip_onednn_and_round_alike(
     assert torch.equal(linear(x[None], w, b)[0], got)
     assert kernels.half_linear_small(torch.randn(5, 96), w, b) is None  # too many rows
     assert kernels.half_linear_small(torch.randn(1, 40), w[:, :40].contiguous(), b) is None
+
+
+@pytest.mark.parametrize("rows", [1, 3, 35, 256])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_projections_of_one_input_are_stored_together_and_multiply_as_one(
+    rows: int, arch: str
+) -> None:
+    """`half_linears` stores q/k/v (Qwen2: and their biases) and gate/up one after another
+    in one tensor, each module's parameters views of it (the weights exist once, the
+    modules unchanged); `Together` multiplies them in one product, whose parts are each
+    layer's own `linear` up to one bfloat16 rounding step (another product shape may sum
+    in another order), over a few rows (the small kernel) and many (oneDNN, buckets)."""
+    from helpers.tiny_archs import tiny_model
+    from marlaas.model.mixed import Together, half_linears, linear
+
+    base = tiny_model(arch, 64)
+    half_linears(base, torch.bfloat16)
+    attn, mlp = base.model.layers[0].self_attn, base.model.layers[0].mlp
+    qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+    storage = {m.weight.untyped_storage().data_ptr() for m in qkv}
+    assert len(storage) == 1
+    assert all(m.weight.is_contiguous() for m in qkv)
+    assert len({m.weight.untyped_storage().data_ptr() for m in (mlp.gate_proj, mlp.up_proj)}) == 1
+    together = Together.of([m.weight for m in qkv], [m.bias for m in qkv])
+    assert together is not None and together.sizes == tuple(m.out_features for m in qkv)
+    assert (together.bias is not None) == (arch == "qwen2")
+    x = torch.randn(rows, base.config.hidden_size, generator=torch.Generator().manual_seed(rows))
+    for got, m in zip(together.linear(x), qkv, strict=True):
+        want = linear(x, m.weight, m.bias)
+        assert got.is_contiguous() and got.shape == want.shape
+        assert torch.all((got - want).abs() <= want.abs() * 2**-7 + 1e-6)
+    # Layers apart in memory, or with and without bias, are not together.
+    assert Together.of([attn.q_proj.weight, attn.v_proj.weight], [None, None]) is None
+    some_bias = [None, torch.zeros(32, dtype=torch.bfloat16), None]
+    assert Together.of([m.weight for m in qkv], some_bias) is None
+    apart = [attn.q_proj.weight.clone(), attn.k_proj.weight.clone()]
+    assert Together.of(apart, [None, None]) is None

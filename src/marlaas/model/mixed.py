@@ -31,6 +31,8 @@ Invariants:
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -153,7 +155,8 @@ def half_dtype(model: nn.Module) -> torch.dtype | None:
 def half_linears(model: nn.Module, dtype: torch.dtype) -> int:
     """Make every `nn.Linear` of `model` but its output head a `HalfLinear` in `dtype`
     (in place, weights converted); returns how many. The rest of the model keeps its
-    dtype."""
+    dtype. The half layers of one parent that read the same input are stored one after
+    another in one tensor (`_store_together`)."""
     if dtype not in HALF_DTYPES:
         raise ValueError(f"half_linears takes {HALF_DTYPES}, got {dtype}")
     get_head = getattr(model, "get_output_embeddings", None)
@@ -164,4 +167,94 @@ def half_linears(model: nn.Module, dtype: torch.dtype) -> int:
             module.to(dtype)
             module.__class__ = HalfLinear
             converted += 1
+    for module in list(model.modules()):
+        _store_together(module)
     return converted
+
+
+def _store_together(parent: nn.Module) -> None:
+    """Store the `HalfLinear` children of `parent` of the same input size and dtype (and
+    bias or not) one after another, in declaration order, in one weight tensor (and one
+    bias), each layer's parameters views of its rows: a decoder's q/k/v projections, its
+    MLP's gate and up projections. The weights still exist once; `together` finds such
+    layers and multiplies them as one product."""
+    groups: dict[tuple[int, torch.dtype, bool], list[HalfLinear]] = {}
+    for child in parent.children():
+        if isinstance(child, HalfLinear):
+            key = (child.in_features, child.weight.dtype, child.bias is not None)
+            groups.setdefault(key, []).append(child)
+    for layers in groups.values():
+        if len(layers) < 2:
+            continue
+        weight = torch.cat([layer.weight.detach() for layer in layers])
+        biases = [layer.bias.detach() for layer in layers if layer.bias is not None]
+        bias = torch.cat(biases) if biases else None
+        row = 0
+        for layer in layers:
+            rows = slice(row, row + layer.out_features)
+            grad = layer.weight.requires_grad
+            layer.weight = nn.Parameter(weight[rows], requires_grad=grad)
+            if bias is not None and layer.bias is not None:
+                layer.bias = nn.Parameter(bias[rows], requires_grad=layer.bias.requires_grad)
+            row += layer.out_features
+
+
+@dataclass(frozen=True)
+class Together:
+    """Layers whose weights lie one after another in one tensor (`_store_together`): the
+    weight and bias spanning them all, and each layer's output size."""
+
+    weight: Tensor
+    bias: Tensor | None
+    sizes: tuple[int, ...]
+
+    @staticmethod
+    def of(weights: Sequence[Tensor], biases: Sequence[Tensor | None]) -> Together | None:
+        """The span of `weights` (and `biases`) where each starts where the one before
+        ends in the same storage, all half and row-major; else None."""
+        spans = [_span(weights)]
+        if all(b is not None for b in biases):
+            spans.append(_span([b for b in biases if b is not None]))
+        elif any(b is not None for b in biases):
+            return None
+        if any(span is None for span in spans):
+            return None
+        weight, bias = spans[0], spans[1] if len(spans) > 1 else None
+        assert weight is not None
+        if weight.dtype not in HALF_DTYPES:
+            return None
+        return Together(weight, bias, tuple(int(w.shape[0]) for w in weights))
+
+    def linear(self, x: Tensor) -> list[Tensor]:
+        """Each layer's `linear(x, W, b)`, from one product: contiguous outputs in `x`'s
+        dtype (no gradient: the engine's forwards)."""
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        x_2d = x.reshape(rows, x.shape[-1])
+        out = None
+        if rows <= kernels.HALF_LINEAR_MAX_ROWS and _cpu_bfloat16():
+            out = kernels.half_linear_small(x_2d, self.weight, self.bias)
+        if out is None:
+            out = F.linear(_half_rows(x_2d, self.weight.dtype), self.weight, self.bias)
+        lead = x.shape[:-1]
+        return [
+            part[:rows].to(x.dtype).contiguous().view(*lead, part.shape[-1])
+            for part in out.split(self.sizes, dim=-1)
+        ]
+
+
+def _span(parts: Sequence[Tensor]) -> Tensor | None:
+    """One tensor viewing `parts` (contiguous, of the same trailing shape and dtype, each
+    starting in storage where the previous one ends), else None."""
+    first = parts[0]
+    if not all(p.is_contiguous() and p.dtype == first.dtype for p in parts):
+        return None
+    if any(p.shape[1:] != first.shape[1:] for p in parts):
+        return None
+    storage = first.untyped_storage().data_ptr()
+    end = first.data_ptr()
+    for p in parts:
+        if p.untyped_storage().data_ptr() != storage or p.data_ptr() != end:
+            return None
+        end += p.numel() * p.element_size()
+    rows = sum(int(p.shape[0]) for p in parts)
+    return first.detach().as_strided((rows, *first.shape[1:]), first.stride())

@@ -66,9 +66,8 @@ class CompactDecoder(StackForward):
         delta_TE: Tensor | None = None  # the last block's output, not yet added to h
         for i, layer in enumerate(stack.layers):
             h_TE, x_TE = _after(layer.input_norm, h_TE, delta_TE)
-            q_THD = linear(x_TE, layer.q).view(T, H, D)
-            k_THD = linear(x_TE, layer.k).view(T, Hkv, D)
-            v_THD = linear(x_TE, layer.v).view(T, Hkv, D)
+            q_TO, k_TO, v_TO = stack.linears(x_TE, (layer.q, layer.k, layer.v), layer.qkv)
+            q_THD, k_THD, v_THD = q_TO.view(T, H, D), k_TO.view(T, Hkv, D), v_TO.view(T, Hkv, D)
             if layer.q_norm is not None and layer.k_norm is not None:
                 q_THD, k_THD = layer.q_norm(q_THD), layer.k_norm(k_THD)
             keys, values = kv.keys[i], kv.values[i]
@@ -87,7 +86,8 @@ class CompactDecoder(StackForward):
                 window=windows[i],
             )
             h_TE, x_TE = _after(layer.post_norm, h_TE, linear(out.reshape(T, H * D), layer.o))
-            gated = layer.act(linear(x_TE, layer.gate)) * linear(x_TE, layer.up)
+            gate_TI, up_TI = stack.linears(x_TE, (layer.gate, layer.up), layer.gate_up)
+            gated = layer.act(gate_TI) * up_TI
             delta_TE = linear(gated, layer.down)
         if not all_logits:  # the last token of each row
             h_TE = h_TE.view(R, N, -1)[:, -1].contiguous()
