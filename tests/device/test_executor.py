@@ -182,14 +182,25 @@ async def test_a_waiting_pass_gives_way_to_an_inference_window(
     recorder = device.recorder
     assert isinstance(recorder, MemoryRecorder)
     await register(device, "a")
-    release = threading.Event()
-    held = on_device(device, release.wait)
-    sampling = SamplingParams(max_new_tokens=12, seed=5)
-    request = RolloutRequest(tenant="a", prompt_ids=(30, 31), sampling=sampling)
-    completion = device.sample(request, interactive=True)
-    trained = asyncio.ensure_future(train(device, batch("a", 0)))
-    await _queued_pass(device)  # its forward_backward waits beside the completion
-    release.set()
+    entered, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        entered.set()
+        release.wait()
+
+    held = on_device(device, hold)
+    try:
+        # The device thread is inside `hold` before either arrives (on a loaded machine
+        # it may not have started it yet, and would then take the pass first).
+        while not entered.is_set():
+            await asyncio.sleep(0.001)
+        sampling = SamplingParams(max_new_tokens=12, seed=5)
+        request = RolloutRequest(tenant="a", prompt_ids=(30, 31), sampling=sampling)
+        completion = device.sample(request, interactive=True)
+        trained = asyncio.ensure_future(train(device, batch("a", 0)))
+        await _queued_pass(device)  # its forward_backward waits beside the completion
+    finally:
+        release.set()  # never leave the device thread held: closing would wait forever
     await held
     done, result = await completion, await trained
     assert result.version == 1 and len(done.token_ids) >= 1
