@@ -88,21 +88,33 @@ static inline __attribute__((always_inline)) void prefetch_kv(const void *p, int
     for (int64_t d = 0; d < D; d += per_line) __builtin_prefetch(kv_addr(p, i + d, bf16), 0, 3);
 }
 
-/* scores[c] = scale * (q . k_c) for the 16 columns c = at, at + kv_ss, ... of `k`: the
- * products of each column summed down to one vector, the 16 vectors reduced together (a
- * few shuffles a column instead of a horizontal sum each). */
+/* scores[c] = scale * (q . k_c) for the first `cols` (at most 16) of the columns c = at,
+ * at + kv_ss, ... of `k`: the products of each column summed down to one vector, the 16
+ * vectors reduced together (a few shuffles a column instead of a horizontal sum each).
+ * A span's last block of fewer than 16 columns goes the same way (zeros for the columns
+ * past it, only its own scores stored), not one scalar dot product per column: half the
+ * columns of a causal span of ~30 (a trainer's row, a prefill chunk) are such. */
 static inline __attribute__((always_inline)) void scores16(const float *q, const void *k,
                                                            int64_t at, int64_t kv_ss,
                                                            const int64_t D, float scale,
-                                                           float *scores, const int bf16) {
+                                                           float *scores, const int bf16,
+                                                           const int cols) {
     vf p[W];
     for (int c = 0; c < W; ++c) {
         const int64_t kc = at + c * kv_ss;
-        vf acc = *(const vf *)q * kv_vec(k, kc, bf16);
-        for (int64_t j = W; j < D; j += W) acc += *(const vf *)(q + j) * kv_vec(k, kc + j, bf16);
+        vf acc = {0};
+        if (c < cols)
+            for (int64_t j = 0; j < D; j += W) acc += *(const vf *)(q + j) * kv_vec(k, kc + j, bf16);
         p[c] = acc;
     }
-    *(vf *)scores = sums16(p) * scale;
+    const vf out = sums16(p) * scale;
+    if (cols == W) {
+        *(vf *)scores = out;
+    } else {
+        float lanes[W];
+        *(vf *)lanes = out;
+        for (int c = 0; c < cols; ++c) scores[c] = lanes[c];
+    }
 }
 
 static inline __attribute__((always_inline)) void attend(
@@ -129,15 +141,24 @@ static inline __attribute__((always_inline)) void attend(
             const int64_t nn = nb < R * N && (nkv || nb / N != row) ? end[nb] - start[nb] : 0;
             const int64_t nat = nn ? (nb / N) * kv_sr + nkv * kv_sh + start[nb] * kv_ss : 0;
             int64_t l0 = 0;
-            if (D % W == 0)  /* sixteen columns at a time, then the rest one by one */
+            if (D % W == 0) {  /* sixteen columns at a time, the last block fewer */
                 for (; l0 + W <= n; l0 += W) {
                     for (int64_t c = 0; c < W; ++c)  /* this block's values */
                         prefetch_kv(v, at + (l0 + c) * kv_ss, D, bf16);
                     for (int64_t g = 0; g < G; ++g)
                         scores16(qb + g * q_sh, k, at + l0 * kv_ss, kv_ss, D, scale,
-                                 scratch + g * n + l0, bf16);
+                                 scratch + g * n + l0, bf16, W);
                 }
-            for (int64_t l = l0; l < n; ++l) {
+                if (l0 < n) {
+                    const int cols = (int)(n - l0);
+                    for (int64_t c = 0; c < cols; ++c) prefetch_kv(v, at + (l0 + c) * kv_ss, D, bf16);
+                    for (int64_t g = 0; g < G; ++g)
+                        scores16(qb + g * q_sh, k, at + l0 * kv_ss, kv_ss, D, scale,
+                                 scratch + g * n + l0, bf16, cols);
+                    l0 = n;
+                }
+            }
+            for (int64_t l = l0; l < n; ++l) {  /* a head size off the vector width */
                 const int64_t kl = at + l * kv_ss;
                 prefetch_kv(v, kl, D, bf16);
                 for (int64_t g = 0; g < G; ++g) {
@@ -252,6 +273,42 @@ void span_attention_bf16(int64_t R, int64_t N, int64_t H, int64_t Hkv, int64_t D
  * gradients of a group accumulate in registers. No soft-capping (the caller declines
  * it). Layouts as the forward's; out, dout and dq [R, N, H, D] contiguous; dk and dv
  * with the keys' strides. */
+/* One block of `cols` (at most 16) columns from l0 of `attend_backward`, for the G heads
+ * of a group: the block's probabilities and score gradients for every head (the sixteen
+ * exponentials in one vector call), then each column's key and value gradients read and
+ * written once for all the heads, a vector of D at a time (the backward was bound by
+ * those stores, and by scalar expf calls); the query gradients accumulate in `acc`. */
+static inline __attribute__((always_inline)) void backward_block(
+    const int64_t D, const int64_t G, const float *qb, int64_t q_sh, const float *kb,
+    const float *vb, float *dkb, float *dvb, int64_t kv_ss, const float *dout, int64_t h0,
+    const float *lg, const float *delta, float scale, float acc[G][D], int64_t l0,
+    const int cols) {
+    float p[G][W], ds[G][W];
+    for (int64_t g = 0; g < G; ++g) {
+        float s[W] = {0}, dp[W] = {0};
+        scores16(qb + g * q_sh, kb, l0 * kv_ss, kv_ss, D, scale, s, 0, cols);
+        scores16(dout + (h0 + g) * D, vb, l0 * kv_ss, kv_ss, D, 1.0f, dp, 0, cols);
+        for (int c = 0; c < W; ++c) s[c] -= lg[g];
+        exp16(s, p[g]);
+        for (int c = 0; c < W; ++c) ds[g][c] = p[g][c] * (dp[c] - delta[g]) * scale;
+    }
+    for (int c = 0; c < cols; ++c) {
+        const float *kl = kb + (l0 + c) * kv_ss;
+        float *dkl = dkb + (l0 + c) * kv_ss, *dvl = dvb + (l0 + c) * kv_ss;
+        for (int64_t d = 0; d < D; d += W) {
+            const vf kd = *(const vf *)(kl + d);
+            vf dvd = *(vf *)(dvl + d), dkd = *(vf *)(dkl + d);
+            for (int64_t g = 0; g < G; ++g) {
+                dvd += p[g][c] * *(const vf *)(dout + (h0 + g) * D + d);
+                dkd += ds[g][c] * *(const vf *)(qb + g * q_sh + d);
+                *(vf *)(acc[g] + d) += ds[g][c] * kd;
+            }
+            *(vf *)(dvl + d) = dvd;
+            *(vf *)(dkl + d) = dkd;
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) void attend_backward(
     int64_t R, int64_t N, int64_t H, int64_t Hkv, const int64_t D, const int64_t G,
     const float *q, int64_t q_sr, int64_t q_sh, int64_t q_sn, const float *k, const float *v,
@@ -277,37 +334,14 @@ static inline __attribute__((always_inline)) void attend_backward(
                 for (int64_t d = 0; d < D; ++d) acc[g][d] = 0.0f;
             }
             int64_t l0 = 0;
-            if (D % W == 0)  /* sixteen columns at a time, then the rest one by one */
-                for (; l0 + W <= n; l0 += W) {
-                    /* The block's probabilities and score gradients for every head of the
-                     * group (the sixteen exponentials in one vector call), then each
-                     * column's key and value gradients read and written once for all the
-                     * heads, a vector of D at a time: the backward was bound by those
-                     * stores, and by scalar expf calls. */
-                    float p[G][W], ds[G][W];
-                    for (int64_t g = 0; g < G; ++g) {
-                        float s[W], dp[W];
-                        scores16(qb + g * q_sh, kb, l0 * kv_ss, kv_ss, D, scale, s, 0);
-                        scores16(dout + (h0 + g) * D, vb, l0 * kv_ss, kv_ss, D, 1.0f, dp, 0);
-                        for (int c = 0; c < W; ++c) s[c] -= lg[g];
-                        exp16(s, p[g]);
-                        for (int c = 0; c < W; ++c) ds[g][c] = p[g][c] * (dp[c] - delta[g]) * scale;
-                    }
-                    for (int c = 0; c < W; ++c) {
-                        const float *kl = kb + (l0 + c) * kv_ss;
-                        float *dkl = dkb + (l0 + c) * kv_ss, *dvl = dvb + (l0 + c) * kv_ss;
-                        for (int64_t d = 0; d < D; d += W) {
-                            const vf kd = *(const vf *)(kl + d);
-                            vf dvd = *(vf *)(dvl + d), dkd = *(vf *)(dkl + d);
-                            for (int64_t g = 0; g < G; ++g) {
-                                dvd += p[g][c] * *(const vf *)(dout + (h0 + g) * D + d);
-                                dkd += ds[g][c] * *(const vf *)(qb + g * q_sh + d);
-                                *(vf *)(acc[g] + d) += ds[g][c] * kd;
-                            }
-                            *(vf *)(dvl + d) = dvd;
-                            *(vf *)(dkl + d) = dkd;
-                        }
-                    }
+            if (D % W == 0)  /* sixteen columns at a time, the last block fewer */
+                for (; l0 < n; l0 += W) {
+                    if (l0 + W <= n)
+                        backward_block(D, G, qb, q_sh, kb, vb, dkb, dvb, kv_ss, dout, h0, lg,
+                                       delta, scale, acc, l0, W);
+                    else
+                        backward_block(D, G, qb, q_sh, kb, vb, dkb, dvb, kv_ss, dout, h0, lg,
+                                       delta, scale, acc, l0, (int)(n - l0));
                 }
             for (int64_t l = l0; l < n; ++l) {
                 const float *kl = kb + l * kv_ss, *vl = vb + l * kv_ss;
