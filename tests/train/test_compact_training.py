@@ -89,8 +89,10 @@ def test_half_linear_weights_train_like_the_modules(
     compact forward and its backward multiply as the modules do (`marlaas.model.mixed`),
     packed (each linear layer and its LoRA one node, `RowsLoRA` with the half base
     weight) or not; a float32 ulp of difference may round to a bfloat16 one, hence the
-    tolerance."""
+    tolerance. The compact forward's rounding of keys and values to the engine's cache
+    dtype, which the modules do not do, is off here (`test_policy_numerics` pins it)."""
     monkeypatch.setattr(decoder.Packed, "MIN_PADDING", 0.0 if pack else 1.0)
+    monkeypatch.setattr(decoder, "round_to", lambda x, dtype: x)
     fused: list[torch.dtype] = []
     linear = lane_plan.LanePlan.linear
 

@@ -104,7 +104,7 @@ async def train_together(plan: dict[str, tuple[str, int]]) -> dict[str, tuple[fl
     trainer; return each tenant's greedy held-out accuracy (before, after)."""
     torch.manual_seed(0)
     base, tok = load_base(default_base_path())
-    ratio_tol = 1e-4 if {p.dtype for p in base.parameters()} == {torch.float32} else 4e-3
+    ratio_tol = 1e-4 if {p.dtype for p in base.parameters()} == {torch.float32} else 2e-3
     model = LoRAModel(base, max_rank=8)
     bank = AdapterBank(model, num_slots=8, versions_kept=2)
     engine = RolloutEngine(model, bank, tok, max_batch_size=128, seed=0)
@@ -140,8 +140,9 @@ async def train_together(plan: dict[str, tuple[str, int]]) -> dict[str, tuple[fl
             assert results[t.name].version == step + 1
             # Engine and trainer agree on the behaviour log-probs of on-policy data (up to
             # rounding: bfloat16 linears, the default where the CPU has them, round the
-            # two sides' differently shaped products differently, and the engine caches
-            # its keys and values in bfloat16: up to 2.3e-3 in this run, 1e-3 before).
+            # two sides' differently shaped products differently; both hold keys and
+            # values in bfloat16: up to 6.6e-4 over three runs, where 4e-3 and once 1.2e-2
+            # when only the engine rounded them).
             assert abs(results[t.name].ratio_mean - 1.0) < ratio_tol
             engine.publish(t.name, results[t.name].version, trainer.adapter(t.name))
     after = {t.name: await accuracy(engine, tok, t, GREEDY) for t in tenants}

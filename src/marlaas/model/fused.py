@@ -9,6 +9,7 @@ the CPU), torch's own ops elsewhere: the same values and gradients up to float r
   each way (torch: five ops forward, as many back).
 - `rms_norm(x, weight, eps)`: Llama's RMS norm, one pass each way (torch: a composite
   of six ops forward and as many back); None where it does not apply.
+- `round_to(x, dtype)`: `x` as a cache of `dtype` holds it, the gradient straight through.
 - `span_attention(q, k, v, spans)`: each query over its own span of key columns, the
   trainer's attention (SDPA's masked product covers every column and its CPU backward
   costs twice its forward); native only, None where it does not apply (the caller keeps
@@ -44,6 +45,26 @@ def rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         assert isinstance(out, Tensor)
         return out
     return x * cos.unsqueeze(-2) + rotate_half(x) * sin.unsqueeze(-2)
+
+
+def round_to(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """`x` rounded to `dtype` and back (as a cache of that dtype holds it), its gradient
+    passed through unchanged (rounding's own is zero almost everywhere)."""
+    if dtype == x.dtype:
+        return x
+    out = _RoundTo.apply(x, dtype)
+    assert isinstance(out, Tensor)
+    return out
+
+
+class _RoundTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, dtype: torch.dtype) -> Tensor:
+        return x.to(dtype).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor, None]:
+        return grads[0], None
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:

@@ -10,8 +10,8 @@ weights of the base's linear layers only (`half_linears`): each becomes a `HalfL
 that rounds its float32 input to the half dtype, multiplies (products summed in float32
 by the hardware) and returns float32. The embeddings, norms and output head stay float32,
 and with them the residual stream, attention's arithmetic, the LoRA updates and every
-log-prob; the engine caches keys and values in bfloat16 (`rollout.kv.cache_dtype`: half
-the bytes a decode step reads; the span kernels widen them as they load). The compact
+log-prob; keys and values are held in bfloat16 (`cache_dtype`: half the bytes a decode
+step reads; the span kernels widen them as they load, the trainer rounds alike). The compact
 forwards multiply through `linear` the same way, so they and the Hugging Face modules
 still compute the same thing.
 
@@ -150,6 +150,21 @@ class HalfLinear(nn.Linear):
 def half_dtype(model: nn.Module) -> torch.dtype | None:
     """The dtype of `model`'s `HalfLinear` layers (None: it has none)."""
     return next((m.weight.dtype for m in model.modules() if isinstance(m, HalfLinear)), None)
+
+
+def cache_dtype(base: nn.Module, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype keys and values are held in, for a `base` computing in `dtype` on
+    `device`: `dtype`, except on a CPU whose base runs bfloat16 linear layers over
+    float32 activations: there bfloat16, what a model of that dtype caches (as Hugging
+    Face's bfloat16 models do). The engine's slot cache holds them so (a decode step at
+    many rows mostly reads the cache: half the bytes; the span kernels widen them as
+    they load), and the trainer's compact forward rounds its keys and values alike, so
+    both compute the same policy and the importance ratio of on-policy data stays at
+    rounding noise."""
+    half = half_dtype(base)
+    if device.type == "cpu" and dtype == torch.float32 and half == torch.bfloat16:
+        return half
+    return dtype
 
 
 def half_linears(model: nn.Module, dtype: torch.dtype) -> int:

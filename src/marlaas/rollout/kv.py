@@ -42,7 +42,7 @@ from marlaas.errors import ModelError
 from marlaas.model.arch import check_attention
 from marlaas.model.cache import SlotCache, SlotLayer
 from marlaas.model.kernels import copy_rows
-from marlaas.model.mixed import half_dtype
+from marlaas.model.mixed import cache_dtype as mixed_cache_dtype
 
 if TYPE_CHECKING:
     from marlaas.model.lora import LoRAModel
@@ -107,17 +107,9 @@ def kv_geometry(config: object) -> KVGeometry:
 
 
 def cache_dtype(model: LoRAModel) -> torch.dtype:
-    """The dtype the engine caches `model`'s keys and values in: the model's, except on a
-    CPU whose base runs bfloat16 linear layers over float32 activations
-    (`marlaas.model.mixed`): there bfloat16, what a model of that dtype caches (as
-    Hugging Face's bfloat16 models do). A decode step at many rows mostly reads the
-    cache, so it reads half the bytes (the span kernels widen them as they load); the
-    sampler's log-probs stay the behaviour log-probs, and the importance ratio corrects
-    the rounding as it does the linears'."""
-    half = half_dtype(model.base)
-    if model.device.type == "cpu" and model.dtype == torch.float32 and half == torch.bfloat16:
-        return half
-    return model.dtype
+    """The dtype the engine caches `model`'s keys and values in (`mixed.cache_dtype`:
+    bfloat16 on a CPU running bfloat16 linears, else the model's)."""
+    return mixed_cache_dtype(model.base, model.dtype, model.device)
 
 
 def _grown(needed: int, have: int, limit: int, floor: int) -> int:

@@ -26,6 +26,10 @@ the layers. `bench trainer`'s 32 tenants of mixed lengths (one thread, with the 
 per-row LoRA kernels both ways and one micro-batch where three ran): 180 -> 128 ms a
 round.
 
+Keys and values are rounded to the dtype the engine's cache holds them in
+(`DecoderStack.kv_dtype`: bfloat16 on a CPU running bfloat16 linears), their gradients
+passed straight through, so that trainer and sampler compute the same policy.
+
 Invariants:
 - Logits, and the gradients they give the adapters, equal the Hugging Face forward's
   up to float rounding (`tests/train/test_compact_training.py`, every covered architecture, with
@@ -44,7 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from marlaas.model.decoder import StackForward
-from marlaas.model.fused import rotary, span_attention, swiglu
+from marlaas.model.fused import rotary, round_to, span_attention, swiglu
 from marlaas.model.kernels import Spans
 from marlaas.model.lora import LaneBatch
 
@@ -104,6 +108,7 @@ class TrainDecoder(StackForward):
         masks = _Masks(key_mask_BK.bool(), P, T)
         grouped = sdpa_groups_heads(ids_BT.device)
         linear = stack.linear
+        held = stack.kv_dtype
         cache: LayerCache = []
         for i, layer in enumerate(stack.layers):
             x = layer.input_norm(h)
@@ -113,7 +118,8 @@ class TrainDecoder(StackForward):
             if layer.q_norm is not None and layer.k_norm is not None:
                 q, k = layer.q_norm(q), layer.k_norm(k)
             q_BTHD = rotary(q, cos, sin)
-            k = rotary(k, cos, sin)
+            k = round_to(rotary(k, cos, sin), held)  # as the engine's cache holds them
+            v = round_to(v, held)
             if packed is not None:  # straight into the columns after the past's
                 q_BTHD = packed.padded(q_BTHD)
                 k = packed.columns(k, None if past is None else past[i][0])
