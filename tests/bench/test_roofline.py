@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from helpers.tiny_archs import WINDOW, tiny_config, tiny_model
-from marlaas.bench.cost import ModelCost
+from marlaas.bench.cost import ModelCost, TrainGroup
 from marlaas.bench.random_model import build_random_model
 from marlaas.bench.roofline import run_roofline_bench
 from marlaas.config.specs import ModelDType
@@ -44,6 +44,22 @@ def test_costs_follow_the_shapes_and_the_windows() -> None:
     n = 3 * WINDOW
     causal = per_context * (WINDOW * (WINDOW + 1) // 2 + (n - WINDOW) * WINDOW + n * (n + 1) // 2)
     assert gemma.causal_attention_flops(n) == causal
+    # A training step: a GRPO group's prompt once (its samples share it), each sample's
+    # fed tokens after it attending the prompt and themselves; the head at the prompt's
+    # last position and every fed token; backward 2x the weights, 3x LoRA and attention.
+    head = 2 * HIDDEN * VOCAB
+    assert cost.head_flops == head
+    lora = cost.lora_flops(8, ["q_proj"])
+    group = TrainGroup(prompt=5, fed=(2, 0, 3))
+    body, positions = 5 + 5, 1 + 5
+    attention = cost.causal_attention_flops(5) + sum(
+        cost.causal_attention_flops(5 + f) - cost.causal_attention_flops(5) for f in (2, 0, 3)
+    )
+    assert attention == cost.attention_flops_per_context * LAYERS * (15 + 6 + 7 + 6 + 7 + 8)
+    want = body * (2 * (cost.weight_flops - head) + 3 * lora) + positions * 2 * head
+    assert cost.train_flops([group], lora) == want + 3 * attention
+    assert cost.train_flops([group, group], lora) == 2 * cost.train_flops([group], lora)
+    assert cost.train_tokens([group]) == 10 and cost.logit_positions([group]) == 6
     # Half linear weights over float32 activations: every matrix but the head's.
     assert cost.half_weight_flops == 0.0
     half_linears(model.base, torch.bfloat16)

@@ -10,7 +10,9 @@ What one token costs is read off the model, never off padding:
 A training token costs `2 x` its weight FLOPs (the forward, and the gradient with
 respect to the input: the base is frozen, so it has no weight gradient) plus `3 x` its
 LoRA and attention FLOPs (forward, input gradient, weight gradient / the two attention
-products' gradients).
+products' gradients). A GRPO group's prompt counts once (`train_flops`): its samples
+share it, so the work of running it again per sample is work no step needs (counted per
+sample, as up to stop 30, a trainer that shares prompts scored over 1.0 in float32).
 
 Bytes moved are what a perfect implementation would have to read or write: every
 weight once per forward (twice in training), the adapters in use, the KV cache of the
@@ -50,6 +52,8 @@ class ModelCost:
     kv_bytes: float
     #: Vocabulary size (logits per row).
     vocab: int
+    #: The output head's part of `weight_flops` (paid only where logits are taken).
+    head_flops: float
     #: Module path -> (in_features, out_features) of every module LoRA can target.
     lora_shapes: dict[str, tuple[int, int]]
 
@@ -77,6 +81,7 @@ class ModelCost:
             windows=tuple(_windows(config, layers)),
             kv_bytes=float(layers * 2 * kv_heads * head_dim * elem),
             vocab=int(config.vocab_size),
+            head_flops=2.0 * float(model.base.get_output_embeddings().weight.numel()),
             lora_shapes=model.module_shapes,
         )
 
@@ -150,18 +155,56 @@ class ModelCost:
         logits = len(prompts) * new_tokens * self.vocab * 4.0
         return flops, half, iterations * (self.weight_bytes + adapters) + kv + logits
 
-    def train_flops(self, lengths: Sequence[int], lora: float) -> float:
-        """FLOPs of a forward and backward over sequences of `lengths` tokens."""
-        attention = sum(self.causal_attention_flops(n) for n in lengths)
-        tokens = sum(lengths)
-        return tokens * (2.0 * self.weight_flops + 3.0 * lora) + 3.0 * attention
+    def train_flops(self, groups: Sequence[TrainGroup], lora: float) -> float:
+        """FLOPs of a forward and backward over GRPO groups: each group's prompt once
+        (its samples share it: `marlaas.train.prefix`, its keys and values serve them
+        all), then each sample's fed tokens after it, attending the prompt and its own
+        earlier tokens; the output head only where log-probs are taken (the prompt's
+        last position, once, and every fed token). The work a step must do, not what a
+        trainer that ran each sample's prompt again would."""
+        body = sum(g.prompt + sum(g.fed) for g in groups)
+        attention = sum(
+            self.causal_attention_flops(g.prompt)
+            + sum(
+                self.causal_attention_flops(g.prompt + f) - self.causal_attention_flops(g.prompt)
+                for f in g.fed
+            )
+            for g in groups
+        )
+        layers = self.weight_flops - self.head_flops
+        return (
+            body * (2.0 * layers + 3.0 * lora)
+            + self.logit_positions(groups) * 2.0 * self.head_flops
+            + 3.0 * attention
+        )
 
-    def train_bytes(self, lengths: Sequence[int], adapter_bytes: float, tenants: int) -> float:
+    @staticmethod
+    def logit_positions(groups: Sequence[TrainGroup]) -> int:
+        """Positions whose logits a training step takes (see `train_flops`)."""
+        return sum(1 + sum(g.fed) for g in groups)
+
+    @staticmethod
+    def train_tokens(groups: Sequence[TrainGroup]) -> int:
+        """Tokens a training step runs through the decoder layers (see `train_flops`)."""
+        return sum(g.prompt + sum(g.fed) for g in groups)
+
+    def train_bytes(
+        self, groups: Sequence[TrainGroup], adapter_bytes: float, tenants: int
+    ) -> float:
         """Bytes of a training step: weights read twice; per tenant its adapter, gradient
         and two AdamW moments read and written; the float32 logits written and read back
         (forward, log-softmax, gradient)."""
-        logits = sum(lengths) * self.vocab * 4.0 * 3
+        logits = self.logit_positions(groups) * self.vocab * 4.0 * 3
         return 2.0 * self.weight_bytes + tenants * adapter_bytes * 8 + logits
+
+
+@dataclass(frozen=True)
+class TrainGroup:
+    """One GRPO group of a training step: its prompt's tokens, and the tokens each
+    sample feeds after it (its completion but the last token, which nothing reads)."""
+
+    prompt: int
+    fed: tuple[int, ...]
 
 
 def weight_matrices(base: PreTrainedModel) -> list[nn.Parameter]:

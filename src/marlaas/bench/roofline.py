@@ -15,7 +15,9 @@ Rows:
   time is the fastest of `iterations` decode iterations, after two warm-up iterations;
 - trainer: `tenants` tenants of mixed prompt and completion lengths (as
   `bench trainer --mixed-lengths`), one GRPO group of 4 rows each, one optimizer step
-  of every tenant per trainer call; the median of `steps` calls after a warm-up call.
+  of every tenant per trainer call; the median of `steps` calls after a warm-up call,
+  against the mean work of those calls, each group's prompt counted once (its samples
+  share it: `ModelCost.train_flops`).
 
 Times are the least disturbed of several (fastest, or median for the trainer's longer
 calls), as for the machine's limits. Nothing is asserted about them.
@@ -38,7 +40,7 @@ from typing import Any
 
 import torch
 
-from marlaas.bench.cost import ModelCost
+from marlaas.bench.cost import ModelCost, TrainGroup
 from marlaas.bench.machine import Machine, measure_machine
 from marlaas.config.specs import ALL_LINEAR, GRPOSpec, LoRASpec
 from marlaas.fileio import atomic_write_json
@@ -208,19 +210,33 @@ def _trainer_row(rig: _Rig, tenants: int, steps: int) -> dict[str, Any]:
         if k > 0:  # the first call warms up
             times.append(time.perf_counter() - start)
     median = statistics.median(times)
-    lengths = [
+    # The timed steps' mean work (each step its own random completion lengths).
+    steps_groups = [
+        [group for name in data for group in _groups(data[name][k])] for k in range(1, steps + 1)
+    ]
+    cost = rig.cost
+    flops = statistics.fmean(cost.train_flops(g, rig.lora_flops) for g in steps_groups)
+    nbytes = statistics.fmean(cost.train_bytes(g, rig.adapter_bytes, tenants) for g in steps_groups)
+    tokens = statistics.fmean(cost.train_tokens(g) for g in steps_groups)
+    lengths = [  # each sample's sequence, the context column's figure
         len(t.prompt_ids) + len(t.token_ids) - 1
         for name in data
         for t in data[name][1].trajectories
     ]
-    flops = rig.cost.train_flops(lengths, rig.lora_flops)
-    nbytes = rig.cost.train_bytes(lengths, rig.adapter_bytes, tenants)
     row = _row(
         "train", len(lengths), tenants, round(statistics.fmean(lengths)), median, flops, nbytes
     )
-    row["tokens"] = sum(lengths)
-    row["half_flops"] = rig.cost.half_flops(2 * sum(lengths))  # forward and backward
+    row["tokens"] = round(tokens)
+    row["half_flops"] = cost.half_flops(2 * tokens)  # forward and backward
     return row
+
+
+def _groups(batch: TrainBatch) -> list[TrainGroup]:
+    """A batch's GRPO groups: samples of one prompt share it (`ModelCost.train_flops`)."""
+    fed: dict[tuple[int, ...], list[int]] = {}
+    for t in batch.trajectories:
+        fed.setdefault(tuple(t.prompt_ids), []).append(len(t.token_ids) - 1)
+    return [TrainGroup(len(prompt), tuple(f)) for prompt, f in fed.items()]
 
 
 def _fastest(times: dict[bool, list[float]]) -> tuple[float, float | None]:
