@@ -35,7 +35,10 @@ def test_costs_follow_the_shapes_and_the_windows() -> None:
     assert cost.attention_flops(10) == LAYERS * 4 * HEADS * HEAD_DIM * 10
     # Rank 8 on q_proj only: 2 r (in + out) per layer.
     assert cost.lora_flops(8, ["q_proj"]) == LAYERS * 2 * 8 * (HIDDEN + q)
-    assert cost.prefill_flops(3, 0.0) == 3 * cost.weight_flops + cost.attention_flops(1) * 6
+    # A prefill: the head at the last position only.
+    assert cost.prefill_flops(3, 0.0) == (
+        3 * cost.weight_flops - 2 * cost.head_flops + cost.attention_flops(1) * 6
+    )
     # Gemma3's first layer slides: a token attends at most WINDOW tokens there.
     gemma = ModelCost.of(LoRAModel(tiny_model("gemma3_text", VOCAB), max_rank=8))
     per_context = 4 * HEADS * HEAD_DIM

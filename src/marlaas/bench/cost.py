@@ -120,8 +120,10 @@ class ModelCost:
         return tokens * self.half_weight_flops
 
     def prefill_flops(self, length: int, lora: float) -> float:
-        """FLOPs of prefilling a prompt of `length` tokens (causal attention)."""
-        return length * (self.weight_flops + lora) + self.causal_attention_flops(length)
+        """FLOPs of prefilling a prompt of `length` tokens (causal attention; the output
+        head at its last position only, whose logits sample the first new token)."""
+        layers = self.weight_flops - self.head_flops
+        return length * (layers + lora) + self.head_flops + self.causal_attention_flops(length)
 
     def decode_flops(self, contexts: Sequence[int], lora: float) -> float:
         """FLOPs of one decode iteration over rows attending to `contexts` tokens."""
