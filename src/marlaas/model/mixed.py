@@ -70,14 +70,20 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         if weight.requires_grad or (bias is not None and bias.requires_grad):
             return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
         return _FrozenHalfLinear.apply(x, weight, bias)  # type: ignore[no-any-return]
+    out = _half_product(x, weight, bias)
+    return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
+
+
+def _half_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """`x W^T (+ b)` for a half `weight`, as `[rows, out]` (`x`'s rows flattened): one to
+    four rows through `kernels.half_linear_small`, more through oneDNN at their bucket."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     x_2d = x.reshape(rows, x.shape[-1])
-    out = None
     if rows <= kernels.HALF_LINEAR_MAX_ROWS and _cpu_bfloat16():
         out = kernels.half_linear_small(x_2d, weight, bias)
-    if out is None:
-        out = F.linear(_half_rows(x_2d, weight.dtype), weight, bias)[:rows]
-    return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
+        if out is not None:
+            return out
+    return F.linear(_half_rows(x_2d, weight.dtype), weight, bias)[:rows]
 
 
 class _FrozenHalfLinear(torch.autograd.Function):
@@ -191,7 +197,7 @@ def _store_together(parent: nn.Module) -> None:
     """Store the `HalfLinear` children of `parent` of the same input size and dtype (and
     bias or not) one after another, in declaration order, in one weight tensor (and one
     bias), each layer's parameters views of its rows: a decoder's q/k/v projections, its
-    MLP's gate and up projections. The weights still exist once; `together` finds such
+    MLP's gate and up projections. The weights still exist once; `Together` finds such
     layers and multiplies them as one product."""
     groups: dict[tuple[int, torch.dtype, bool], list[HalfLinear]] = {}
     for child in parent.children():
@@ -243,16 +249,10 @@ class Together:
     def linear(self, x: Tensor) -> list[Tensor]:
         """Each layer's `linear(x, W, b)`, from one product: contiguous outputs in `x`'s
         dtype (no gradient: the engine's forwards)."""
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        x_2d = x.reshape(rows, x.shape[-1])
-        out = None
-        if rows <= kernels.HALF_LINEAR_MAX_ROWS and _cpu_bfloat16():
-            out = kernels.half_linear_small(x_2d, self.weight, self.bias)
-        if out is None:
-            out = F.linear(_half_rows(x_2d, self.weight.dtype), self.weight, self.bias)
+        out = _half_product(x, self.weight, self.bias)
         lead = x.shape[:-1]
         return [
-            part[:rows].to(x.dtype).contiguous().view(*lead, part.shape[-1])
+            part.to(x.dtype).contiguous().view(*lead, part.shape[-1])
             for part in out.split(self.sizes, dim=-1)
         ]
 
