@@ -69,7 +69,7 @@ def test_costs_follow_the_shapes_and_the_windows() -> None:
     half = ModelCost.of(model)
     assert half.half_weight_flops == 2 * LAYERS * per_layer
     assert half.half_flops(3) == 3 * half.half_weight_flops
-    assert half.kv_bytes == cost.kv_bytes / 2  # the engine caches bfloat16 (cache_dtype)
+    assert half.kv_bytes == cost.kv_bytes / 2  # the engine caches bfloat16 (kv_dtype)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -62,7 +62,7 @@ def test_rope_store_rotates_and_writes_each_token_into_its_cell(
 
 @pytest.mark.parametrize(("dim", "rot"), [(32, 32), (24, 16)])
 def test_rope_store_rounds_into_a_bfloat16_cache_as_torch_rounds(dim: int, rot: int) -> None:
-    """A bfloat16 cache (`rollout.kv.cache_dtype`) gets the float32 kernel's keys and
+    """A bfloat16 cache (`LoRAModel.kv_dtype`) gets the float32 kernel's keys and
     values rounded as `Tensor.to` rounds them, bit for bit; the queries are the same."""
     g = torch.Generator().manual_seed(dim)
     T, rows, cap, H, Hkv = 6, 4, 10, 4, 2

@@ -103,7 +103,7 @@ def test_a_prefill_chunk_attends_each_tokens_causal_span(
 
 @pytest.mark.parametrize(("N", "dim"), [(1, 32), (1, 24), (4, 64)])
 def test_a_bfloat16_cache_reads_as_its_values_widened(N: int, dim: int) -> None:
-    """Keys and values in bfloat16 (`rollout.kv.cache_dtype`): the float32 kernel's output
+    """Keys and values in bfloat16 (`LoRAModel.kv_dtype`): the float32 kernel's output
     over those values widened, decode and prefill, with and without the vector loops (a
     head size off the vector width)."""
     g = torch.Generator().manual_seed(N * 100 + dim)

@@ -25,7 +25,7 @@ from marlaas.model.mixed import half_linears
 from marlaas.model.tokenizer import build_tokenizer
 from marlaas.rollout.decoder import CompactDecoder
 from marlaas.rollout.forward import RowForward
-from marlaas.rollout.kv import SlotKV, cache_dtype, kv_geometry
+from marlaas.rollout.kv import SlotKV, kv_geometry
 
 VOCAB = len(build_tokenizer())
 SPEC = LoRASpec(rank=4, alpha=8.0)  # every linear layer: each projection's update runs
@@ -44,7 +44,7 @@ def _run(model: LoRAModel, bank: AdapterBank) -> tuple[list[Tensor], SlotKV, lis
     """Prefill three rows (left-padded, each its own adapter), continue two of them with
     a second turn, then decode all three for three steps; every forward's logits, the
     cache, and the rows' lengths."""
-    kv = SlotKV(kv_geometry(model.base.config), cache_dtype(model), model.device, 4, 128)
+    kv = SlotKV(kv_geometry(model.base.config), model.kv_dtype, model.device, 4, 128)
     forward = RowForward(model, bank, kv)
     slot_R = torch.tensor([bank.acquire(f"t{i}").slot for i in range(3)])
     gen = torch.Generator().manual_seed(3)
@@ -141,7 +141,7 @@ def test_half_linear_weights_give_the_modules_logits(arch: str) -> None:
     model, bank = _model(arch, torch.float32)
     assert half_linears(model.base, torch.bfloat16) > 0
     assert model.dtype == torch.float32 and CompactDecoder.of(model) is not None
-    assert cache_dtype(model) == torch.bfloat16  # both paths write and read a half cache
+    assert model.kv_dtype == torch.bfloat16  # both paths write and read a half cache
     got = _run(model, bank)
     assert got[1].buffer.dtype == torch.bfloat16
     _compare(got, _modules_path(model, bank), atol=2e-3)

@@ -10,7 +10,7 @@ from helpers.tiny_archs import tiny_model
 from marlaas.errors import ModelError
 from marlaas.model.lora import LoRAModel
 from marlaas.model.mixed import half_linears
-from marlaas.rollout.kv import KVGeometry, SlotKV, cache_dtype, kv_geometry
+from marlaas.rollout.kv import KVGeometry, SlotKV, kv_geometry
 
 GEOMETRY = KVGeometry(num_layers=2, kv_heads=2, head_dim=3, windows=(None, None))
 
@@ -107,17 +107,17 @@ def test_geometry_reads_windows_and_refuses_unknown_layer_types() -> None:
 
 
 def test_the_cache_takes_the_half_dtype_of_a_cpus_half_linears() -> None:
-    """`cache_dtype`: a float32 base keeps float32; bfloat16 linears over float32
+    """`LoRAModel.kv_dtype`: a float32 base keeps float32; bfloat16 linears over float32
     activations on the CPU cache bfloat16; a whole half model caches its own dtype."""
-    assert cache_dtype(LoRAModel(tiny_model("llama", 64), max_rank=2)) == torch.float32
+    assert LoRAModel(tiny_model("llama", 64), max_rank=2).kv_dtype == torch.float32
     mixed = tiny_model("llama", 64)
     half_linears(mixed, torch.bfloat16)
-    assert cache_dtype(LoRAModel(mixed, max_rank=2)) == torch.bfloat16
+    assert LoRAModel(mixed, max_rank=2).kv_dtype == torch.bfloat16
     half16 = tiny_model("llama", 64)
     half_linears(half16, torch.float16)  # no kernel reads a float16 cache: float32
-    assert cache_dtype(LoRAModel(half16, max_rank=2)) == torch.float32
+    assert LoRAModel(half16, max_rank=2).kv_dtype == torch.float32
     whole = tiny_model("llama", 64).to(torch.bfloat16)
-    assert cache_dtype(LoRAModel(whole, max_rank=2)) == torch.bfloat16
+    assert LoRAModel(whole, max_rank=2).kv_dtype == torch.bfloat16
 
 
 def test_a_half_cache_stores_rounded_and_round_trips_rows() -> None:

@@ -18,7 +18,7 @@ from marlaas.model.lora import AdapterTensors, LoRAModel
 from marlaas.model.mixed import half_linears
 from marlaas.model.tokenizer import build_tokenizer
 from marlaas.rollout.forward import RowForward
-from marlaas.rollout.kv import SlotKV, cache_dtype, kv_geometry
+from marlaas.rollout.kv import SlotKV, kv_geometry
 from marlaas.train.decoder import TrainDecoder
 
 VOCAB = len(build_tokenizer())
@@ -44,7 +44,7 @@ def _engine_logits(model: LoRAModel, adapters: list[AdapterTensors], ids: Tensor
     for i, tensors in enumerate(adapters):
         bank.register(f"t{i}", spec, tensors=tensors)
     R = int(ids.shape[0])
-    kv = SlotKV(kv_geometry(model.base.config), cache_dtype(model), model.device, R, 128)
+    kv = SlotKV(kv_geometry(model.base.config), model.kv_dtype, model.device, R, 128)
     slot_R = torch.tensor([bank.acquire(f"t{i}").slot for i in range(R)])
     with torch.no_grad():
         return RowForward(model, bank, kv).prefill(0, slot_R, [0] * R, ids.tolist(), 0, True)
@@ -68,7 +68,7 @@ def test_the_trainer_rounds_keys_and_values_as_the_engines_cache_holds_them(
 ) -> None:
     model = LoRAModel(tiny_model(arch, VOCAB), max_rank=4)
     half_linears(model.base, torch.bfloat16)
-    assert cache_dtype(model) == torch.bfloat16
+    assert model.kv_dtype == torch.bfloat16
     adapters = [_adapter(model, seed) for seed in (1, 2, 3)]
     ids = torch.randint(4, VOCAB, (3, 24), generator=torch.Generator().manual_seed(0))
     engine = _engine_logits(model, adapters, ids)

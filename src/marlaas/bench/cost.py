@@ -29,7 +29,6 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from marlaas.model.lora import LoRAModel, MultiLoRALinear
-from marlaas.rollout.kv import cache_dtype
 
 
 @dataclass(frozen=True)
@@ -48,7 +47,7 @@ class ModelCost:
     #: Sliding window of each attention layer (None: full attention).
     windows: tuple[int | None, ...]
     #: Key and value bytes per token, summed over the layers, in the engine's cache dtype
-    #: (`marlaas.rollout.kv.cache_dtype`).
+    #: (`LoRAModel.kv_dtype`).
     kv_bytes: float
     #: Vocabulary size (logits per row).
     vocab: int
@@ -64,7 +63,7 @@ class ModelCost:
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
         layers = int(config.num_hidden_layers)
-        elem = cache_dtype(model).itemsize  # what the engine caches
+        elem = model.kv_dtype.itemsize  # what the engine caches
         weight_flops = 0.0
         half_weight_flops = 0.0
         weight_bytes = 0.0

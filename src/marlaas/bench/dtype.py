@@ -23,18 +23,14 @@ they are not the point of this bench (`bench paper --dtype` is).
 from __future__ import annotations
 
 import asyncio
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from marlaas import __version__
 from marlaas.backends import open_backend
+from marlaas.bench.machine import software, torch_threads
 from marlaas.bench.report import EVAL_TOLERANCE
 from marlaas.bench.workloads import Workload, template_of
 from marlaas.config.specs import ModelDType
@@ -68,12 +64,9 @@ def run_dtype_bench(
     if tenants < 1:
         raise ConfigError(f"tenants must be >= 1, got {tenants}")
     base = Path(base_path) if base_path is not None else default_base_path()
-    previous = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
     started = time.perf_counter()
     runs: dict[str, dict[str, Any]] = {}
-    try:
+    with torch_threads(threads) as used_threads:
         for dtype in DTYPES:
             spec = workload.instantiate(tenants, steps=steps).updated(
                 base_model=str(base), dtype=dtype
@@ -83,8 +76,6 @@ def run_dtype_bench(
                 run_jobs(spec, out_dir / dtype, backend=open_backend, options=PipelineOptions())
             ).to_json()
             log(f"[{dtype}] {runs[dtype]['wall_s']:.1f} s")
-    finally:
-        torch.set_num_threads(previous)
     result: dict[str, Any] = {
         "schema": SCHEMA,
         "config": {
@@ -92,12 +83,8 @@ def run_dtype_bench(
             "tenants": tenants,
             "steps": steps,
             "base_model": str(base),
-            "torch_threads": threads if threads is not None else previous,
-            "torch": torch.__version__,
-            "marlaas": __version__,
-            "python": platform.python_version(),
-            "machine": platform.machine(),
-            "cpu_count": os.cpu_count(),
+            "torch_threads": used_threads,
+            **software(),
         },
         "runs": {
             dtype: {"wall_s": run["wall_s"], "tenants": run["tenants"]}

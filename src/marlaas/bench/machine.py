@@ -22,16 +22,20 @@ by other processes), in the thread count and dtype of the run.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import os
+import platform
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from marlaas import __version__
 from marlaas.bench.cost import weight_matrices
 from marlaas.model.lora import LoRAModel
 from marlaas.model.mixed import native_bfloat16
@@ -168,3 +172,27 @@ def _shape_flops(
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[int]:
+    """Run the body with `threads` torch threads (None: as they are), restored after;
+    yields the count in effect (what a result records)."""
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield torch.get_num_threads()
+    finally:
+        torch.set_num_threads(previous)
+
+
+def software() -> dict[str, Any]:
+    """The versions and machine facts a benchmark's result records beside its figures."""
+    return {
+        "torch": torch.__version__,
+        "marlaas": __version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+    }

@@ -21,16 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import platform
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from marlaas import __version__
 from marlaas.backends import open_backend
+from marlaas.bench.machine import software, torch_threads
 from marlaas.bench.report import build_row, check_targets, markdown, plot
 from marlaas.bench.trl_baseline import NOTES as TRL_NOTES
 from marlaas.bench.trl_baseline import run_trl_tenant
@@ -99,12 +96,9 @@ def run_paper_bench(
         raise ConfigError("trl is not installed; install it (pip install trl) or pass --no-trl")
     base = Path(base_path) if base_path is not None else default_base_path()
     counts = sorted(set(tenant_counts))
-    previous_threads = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
     started = time.perf_counter()
     regimes: list[dict[str, Any]] = []
-    try:
+    with torch_threads(threads) as used_threads:
         for workload in workloads:
             regimes.append(
                 _run_regime(
@@ -120,8 +114,6 @@ def run_paper_bench(
                     {"backend": backend, "ray": ray or RaySpec(), "dtype": dtype},
                 )
             )
-    finally:
-        torch.set_num_threads(previous_threads)
     rows = [row for regime in regimes for row in regime["rows"]]
     result: dict[str, Any] = {
         "schema": SCHEMA,
@@ -136,14 +128,10 @@ def run_paper_bench(
             "base_model": str(base),
             "dtype": dtype,
             "device": resolve_device("auto"),
-            "torch_threads": threads if threads is not None else previous_threads,
-            "torch": torch.__version__,
+            "torch_threads": used_threads,
+            **software(),
             "trl": _trl_version() if include_trl else None,
             "trl_differences": list(TRL_NOTES) if include_trl else [],
-            "marlaas": __version__,
-            "python": platform.python_version(),
-            "machine": platform.machine(),
-            "cpu_count": os.cpu_count(),
             "out_dir": str(out_dir),
         },
         "regimes": regimes,

@@ -148,7 +148,7 @@ def slot_attention(
         native = span_attention(query, key, value, plan.span(window), scale, softcap)
         if native is not None:
             return native
-    if key.dtype != query.dtype:  # a half cache (`rollout.kv.cache_dtype`) off the kernel
+    if key.dtype != query.dtype:  # a half cache (`LoRAModel.kv_dtype`) off the kernel
         key, value = key.to(query.dtype), value.to(query.dtype)
     mask_R1NS = plan.mask(window)
     if N > 1 and softcap is None:

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from marlaas.model.fused import rms_norm
 from marlaas.model.lora import LoRAModel, MultiLoRALinear
-from marlaas.model.mixed import HalfLinear, Together, cache_dtype, linear
+from marlaas.model.mixed import HalfLinear, Together, linear
 
 #: `config.model_type`s whose decoder layers the compact forwards reproduce (`_classes`;
 #: each checked against the Hugging Face forward by the tests).
@@ -137,8 +137,8 @@ class DecoderStack:
         self.heads, self.kv_heads, self.head_dim = shape
         #: The MLP's activation is SiLU (SwiGLU: the fused kernels apply).
         self.silu = silu
-        #: The dtype keys and values are held in (`mixed.cache_dtype`).
-        self.kv_dtype = cache_dtype(model.base, model.dtype, model.device)
+        #: The dtype keys and values are held in (`LoRAModel.kv_dtype`, read once).
+        self.kv_dtype = model.kv_dtype
 
     @staticmethod
     def of(model: LoRAModel) -> DecoderStack | None:

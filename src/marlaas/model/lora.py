@@ -63,6 +63,7 @@ from marlaas.model.arch import (
     resolve_targets,
 )
 from marlaas.model.lane_plan import LanePlan
+from marlaas.model.mixed import cache_dtype
 from marlaas.model.mixed import linear as mixed_linear
 
 #: One adapter in PEFT layout: module path -> (A [r, in], B [out, r]).
@@ -292,6 +293,13 @@ class LoRAModel:
     @property
     def dtype(self) -> torch.dtype:
         return next(self.base.parameters()).dtype
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype the base's keys and values are held in (`mixed.cache_dtype`:
+        bfloat16 on a CPU running bfloat16 linears, else `dtype`): the engine's cache's,
+        and what the trainer's compact forward rounds them to."""
+        return cache_dtype(self.base, self.dtype, self.device)
 
     # -- specs and tensors -------------------------------------------------------------
 

@@ -233,17 +233,13 @@ class Together:
     def of(weights: Sequence[Tensor], biases: Sequence[Tensor | None]) -> Together | None:
         """The span of `weights` (and `biases`) where each starts where the one before
         ends in the same storage, all half and row-major; else None."""
-        spans = [_span(weights)]
-        if all(b is not None for b in biases):
-            spans.append(_span([b for b in biases if b is not None]))
-        elif any(b is not None for b in biases):
+        weight = _span(weights)
+        present = [b for b in biases if b is not None]
+        bias = _span(present) if present else None
+        if weight is None or weight.dtype not in HALF_DTYPES:
             return None
-        if any(span is None for span in spans):
-            return None
-        weight, bias = spans[0], spans[1] if len(spans) > 1 else None
-        assert weight is not None
-        if weight.dtype not in HALF_DTYPES:
-            return None
+        if present and (len(present) < len(biases) or bias is None):
+            return None  # some layers with a bias and some without, or biases apart
         return Together(weight, bias, tuple(int(w.shape[0]) for w in weights))
 
     def linear(self, x: Tensor) -> list[Tensor]:

@@ -45,7 +45,7 @@ from marlaas.model.lora import LoRAModel
 from marlaas.rollout.batch import Deliver, Row, RowBatch, TokenListener
 from marlaas.rollout.finish import FinishPolicy
 from marlaas.rollout.forward import RowForward
-from marlaas.rollout.kv import SlotKV, cache_dtype, kv_geometry
+from marlaas.rollout.kv import SlotKV, kv_geometry
 from marlaas.rollout.prefill import Admitted, run_prefill
 from marlaas.rollout.prompts import PromptCache
 from marlaas.rollout.sampling import sample_B
@@ -115,7 +115,7 @@ class DecodeScheduler:
         self._vocab = int(config.get_text_config(decoder=True).vocab_size)
         self._max_positions = context_length(config)
         self.kv = SlotKV(
-            geometry, cache_dtype(model), model.device, max_batch_size, self._max_positions
+            geometry, model.kv_dtype, model.device, max_batch_size, self._max_positions
         )
         self.forward = RowForward(model, bank, self.kv)
         self.batch = self._empty_batch()

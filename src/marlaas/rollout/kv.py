@@ -1,8 +1,8 @@
 """The decode batch's key/value cache: buffers allocated once, written in place.
 
 Layout: per layer, keys and values are `[rows, H, columns, D]` buffers (kv heads, head
-dim; in `cache_dtype`: bfloat16 on a CPU running bfloat16 linears), all views of one `[layers, 2, rows, H, columns, D]` buffer, so a row's whole cache
-is moved, kept (`export_row`) or restored in one op rather than two per layer (in the
+dim; in the model's `kv_dtype`: bfloat16 on a CPU running bfloat16 linears), all views
+of one `[layers, 2, rows, H, columns, D]` buffer, so a row's whole cache is moved, kept (`export_row`) or restored in one op rather than two per layer (in the
 pipeline every op of the device thread may wait on the event loop's hold of the
 interpreter). Batch row `b` is buffer row `b`, and its token at position `j` sits in
 column `j`:
@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -42,10 +42,6 @@ from marlaas.errors import ModelError
 from marlaas.model.arch import check_attention
 from marlaas.model.cache import SlotCache, SlotLayer
 from marlaas.model.kernels import copy_rows
-from marlaas.model.mixed import cache_dtype as mixed_cache_dtype
-
-if TYPE_CHECKING:
-    from marlaas.model.lora import LoRAModel
 
 #: One sequence's cache: `[layers, 2 (keys, values), H, L, D]`.
 RowKV = Tensor
@@ -104,12 +100,6 @@ def kv_geometry(config: object) -> KVGeometry:
     kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
     return KVGeometry(num_layers, kv_heads, head_dim, windows)
-
-
-def cache_dtype(model: LoRAModel) -> torch.dtype:
-    """The dtype the engine caches `model`'s keys and values in (`mixed.cache_dtype`:
-    bfloat16 on a CPU running bfloat16 linears, else the model's)."""
-    return mixed_cache_dtype(model.base, model.dtype, model.device)
 
 
 def _grown(needed: int, have: int, limit: int, floor: int) -> int:

@@ -54,7 +54,7 @@ def _forward(
     lse: bool,
 ) -> tuple[Tensor, Tensor | None] | None:
     half = key.dtype == torch.bfloat16 and not lse
-    kernel = load("span_attention_bf16" if half else "span_attention")
+    kernel = load("span_attention")
     R, H, N, D = query.shape
     if kernel is None or not _takes(query, key, value, spans, half):
         return None
@@ -68,6 +68,7 @@ def _forward(
         out.data_ptr(),
         0 if lse_QH is None else lse_QH.data_ptr(),
         scratch.data_ptr(),
+        int(half),
     )
     return out, lse_QH
 

@@ -36,16 +36,7 @@ KERNELS: dict[str, tuple[str, str, list[type]]] = {
             *(_PTR, _I64, _I64, _I64, _PTR, _PTR),
             *(_I64, _I64, _I64),
             *(_PTR, _PTR, _F32, _F32, _PTR, _PTR, _PTR),
-        ],
-    ),
-    "span_attention_bf16": (
-        "span_attention",
-        "span_attention_bf16",
-        [
-            *(_I64, _I64, _I64, _I64, _I64),
-            *(_PTR, _I64, _I64, _I64, _PTR, _PTR),
-            *(_I64, _I64, _I64),
-            *(_PTR, _PTR, _F32, _F32, _PTR, _PTR, _PTR),
+            _I64,
         ],
     ),
     "span_attention_backward": (
@@ -109,17 +100,7 @@ KERNELS: dict[str, tuple[str, str, list[type]]] = {
             *(_I64, _I64, _I64, _I64, _I64),
             *(_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR),
             *(_PTR, _PTR, _I64, _I64, _I64),
-            *(_PTR, _PTR),
-        ],
-    ),
-    "rope_store_bf16": (
-        "rope_store",
-        "rope_store_bf16",
-        [
-            *(_I64, _I64, _I64, _I64, _I64),
-            *(_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR),
-            *(_PTR, _PTR, _I64, _I64, _I64),
-            *(_PTR, _PTR),
+            *(_PTR, _PTR, _I64),
         ],
     ),
 }

@@ -29,12 +29,12 @@ def rope_store(
     values `v_THD` of token `t` into cache row `row_T[t]`, column `col_T[t]` of `keys` /
     `values [rows, Hkv, S, D]` (float32, or bfloat16: rounded as `Tensor.to` rounds);
     False (nothing written) where the kernel does not apply (see the module doc). The
-    rotation is Hugging Face's `x * cos + rotate_half(x) * sin`
-    on the first `rot` features (`cos_TR`/`sin_TR [T, rot]`, contiguous, `rot` even and
+    rotation is Hugging Face's `x * cos + rotate_half(x) * sin` on the first `rot`
+    features (`cos_TR`/`sin_TR [T, rot]`, contiguous, `rot` even and
     at most `D`). Queries, keys and values have their heads and features contiguous (any
     token stride); `row_T`/`col_T` are contiguous int64 and inside the buffers (the
     caller's guarantee: the kernel writes there unchecked)."""
-    kernel = load("rope_store_bf16" if keys.dtype == torch.bfloat16 else "rope_store")
+    kernel = load("rope_store")
     T, H, D = q_THD.shape
     Hkv = int(k_THD.shape[1])
     rot = int(cos_TR.shape[-1])
@@ -81,6 +81,7 @@ def rope_store(
         keys.stride(2),
         row_T.data_ptr(),
         col_T.data_ptr(),
+        int(keys.dtype == torch.bfloat16),
     )
     return True
 
@@ -156,10 +157,10 @@ def rms_norm_backward(
 
 def copy_rows(buffer: Tensor, dst: Sequence[int], src: Sequence[int], columns: int) -> bool:
     """Copy rows `src` of a slot cache `buffer [blocks..., rows, heads, columns, D]`
-    (float32, or bfloat16 of an even `D`; contiguous; the rows axis third from the end of the leading ones) into rows
-    `dst`, their first `columns` columns, in one pass; False (nothing written) where the
-    kernel does not apply, or a row is both a source and a destination (then the caller
-    must read every source before it writes)."""
+    (float32, or bfloat16 of an even `D`; contiguous; the rows axis third from the end
+    of the leading ones) into rows `dst`, their first `columns` columns, in one pass;
+    False (nothing written) where the kernel does not apply, or a row is both a source
+    and a destination (then the caller must read every source before it writes)."""
     kernel = load("copy_rows")
     if buffer.dtype == torch.bfloat16 and buffer.is_contiguous() and buffer.shape[-1] % 2 == 0:
         buffer = buffer.view(torch.float32)  # moves bytes: two halves are one float

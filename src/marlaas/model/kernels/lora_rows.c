@@ -12,10 +12,10 @@
  *   `r` columns of B add into it.
  * - one-token units of one lane (decode rows, a packed forward's tokens) go two at a
  *   time (`down2`, `up2`), each load of the weights serving both: 256 rows of 32 lanes,
- *   `[128] -> [352]` rank 8, 27.6-27.8 -> 22.8-22.9 us a call; 2,048 rows 155 -> 118-124. That reads B rank-major (`out` contiguous), which is
- *   how the adapter bank stores it; B in PEFT's own layout (`r` contiguous) is
- *   transposed into `scratch` once per run of a lane's units, visited in `order` (the
- *   caller sorts them by lane).
+ *   `[128] -> [352]` rank 8, 27.6-27.8 -> 22.8-22.9 us a call; 2,048 rows 155 -> 118-124.
+ * `up` reads B rank-major (`out` contiguous), which is how the adapter bank stores it;
+ * B in PEFT's own layout (`r` contiguous) is transposed into `scratch` once per run of a
+ * lane's units, visited in `order` (the caller sorts them by lane).
  *
  * Layouts (float32): x [U * T, in] and y [U * T, out] contiguous; A [L, r, in] with
  * strides a_sl, a_sr (the last axis contiguous); B [L, out, r] with strides b_sl, b_so,

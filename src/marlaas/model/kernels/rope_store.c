@@ -13,11 +13,13 @@
  *
  * Layouts (float32): q [T, H, D] with token stride q_st (heads contiguous); k and v
  * [T, Hkv, D] with token strides k_st and v_st; cos and sin [T, rot] contiguous; the
- * cache buffers (float32, or bfloat16: `rope_store_bf16`) [rows, Hkv, S, D] with
+ * cache buffers (float32, or bfloat16 with `bf16`) [rows, Hkv, S, D] with
  * strides c_sr, c_sh, c_ss (the last axis contiguous), written at row row[t], column
  * col[t].
  */
 #include <stdint.h>
+
+#include "simd.h"
 
 static inline void rotate(float *restrict dst, const float *restrict x, const float *c,
                           const float *s, int64_t D, int64_t rot) {
@@ -28,14 +30,6 @@ static inline void rotate(float *restrict dst, const float *restrict x, const fl
         dst[i + half] = b * c[i + half] + a * s[i + half];
     }
     for (int64_t i = rot; i < D; ++i) dst[i] = x[i];
-}
-
-/* A float32's nearest bfloat16, ties to even (torch's rounding; the cache never holds a
- * NaN). */
-static inline uint16_t to_bf16(float x) {
-    uint32_t u;
-    __builtin_memcpy(&u, &x, sizeof u);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
 /* One pass over the tokens (see the file doc); the cache buffers are float32, or
@@ -62,8 +56,8 @@ static inline __attribute__((always_inline)) void rope_store(
                 float x[D];
                 rotate(x, k + t * k_st + h * D, c, s, D, rot);
                 uint16_t *kd = (uint16_t *)keys + to, *vd = (uint16_t *)values + to;
-                for (int64_t i = 0; i < D; ++i) kd[i] = to_bf16(x[i]);
-                for (int64_t i = 0; i < D; ++i) vd[i] = to_bf16(src[i]);
+                for (int64_t i = 0; i < D; ++i) kd[i] = bf16_nearest(x[i]);
+                for (int64_t i = 0; i < D; ++i) vd[i] = bf16_nearest(src[i]);
             } else {
                 rotate((float *)keys + to, k + t * k_st + h * D, c, s, D, rot);
                 float *dst = (float *)values + to;
@@ -73,22 +67,16 @@ static inline __attribute__((always_inline)) void rope_store(
     }
 }
 
-#define ROPE_STORE(BF16) rope_store(T, H, Hkv, D, rot, q, q_st, k, k_st, v, v_st, cos, sin, \
-                                    keys, values, c_sr, c_sh, c_ss, row, col, BF16)
-
+/* `bf16` 0: float32 cache buffers; 1: bfloat16 ones (`keys` and `values` of that type). */
 void rope_store_f32(int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t rot,
                     float *q, int64_t q_st, const float *k, int64_t k_st,
                     const float *v, int64_t v_st, const float *cos, const float *sin,
-                    float *keys, float *values, int64_t c_sr, int64_t c_sh, int64_t c_ss,
-                    const int64_t *row, const int64_t *col) {
-    ROPE_STORE(0);
-}
-
-/* The same into a bfloat16 cache. */
-void rope_store_bf16(int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t rot,
-                     float *q, int64_t q_st, const float *k, int64_t k_st,
-                     const float *v, int64_t v_st, const float *cos, const float *sin,
-                     uint16_t *keys, uint16_t *values, int64_t c_sr, int64_t c_sh,
-                     int64_t c_ss, const int64_t *row, const int64_t *col) {
-    ROPE_STORE(1);
+                    void *keys, void *values, int64_t c_sr, int64_t c_sh, int64_t c_ss,
+                    const int64_t *row, const int64_t *col, int64_t bf16) {
+    if (bf16)
+        rope_store(T, H, Hkv, D, rot, q, q_st, k, k_st, v, v_st, cos, sin, keys, values, c_sr,
+                   c_sh, c_ss, row, col, 1);
+    else
+        rope_store(T, H, Hkv, D, rot, q, q_st, k, k_st, v, v_st, cos, sin, keys, values, c_sr,
+                   c_sh, c_ss, row, col, 0);
 }

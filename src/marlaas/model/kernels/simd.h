@@ -1,7 +1,7 @@
-/* What the native kernels share: vectors of sixteen floats, and the shuffle reduction
- * that sums several vectors at once, lane by lane (a few shuffles a vector instead of a
- * horizontal sum each). Included by the kernels' sources; their build cache keys on it
- * too (`kernels.build`). */
+/* What the native kernels share: vectors of sixteen floats, the shuffle reduction that
+ * sums several vectors at once, lane by lane (a few shuffles a vector instead of a
+ * horizontal sum each), and bfloat16's conversions. Included by the kernels' sources;
+ * their build cache keys on it too (`kernels.build`). */
 #ifndef MARLAAS_SIMD_H
 #define MARLAAS_SIMD_H
 
@@ -42,6 +42,21 @@ static inline vf sums8(const vf *v) {
     for (int c = 0; c < 2; ++c) p[c] = halve(p[2 * c], p[2 * c + 1], LO8, HI8);
     p[0] = halve(p[0], p[1], LO4, HI4);
     return halve(p[0], p[0], LO2, HI2);
+}
+
+/* bfloat16 is a float32's upper half: widened exactly by a shift; narrowed to the
+ * nearest, ties to even (torch's rounding; none of the callers hold a NaN). */
+static inline float bf16_widen(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    __builtin_memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t bf16_nearest(float f) {
+    uint32_t u;
+    __builtin_memcpy(&u, &f, sizeof u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
 #endif

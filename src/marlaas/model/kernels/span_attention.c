@@ -28,8 +28,8 @@
  * kernel's arithmetic (~0.2 ms a layer, the same in either dtype) is most of the time.
  *
  * Layouts (float32, the last axis contiguous): q [R, H, N, D] with strides q_sr, q_sh,
- * q_sn; keys and values [R, Hkv, S, D] (float32, or bfloat16: `span_attention_bf16`,
- * the engine's cache on a CPU running bfloat16 linears) with strides kv_sr, kv_sh, kv_ss
+ * q_sn; keys and values [R, Hkv, S, D] (float32, or bfloat16 with `kv_bf16`: the
+ * engine's cache on a CPU running bfloat16 linears) with strides kv_sr, kv_sh, kv_ss
  * (both buffers alike); start, end [R * N]; out [R, N, H, D] contiguous. `scratch` holds
  * G * (max_b end[b] - start[b]) floats. `lse` [R * N, H], when not NULL, receives each
  * query head's log-sum-exp of its scaled scores (what the backward needs: p = exp(s -
@@ -69,11 +69,7 @@ static inline __attribute__((always_inline)) vf kv_vec(const void *p, int64_t i,
 }
 
 static inline __attribute__((always_inline)) float kv_at(const void *p, int64_t i, const int bf16) {
-    if (!bf16) return ((const float *)p)[i];
-    const uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    __builtin_memcpy(&f, &u, sizeof f);
-    return f;
+    return bf16 ? bf16_widen(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
 static inline __attribute__((always_inline)) const char *kv_addr(const void *p, int64_t i,
@@ -236,28 +232,24 @@ static inline __attribute__((always_inline)) void attend(
                                   kv_sh, kv_ss, start, end, scale, softcap, out, lse, scratch, \
                                   bf16)
 
+/* `bf16` 0: float32 keys and values; 1: bfloat16 ones (the engine's cache on a CPU
+ * running bfloat16 linears: half the bytes a decode step reads, which is most of what it
+ * reads at many rows). */
 void span_attention_f32(int64_t R, int64_t N, int64_t H, int64_t Hkv, int64_t D,
                           const float *q, int64_t q_sr, int64_t q_sh, int64_t q_sn,
-                          const float *k, const float *v,
+                          const void *k, const void *v,
                           int64_t kv_sr, int64_t kv_sh, int64_t kv_ss,
                           const int64_t *start, const int64_t *end,
-                          float scale, float softcap, float *out, float *lse, float *scratch) {
+                          float scale, float softcap, float *out, float *lse, float *scratch,
+                          int64_t kv_bf16) {
     const int64_t G = H / Hkv;
-    const int bf16 = 0;
-    SPECIALISED(ATTEND)
-}
-
-/* The same over a bfloat16 cache (keys and values; queries and outputs float32): half
- * the bytes a decode step reads, which is most of what it reads at many rows. */
-void span_attention_bf16(int64_t R, int64_t N, int64_t H, int64_t Hkv, int64_t D,
-                         const float *q, int64_t q_sr, int64_t q_sh, int64_t q_sn,
-                         const uint16_t *k, const uint16_t *v,
-                         int64_t kv_sr, int64_t kv_sh, int64_t kv_ss,
-                         const int64_t *start, const int64_t *end,
-                         float scale, float softcap, float *out, float *lse, float *scratch) {
-    const int64_t G = H / Hkv;
-    const int bf16 = 1;
-    SPECIALISED(ATTEND)
+    if (kv_bf16) {
+        const int bf16 = 1;
+        SPECIALISED(ATTEND)
+    } else {
+        const int bf16 = 0;
+        SPECIALISED(ATTEND)
+    }
 }
 
 /* The backward of `span_attention_f32` (the trainer's attention): given the forward's
