@@ -53,6 +53,11 @@ def test_the_kernel_builds_where_there_is_a_compiler() -> None:
         (8, 2, 24, 5, None),  # a head size without a specialised loop, a sliding window
         (2, 1, 128, None, 30.0),
         (6, 3, 32, 7, 20.0),
+        # Groups off a power of two, past the eight heads the values' pass takes at once,
+        # past the sixteen a block of scores takes.
+        (6, 2, 64, 3, None),
+        (12, 1, 32, None, None),
+        (32, 1, 16, None, None),
     ],
 )
 def test_equals_attention_over_each_rows_own_columns(
@@ -79,7 +84,7 @@ def test_equals_attention_over_each_rows_own_columns(
 
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "window", "softcap"),
-    [(4, 2, 32, None, None), (8, 2, 24, 3, None), (2, 1, 64, None, 30.0)],
+    [(4, 2, 32, None, None), (8, 2, 24, 3, None), (2, 1, 64, None, 30.0), (9, 3, 32, None, None)],
 )
 def test_a_prefill_chunk_attends_each_tokens_causal_span(
     heads: int, kv_heads: int, dim: int, window: int | None, softcap: float | None
@@ -117,9 +122,9 @@ def test_a_bfloat16_cache_reads_as_its_values_widened(N: int, dim: int) -> None:
     got = kernels.span_attention(q, k, v, spans, dim**-0.5, None)
     want = kernels.span_attention(q, k.float(), v.float(), spans, dim**-0.5, None)
     assert got is not None and want is not None
-    # Bit for bit where the vector loops run; off the vector width the compiler may sum
-    # the scalar dot products in another order.
-    torch.testing.assert_close(got, want, atol=0 if dim % 16 == 0 else 1e-6, rtol=0)
+    # Up to float rounding: the two dtypes' loops are compiled apart, and may associate
+    # their sums differently.
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(
         got.double(), reference(q, k, v, pos_RN, None, None), atol=2e-6, rtol=1e-5
     )

@@ -89,7 +89,8 @@ def test_half_linear_weights_train_like_the_modules(
     compact forward and its backward multiply as the modules do (`marlaas.model.mixed`),
     packed (each linear layer and its LoRA one node, `RowsLoRA` with the half base
     weight) or not; a float32 ulp of difference may round to a bfloat16 one, hence the
-    tolerance. The compact forward's rounding of keys and values to the engine's cache
+    tolerance (the span kernel's sums in another order than torch's: up to 1.2e-4
+    relative on a tenant's KL to the behaviour policy). The compact forward's rounding of keys and values to the engine's cache
     dtype, which the modules do not do, is off here (`test_policy_numerics` pins it)."""
     monkeypatch.setattr(decoder.Packed, "MIN_PADDING", 0.0 if pack else 1.0)
     monkeypatch.setattr(decoder, "round_to", lambda x, dtype: x)
@@ -105,7 +106,7 @@ def test_half_linear_weights_train_like_the_modules(
     monkeypatch.setattr(lane_plan.LanePlan, "linear", watched)
     model = LoRAModel(tiny_model(arch, VOCAB), max_rank=16)
     assert half_linears(model.base, torch.bfloat16) > 0
-    _trains_like_the_modules(model, True, (1e-4, 1e-4), 5e-3)
+    _trains_like_the_modules(model, True, (3e-4, 1e-4), 5e-3)
     assert (set(fused) == {torch.bfloat16}) if pack else not fused
 
 
