@@ -99,7 +99,8 @@ def _spans(lengths: list[int], firsts: list[int], past: int, new: int, window: i
 
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "window"),
-    [(4, 2, 32, None), (4, 4, 16, 3), (6, 2, 24, None), (2, 1, 64, 5)],
+    # ... and groups past the eight heads the backward's registers take at once.
+    [(4, 2, 32, None), (4, 4, 16, 3), (6, 2, 24, None), (2, 1, 64, 5), (12, 1, 32, None)],
 )
 def test_span_attention_and_its_backward_equal_sdpas(
     heads: int, kv_heads: int, dim: int, window: int | None

@@ -336,19 +336,31 @@ static inline __attribute__((always_inline)) void backward_block(
         exp16(s, p[g]);
         for (int c = 0; c < W; ++c) ds[g][c] = p[g][c] * (dp[c] - delta[g]) * scale;
     }
-    for (int c = 0; c < cols; ++c) {
-        const float *kl = kb + (l0 + c) * kv_ss;
-        float *dkl = dkb + (l0 + c) * kv_ss, *dvl = dvb + (l0 + c) * kv_ss;
+    /* Sixteen dimensions at a time for up to eight heads: their queries, output
+     * gradients and the block's query gradients in registers (local arrays of constant
+     * size; `acc`, a variable-length array, lives in memory and is added to once). */
+    for (int64_t g0 = 0; g0 < G; g0 += 8) {
+        const int64_t gs = G - g0 < 8 ? G - g0 : 8;
         for (int64_t d = 0; d < D; d += W) {
-            const vf kd = *(const vf *)(kl + d);
-            vf dvd = *(vf *)(dvl + d), dkd = *(vf *)(dkl + d);
-            for (int64_t g = 0; g < G; ++g) {
-                dvd += p[g][c] * *(const vf *)(dout + (h0 + g) * D + d);
-                dkd += ds[g][c] * *(const vf *)(qb + g * q_sh + d);
-                *(vf *)(acc[g] + d) += ds[g][c] * kd;
+            va qd[8], dod[8], dqd[8];
+            for (int64_t g = 0; g < gs; ++g) {
+                qd[g] = (va)(*(const vf *)(qb + (g0 + g) * q_sh + d));
+                dod[g] = (va)(*(const vf *)(dout + (h0 + g0 + g) * D + d));
+                dqd[g] = (va){0};
             }
-            *(vf *)(dvl + d) = dvd;
-            *(vf *)(dkl + d) = dkd;
+            for (int c = 0; c < cols; ++c) {
+                const int64_t at = (l0 + c) * kv_ss + d;
+                const va kd = (va)(*(const vf *)(kb + at));
+                va dvd = (va)(*(vf *)(dvb + at)), dkd = (va)(*(vf *)(dkb + at));
+                for (int64_t g = 0; g < gs; ++g) {
+                    dvd += p[g0 + g][c] * dod[g];
+                    dkd += ds[g0 + g][c] * qd[g];
+                    dqd[g] += ds[g0 + g][c] * kd;
+                }
+                *(vf *)(dvb + at) = (vf)dvd;
+                *(vf *)(dkb + at) = (vf)dkd;
+            }
+            for (int64_t g = 0; g < gs; ++g) *(vf *)(acc[g0 + g] + d) += (vf)dqd[g];
         }
     }
 }
