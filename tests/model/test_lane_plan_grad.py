@@ -218,3 +218,34 @@ def test_linear_as_one_node_only_where_it_applies() -> None:
     assert plan.linear(x, W.clone().requires_grad_(True), None, A, Bw, rows=39, tokens=1) is None
     blocks = LanePlan.of(torch.tensor([0, 0, 1, 1]), 2, torch.ones(2), torch.ones(4), 8, 4)
     assert blocks.linear(torch.randn(4, 8, 8), W, None, A, Bw, rows=4, tokens=8) is None
+
+
+@pytest.mark.parametrize(
+    "lanes",
+    [
+        [1, 1, 1, 0, 0, 0],  # blocks of three rows: one tenant's prompts in a prefill
+        [0, 0, 1, 1, 2, 2],  # one block per lane, in lane order
+        [2, 0, 1, 2],  # a row each
+    ],
+)
+def test_without_gradients_every_layout_runs_in_the_native_kernel(lanes: list[int]) -> None:
+    """No gradient (the engine): whatever the blocks, every row's update is added by
+    the native kernel in place (`RowLanes`), equal to the plain ops."""
+    from marlaas.model import kernels
+
+    assert kernels.native_kernels("lora_rows")
+    g = torch.Generator().manual_seed(len(lanes))
+    lane_B = torch.tensor(lanes)
+    B, T, L, fan_in, fan_out, r = len(lanes), 5, 3, 24, 40, 4
+    scale_L = torch.rand(L, generator=g) + 0.5
+    x = torch.randn(B, T, fan_in, generator=g)
+    A = torch.randn(L, r, fan_in, generator=g)
+    Bw = torch.randn(L, fan_out, r, generator=g)
+    y = torch.randn(B, T, fan_out, generator=g)
+    want = _plain(x, A, Bw, y.clone(), lane_B, scale_L)
+    plan = LanePlan.of(lane_B, L, scale_L, scale_L[lane_B], T, r)
+    assert plan.rows is not None
+    with torch.no_grad():
+        got = plan.apply(x, A, Bw, y)
+    assert got is y  # in place
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

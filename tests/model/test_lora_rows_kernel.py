@@ -43,6 +43,7 @@ def weights(L: int, r: int, fan_in: int, fan_out: int, rank_major: bool, g: torc
         (8, 33, 130, 2, False, False),
         (12, 16, 64, 1, True, False),  # a rank group past r (12 = 8 + 4)
         (8, 33, 70, 1, False, True),  # one-token rows in pairs, features off the width
+        (8, 128, 352, 7, True, True),  # rows of several tokens: in pairs, one left
     ],
 )
 def test_equals_each_rows_own_lane(

@@ -80,9 +80,10 @@ def test_the_trainer_rounds_keys_and_values_as_the_engines_cache_holds_them(
     monkeypatch.setattr(train_decoder, "round_to", lambda x, dtype: x)
     unrounded = error()
     # The products' rounding remains (the engine multiplies q/k/v as one product, the
-    # trainer each with its LoRA: a float32 ulp may land on another bfloat16).
-    assert rounded < 2e-3
-    assert rounded < unrounded / 2, (rounded, unrounded)
+    # trainer each with its LoRA: a float32 ulp may land on another bfloat16), and one
+    # key rounded to the next bfloat16 moves this tiny model's logits by up to ~1e-2:
+    # over four seeds, 1e-4 .. 1.6e-2 rounded, 0.05 .. 0.85 not.
+    assert rounded < unrounded / 4, (rounded, unrounded)
 
 
 def test_round_to_rounds_forward_and_passes_the_gradient() -> None:
