@@ -97,3 +97,26 @@ def test_a_row_samples_the_same_whatever_its_batch_mates() -> None:
         s = slice(b, b + 1)
         alone, _ = sample_B(logits[s], t[s], k[s], p[s], uniform_B(seed_B[s], counter_B[s]))
         assert int(alone) == int(together[b])
+
+
+def test_the_native_kernel_samples_as_torchs_ops() -> None:
+    """Without top-k/top-p, `kernels.sample_rows` (one call) gives torch's ops' tokens
+    and log-probs: greedy and sampling rows mixed, a greedy batch, strided logits."""
+    from marlaas.model import kernels
+
+    assert kernels.native_kernels("sample_rows")
+    g = torch.Generator().manual_seed(5)
+    B, V = 512, 97
+    logits = (torch.randn(B, V + 3, generator=g) * 3)[:, :V]  # rows of a wider buffer
+    t = torch.rand(B, generator=g) + 0.3
+    t[::5] = 0.0
+    _, k, p = _knobs(B, 1.0)
+    u = torch.rand(B, generator=g)
+    for temperature, all_greedy in ((t, False), (torch.zeros(B), True)):
+        got = sample_B(logits, temperature, k, p, u, all_greedy=all_greedy, any_filter=False)
+        with kernels.torch_path():
+            want = sample_B(logits, temperature, k, p, u, all_greedy=all_greedy, any_filter=False)
+        assert torch.equal(got[0], want[0])
+        torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+    assert kernels.sample_rows(logits.double(), t, u, False) is None
+    assert kernels.sample_rows(logits.T, t[:V], u[:V], False) is None  # strided tokens

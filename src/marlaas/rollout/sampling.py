@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from marlaas.model.kernels import sample_rows
+
 _MASK32 = 0xFFFFFFFF
 
 
@@ -77,7 +79,13 @@ def sample_B(
 
     `all_greedy` and `any_filter` are batch-level shortcuts the caller knows for free
     (no row samples; no row uses top-k/top-p); they skip work, never change results.
+    Without top-k/top-p on the CPU, one native call computes the same
+    (`kernels.sample_rows`: 256 rows x 258 tokens, 181 us of torch's ops -> 49 us).
     """
+    if not any_filter:
+        native = sample_rows(logits_BV, temperature_B, u_B, all_greedy)
+        if native is not None:
+            return native
     scaled_BV, greedy_B = _scale(logits_BV, temperature_B)
     logp_BV = torch.log_softmax(scaled_BV, dim=-1)
     argmax_B = logits_BV.argmax(dim=-1)

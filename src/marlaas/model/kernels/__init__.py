@@ -27,6 +27,9 @@
   (`adamw.c`) where torch's multi-tensor ops make eight.
 - `copy_rows` moves slot-cache rows (a finished row's place taken by a live one, a
   prompt's cache copied to the rows that share it) in one pass with no temporary.
+- `sample_rows` samples a decode batch's tokens (without top-k / top-p) and their
+  log-probs in one call (`sample_rows.c`), where torch's way is about fifteen ops over
+  the batch (256 rows x 258 tokens: 181 -> 49 us).
 - `rope_store` applies the rotary embedding to a forward's new queries (in place) and
   keys and writes the keys and values into their cache columns (`rope_store.c`): about
   a dozen element-wise ops, a transpose and two indexed copies per layer in torch.
@@ -57,6 +60,7 @@ from marlaas.model.kernels.decoder import (
     copy_rows,
     rms_norm_backward,
     rope_store,
+    sample_rows,
 )
 from marlaas.model.kernels.fused import (
     HALF_LINEAR_MAX_ROWS,
@@ -94,6 +98,7 @@ __all__ = [
     "rope_store",
     "rotary",
     "rotary_applies",
+    "sample_rows",
     "span_attention",
     "span_attention_backward",
     "span_attention_lse",

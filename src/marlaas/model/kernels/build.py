@@ -84,6 +84,11 @@ KERNELS: dict[str, tuple[str, str, list[type]]] = {
         "copy_rows_f32",
         [*(_I64, _I64, _I64, _I64, _I64, _I64, _I64), *(_PTR, _PTR, _PTR)],
     ),
+    "sample_rows": (
+        "sample_rows",
+        "sample_rows_f32",
+        [_I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64],
+    ),
     "half_linear_small": (
         "half_linear",
         "half_linear_small_f32",

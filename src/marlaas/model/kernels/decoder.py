@@ -1,7 +1,7 @@
 """The engine decoder's element-wise kernels' wrappers: rotary with the cache write
-(`rope_store.c`) and the residual add with the RMS norm (`rms_norm.c`, and the norm's
-backward for the trainer); see
-`marlaas.model.kernels`."""
+(`rope_store.c`), the residual add with the RMS norm (`rms_norm.c`, and the norm's
+backward for the trainer), the slot cache's row moves (`copy_rows.c`) and the decode
+batch's sampling (`sample_rows.c`); see `marlaas.model.kernels`."""
 
 from __future__ import annotations
 
@@ -192,3 +192,41 @@ def copy_rows(buffer: Tensor, dst: Sequence[int], src: Sequence[int], columns: i
         buffer.data_ptr(),
     )
     return True
+
+
+def sample_rows(
+    logits_BV: Tensor, temperature_B: Tensor, u_B: Tensor, all_greedy: bool
+) -> tuple[Tensor, Tensor] | None:
+    """`marlaas.rollout.sampling.sample_B` without top-k / top-p, in one native call:
+    `(tokens_B int64, logprobs_B float32)`, or None where the kernel does not apply
+    (float32 CPU logits with a contiguous last axis; float32 temperatures and uniforms of
+    one per row)."""
+    kernel = load("sample_rows")
+    if kernel is None or logits_BV.dim() != 2:
+        return None
+    B, V = (int(n) for n in logits_BV.shape)
+    if (
+        V < 1
+        or not all(t.is_cpu and t.dtype == torch.float32 for t in (logits_BV, temperature_B, u_B))
+        or logits_BV.stride(1) != 1
+        or tuple(temperature_B.shape) != (B,)
+        or tuple(u_B.shape) != (B,)
+    ):
+        return None
+    temperature_B, u_B = temperature_B.contiguous(), u_B.contiguous()
+    tokens_B = torch.empty(B, dtype=torch.int64)
+    logprobs_B = torch.empty(B, dtype=torch.float32)
+    scratch = torch.empty(V, dtype=torch.float32)
+    kernel(
+        B,
+        V,
+        logits_BV.data_ptr(),
+        logits_BV.stride(0),
+        temperature_B.data_ptr(),
+        u_B.data_ptr(),
+        tokens_B.data_ptr(),
+        logprobs_B.data_ptr(),
+        scratch.data_ptr(),
+        int(all_greedy),
+    )
+    return tokens_B, logprobs_B
