@@ -47,6 +47,11 @@ from marlaas.model.mixed import HalfLinear, Together, linear
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
+#: Rotary scalings whose tables depend on the positions a call sees (Hugging Face's
+#: `dynamic_rope_update`): `DecoderStack.rope` leaves them to the module.
+DYNAMIC_ROPE = ("dynamic", "longrope")
+
+
 @dataclass(frozen=True)
 class Linear:
     """One projection: the base weight and bias, and the module path its LoRA update is
@@ -139,6 +144,8 @@ class DecoderStack:
         self.silu = silu
         #: The dtype keys and values are held in (`LoRAModel.kv_dtype`, read once).
         self.kv_dtype = model.kv_dtype
+        #: The rotary module's (cos, sin) at positions 0 .. n - 1 (`rope`).
+        self._rope_table: tuple[Tensor, Tensor] | None = None
 
     @staticmethod
     def of(model: LoRAModel) -> DecoderStack | None:
@@ -179,6 +186,35 @@ class DecoderStack:
             rotary,
             (heads, kv_heads, head_dim),
             silu=str(getattr(config, "hidden_act", "")) in ("silu", "swish"),
+        )
+
+    def rope(self, like: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """The rotary module's `(cos, sin)` at `positions` (`[..., D]`, in `like`'s dtype
+        and device): rows of a table the module computed once for positions from 0 (grown
+        as later positions need it), one lookup a forward instead of the module's
+        half-dozen ops (~0.1 ms of a decode step at 256 rows). Where the module's scaling
+        depends on the positions a call sees (`DYNAMIC_ROPE`), or a position is negative,
+        the module itself computes them."""
+        rope_type = getattr(self.rotary, "rope_type", "default")
+        if positions.numel() == 0 or not isinstance(rope_type, str) or rope_type in DYNAMIC_ROPE:
+            return self.rotary(like, positions)  # type: ignore[no-any-return]
+        low, high = (int(v) for v in torch.aminmax(positions))
+        if low < 0:
+            return self.rotary(like, positions)  # type: ignore[no-any-return]
+        table = self._rope_table
+        if (
+            table is None
+            or int(table[0].shape[0]) <= high
+            or table[0].dtype != like.dtype
+            or table[0].device != like.device
+        ):
+            size = max(high + 1, 2 * (0 if table is None else int(table[0].shape[0])), 256)
+            cos, sin = self.rotary(like, torch.arange(size, device=like.device)[None])
+            table = self._rope_table = (cos[0], sin[0])
+        flat, width = positions.reshape(-1), int(table[0].shape[-1])
+        return (
+            table[0].index_select(0, flat).view(*positions.shape, width),
+            table[1].index_select(0, flat).view(*positions.shape, width),
         )
 
     def linear(self, x: Tensor, lin: Linear) -> Tensor:

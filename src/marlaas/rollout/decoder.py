@@ -58,7 +58,7 @@ class CompactDecoder(StackForward):
         R, N = (int(n) for n in ids_RN.shape)
         T, H, Hkv, D = R * N, stack.heads, stack.kv_heads, stack.head_dim
         h_TE = F.embedding(ids_RN.reshape(-1), stack.embed)
-        cos, sin = stack.rotary(h_TE, positions_RN.clamp(min=0))
+        cos, sin = stack.rope(h_TE, positions_RN.clamp(min=0))
         cos_TD, sin_TD = cos.reshape(T, D), sin.reshape(T, D)
         writes = kv.writes(row0, positions_RN)
         linear = stack.linear

@@ -99,10 +99,10 @@ class TrainDecoder(StackForward):
         P = 0 if past is None else int(past[0][0].shape[2])
         if packed is None:
             h = F.embedding(ids_BT, stack.embed)
-            cos, sin = stack.rotary(h, pos_BT)
+            cos, sin = stack.rope(h, pos_BT)
         else:  # the token axis holds the valid tokens only, as one row
             h = F.embedding(packed.rows(ids_BT), stack.embed)
-            cos, sin = stack.rotary(h, packed.rows(pos_BT))
+            cos, sin = stack.rope(h, packed.rows(pos_BT))
         cos, sin = cos.contiguous(), sin.contiguous()
         rows, tokens = int(h.shape[0]), int(h.shape[1])
         masks = _Masks(key_mask_BK.bool(), P, T)
