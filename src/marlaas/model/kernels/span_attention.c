@@ -131,8 +131,12 @@ static inline __attribute__((always_inline)) void group_scores(
     }
     float lanes[W];
     *(vf *)lanes = sums16(p) * scale;
-    for (int64_t g = 0; g < G; ++g)
-        for (int c = 0; c < cols; ++c) scores[g * stride + c] = lanes[g * C + c];
+    if (cols == C)  /* a whole block: each head's scores in one copy (one vector for G 1) */
+        for (int64_t g = 0; g < G; ++g)
+            __builtin_memcpy(scores + g * stride, lanes + g * C, (size_t)C * sizeof(float));
+    else
+        for (int64_t g = 0; g < G; ++g)
+            for (int c = 0; c < cols; ++c) scores[g * stride + c] = lanes[g * C + c];
 }
 
 /* scores[c] = scale * (q . k_c) for `cols` (at most 16) columns: one head's block. */
