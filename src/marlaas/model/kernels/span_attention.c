@@ -50,6 +50,9 @@
 #include <immintrin.h>
 #endif
 
+/* A vector of sixteen floats the compiler may keep in a register (`vf` may alias). */
+typedef float va __attribute__((vector_size(W * sizeof(float))));
+
 /* exp of sixteen floats at once: glibc's vector math library (libmvec, linked) where the
  * compiler targets AVX-512, whose loops it does not always vectorise into that call by
  * itself; else one expf each. */
@@ -72,8 +75,6 @@ static inline void exp16(const float *x, float *out) {
  * a compile-time constant in each entry point): element `i` of buffer `p` as a float, a
  * vector of sixteen from `i` on (a bfloat16 is a float32's upper half: widened, shifted),
  * and its address (to prefetch). */
-/* A vector of sixteen floats the compiler may keep in a register (`vf` may alias). */
-typedef float va __attribute__((vector_size(W * sizeof(float))));
 typedef uint16_t vh __attribute__((vector_size(W * sizeof(uint16_t)), aligned(2), may_alias));
 
 static inline __attribute__((always_inline)) vf kv_vec(const void *p, int64_t i, const int bf16) {
