@@ -7,11 +7,12 @@ head and the activations stay float32); LoRA slots stay float32."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from arch_support import CONFIGS, char_tokenizer, save_model
-from torch import nn
+from torch import Tensor, nn
 from transformers import AutoConfig, PreTrainedModel
 
 import marlaas.model.base as base_module
@@ -158,31 +159,82 @@ def test_half_products_run_at_bucketed_row_counts() -> None:
     torch.testing.assert_close(got_grad, x.grad, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4])
+@pytest.mark.parametrize(
+    ("rows", "out", "fan_in"),
+    [(1, 72, 96), (3, 72, 96), (4, 16, 34), (13, 130, 96), (32, 704, 128)],
+)
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_a_few_rows_of_a_bfloat16_layer_skip_onednn_and_round_alike(
-    rows: int, with_bias: bool
+    rows: int, out: int, fan_in: int, with_bias: bool
 ) -> None:
-    """`kernels.half_linear_small` (one to four rows on a CPU with AVX512-BF16): torch's
-    bfloat16 result up to one bfloat16 rounding step (products summed in another order
-    may land on the other side of a rounding boundary); `mixed.linear` takes it."""
+    """`kernels.half_linear_rows` (on a CPU with AVX512-BF16, over the packed weight): torch's bfloat16 result up to one bfloat16
+    rounding step (products summed in another order may land on the other side of a
+    rounding boundary), output blocks and row groups whole or not; `mixed.linear` takes
+    it."""
     from marlaas.model import kernels
-    from marlaas.model.mixed import linear, native_bfloat16
+    from marlaas.model.mixed import linear, native_bfloat16, packed
 
-    if not (native_bfloat16("cpu") and kernels.native_kernels("half_linear_small")):
+    if not (native_bfloat16("cpu") and kernels.native_kernels("half_linear_rows")):
         pytest.skip("needs a CPU with AVX512-BF16 and the native kernels")
     g = torch.Generator().manual_seed(rows)
-    w = torch.randn(72, 96, generator=g).to(torch.bfloat16)
-    b = torch.randn(72, generator=g).to(torch.bfloat16) if with_bias else None
-    x = torch.randn(rows, 96, generator=g)
+    w = torch.randn(out, fan_in, generator=g).to(torch.bfloat16)
+    b = torch.randn(out, generator=g).to(torch.bfloat16) if with_bias else None
+    x = torch.randn(rows, fan_in, generator=g)
     want = torch.nn.functional.linear(x.to(torch.bfloat16), w, b).to(torch.float32)
-    got = kernels.half_linear_small(x, w, b)
-    assert got is not None and got.shape == (rows, 72)
+    weights = packed(w)
+    assert weights is not None and packed(w) is weights  # packed once
+    got = kernels.half_linear_rows(x, w, weights, b)
+    assert got is not None and got.shape == (rows, out)
     assert torch.all((got - want).abs() <= want.abs() * 2**-7)
     assert float((got == want).float().mean()) > 0.9  # rounded to bfloat16 as torch does
     assert torch.equal(linear(x[None], w, b)[0], got)
-    assert kernels.half_linear_small(torch.randn(5, 96), w, b) is None  # too many rows
-    assert kernels.half_linear_small(torch.randn(1, 40), w[:, :40].contiguous(), b) is None
+    many = torch.randn(kernels.HALF_LINEAR_MAX_ROWS + 1, fan_in)
+    threads = torch.get_num_threads()
+    try:  # on one thread it takes any rows; on more, oneDNN takes many rows
+        torch.set_num_threads(1)
+        assert kernels.half_linear_rows(many, w, weights, b) is not None
+        torch.set_num_threads(2)
+        assert kernels.half_linear_rows(many, w, weights, b) is None
+    finally:
+        torch.set_num_threads(threads)
+    assert kernels.half_linear_rows(x[:, :-2].contiguous(), w, weights, b) is None
+    with torch.no_grad():
+        w.mul_(2.0)  # written to: packed again
+    assert packed(w) is not weights
+
+
+@pytest.mark.parametrize("rows", [1, 13, 300])
+def test_a_layers_input_gradient_multiplies_by_the_packed_transpose(
+    rows: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`mixed.matmul(g, W)` (a half layer's input gradient) goes through
+    `kernels.half_linear_rows` over W's packed transpose: torch's bfloat16 `g W` up to
+    one bfloat16 rounding step."""
+    from marlaas.model import kernels
+    from marlaas.model.mixed import matmul, native_bfloat16, packed
+
+    if not (native_bfloat16("cpu") and kernels.native_kernels("half_linear_rows")):
+        pytest.skip("needs a CPU with AVX512-BF16 and the native kernels")
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(40, 72, generator=g).to(torch.bfloat16)  # [out, in]
+    a = torch.randn(rows, 40, generator=g)
+    want = torch.mm(a.to(torch.bfloat16), w).to(torch.float32)
+    calls: list[Tensor | None] = []
+    rows_kernel = kernels.half_linear_rows
+
+    def spy(*args: Any) -> Tensor | None:
+        calls.append(rows_kernel(*args))
+        return calls[-1]
+
+    monkeypatch.setattr(kernels, "half_linear_rows", spy)
+    got = matmul(a, w)
+    assert len(calls) == 1 and calls[0] is got  # the kernel's product
+    assert got.shape == (rows, 72) and got.dtype == torch.float32
+    assert torch.all((got - want).abs() <= want.abs() * 2**-7)
+    assert float((got == want).float().mean()) > 0.9
+    transposed = packed(w, transposed=True)
+    assert transposed is not None and transposed is not packed(w)
+    assert packed(w, transposed=True) is transposed
 
 
 @pytest.mark.parametrize("rows", [1, 3, 35, 256])
@@ -193,10 +245,12 @@ def test_projections_of_one_input_are_stored_together_and_multiply_as_one(
     """`half_linears` stores q/k/v (Qwen2: and their biases) and gate/up one after another
     in one tensor, each module's parameters views of it (the weights exist once, the
     modules unchanged); `Together` multiplies them in one product, whose parts are each
-    layer's own `linear` up to one bfloat16 rounding step (another product shape may sum
-    in another order), over a few rows (the small kernel) and many (oneDNN, buckets)."""
+    layer's own `linear`: the same values where the packed kernel runs (each output
+    sums in one order whatever shares the call), up to one bfloat16 rounding step
+    through oneDNN (another product shape may sum in another order)."""
     from helpers.tiny_archs import tiny_model
-    from marlaas.model.mixed import Together, half_linears, linear
+    from marlaas.model import kernels
+    from marlaas.model.mixed import Together, half_linears, linear, native_bfloat16
 
     base = tiny_model(arch, 64)
     half_linears(base, torch.bfloat16)
@@ -214,6 +268,8 @@ def test_projections_of_one_input_are_stored_together_and_multiply_as_one(
         want = linear(x, m.weight, m.bias)
         assert got.is_contiguous() and got.shape == want.shape
         assert torch.all((got - want).abs() <= want.abs() * 2**-7 + 1e-6)
+        if native_bfloat16("cpu") and kernels.native_kernels("half_linear_rows"):
+            assert torch.equal(got, want)
     # Layers apart in memory, or with and without bias, are not together.
     assert Together.of([attn.q_proj.weight, attn.v_proj.weight], [None, None]) is None
     some_bias = [None, torch.zeros(32, dtype=torch.bfloat16), None]

@@ -17,8 +17,10 @@ still compute the same thing.
 
 torch's bfloat16 matmul on the CPU is oneDNN's, with two fixed costs that the embedded
 base's small layers make visible: a kernel built per shape on first use (as long as
-running it: `bucket_rows` pads rows to shapes that repeat) and ~10 us a call (one to
-four rows go through `kernels.half_linear_small` instead, rounding alike).
+running it: `bucket_rows` pads rows to shapes that repeat) and ~15 us a call (up to
+`kernels.HALF_LINEAR_MAX_ROWS` rows of a small layer go through
+`kernels.half_linear_rows` instead, rounding alike, over a packed copy of the weight made
+on first use: `packed`).
 
 Invariants:
 - The weights are converted in place and exist once (the float32 copy is freed).
@@ -31,6 +33,7 @@ Invariants:
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -75,15 +78,47 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 
 def _half_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """`x W^T (+ b)` for a half `weight`, as `[rows, out]` (`x`'s rows flattened): one to
-    four rows through `kernels.half_linear_small`, more through oneDNN at their bucket."""
+    """`x W^T (+ b)` for a half `weight`, as `[rows, out]` (`x`'s rows flattened): a small
+    layer's rows through `kernels.half_linear_rows` (on more than one torch thread, up
+    to `kernels.HALF_LINEAR_MAX_ROWS` of them), else through oneDNN at their bucket."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     x_2d = x.reshape(rows, x.shape[-1])
-    if rows <= kernels.HALF_LINEAR_MAX_ROWS and _cpu_bfloat16():
-        out = kernels.half_linear_small(x_2d, weight, bias)
-        if out is not None:
-            return out
+    if rows > 0 and x.device.type == "cpu" and _cpu_bfloat16():
+        weights = packed(weight)
+        if weights is not None:
+            out = kernels.half_linear_rows(x_2d.contiguous(), weight, weights, bias)
+            if out is not None:
+                return out
     return F.linear(_half_rows(x_2d, weight.dtype), weight, bias)[:rows]
+
+
+#: Weights of more elements are not packed (`packed`): their products are large enough
+#: at a few rows that oneDNN's fixed cost does not matter, and a packed copy is a copy.
+PACK_MAX_ELEMENTS = 1 << 21
+
+#: (id(weight), transposed) -> (the weight, weakly; its version when packed; the copy).
+_PACKED: dict[tuple[int, bool], tuple[weakref.ref[Tensor], int, Tensor]] = {}
+
+
+def packed(weight: Tensor, transposed: bool = False) -> Tensor | None:
+    """`weight` (with `transposed`, its transpose: a layer's input gradient multiplies
+    by it) packed for `kernels.half_linear_rows`, made on first use and kept while the
+    weight lives (made again if it is written to); None for a weight too large to be
+    worth a copy (`PACK_MAX_ELEMENTS`) or one the kernel does not take."""
+    key = (id(weight), transposed)
+    entry = _PACKED.get(key)
+    if entry is not None and entry[0]() is weight and entry[1] == weight._version:
+        return entry[2]
+    if weight.numel() > PACK_MAX_ELEMENTS:
+        return None
+    source = weight.detach()
+    copy = kernels.half_pack(source.t().contiguous() if transposed else source)
+    if copy is None:
+        return None
+    if entry is None or entry[0]() is not weight:
+        weakref.finalize(weight, _PACKED.pop, key, None)
+    _PACKED[key] = (weakref.ref(weight), weight._version, copy)
+    return copy
 
 
 class _FrozenHalfLinear(torch.autograd.Function):
@@ -107,11 +142,18 @@ class _FrozenHalfLinear(torch.autograd.Function):
 
 def matmul(a: Tensor, weight: Tensor) -> Tensor:
     """`a W` for `a [n, out]` in `a`'s dtype and a weight `[out, in]` (a layer's input
-    gradient); a weight of another dtype multiplies `a` rounded as `linear` rounds `x`,
-    rows in buckets."""
+    gradient); a weight of another dtype multiplies `a` rounded as `linear` rounds `x`
+    (through `kernels.half_linear_rows` over the packed transpose where `linear` takes
+    that kernel, else oneDNN with rows in buckets)."""
     if weight.dtype == a.dtype:
         return torch.mm(a, weight)
     rows = int(a.shape[0])
+    if rows > 0 and a.device.type == "cpu" and _cpu_bfloat16():
+        weights = packed(weight, transposed=True)  # a W = a (W^T)^T: W^T's linear
+        if weights is not None:
+            out = kernels.half_linear_rows(a.contiguous(), weight.t(), weights, None)
+            if out is not None:
+                return out
     return torch.mm(_half_rows(a, weight.dtype), weight)[:rows].to(a.dtype)
 
 

@@ -20,9 +20,10 @@
 - `swiglu` / `swiglu_backward` and `rotary` (with its transpose, the backward) are the
   trainer's element-wise steps of a decoder layer, one pass each instead of torch's
   several (`fused.c`).
-- `half_linear_small` is a bfloat16 linear layer of one to four rows on a CPU with
-  AVX512-BF16 (`half_linear.c`): oneDNN's ~10 us per call is three times the product at
-  the embedded base's shapes.
+- `half_linear_rows` is a bfloat16 linear layer of a few rows (up to
+  `HALF_LINEAR_MAX_ROWS`) on a CPU with AVX512-BF16 over a weight `half_pack` packed once
+  (`half_linear.c`): oneDNN's ~15 us per call is more than the product at the embedded
+  base's shapes up to ~32 rows.
 - `adamw` is the trainer's AdamW update of a tenant's flat vector in one pass
   (`adamw.c`) where torch's multi-tensor ops make eight.
 - `copy_rows` moves slot-cache rows (a finished row's place taken by a live one, a
@@ -66,7 +67,8 @@ from marlaas.model.kernels.fused import (
     HALF_LINEAR_MAX_ROWS,
     adamw,
     adamw_applies,
-    half_linear_small,
+    half_linear_rows,
+    half_pack,
     rotary,
     rotary_applies,
     swiglu,
@@ -89,7 +91,8 @@ __all__ = [
     "adamw_applies",
     "add_rms_norm",
     "copy_rows",
-    "half_linear_small",
+    "half_linear_rows",
+    "half_pack",
     "lora_rows",
     "lora_rows_backward",
     "lora_rows_trains",

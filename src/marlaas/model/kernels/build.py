@@ -89,11 +89,12 @@ KERNELS: dict[str, tuple[str, str, list[type]]] = {
         "sample_rows_f32",
         [_I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _I64],
     ),
-    "half_linear_small": (
+    "half_linear_rows": (
         "half_linear",
-        "half_linear_small_f32",
-        [_I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR],
+        "half_linear_rows_f32",
+        [_I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR],
     ),
+    "half_pack": ("half_linear", "half_pack_f32", [_I64, _I64, _PTR, _PTR]),
     "adamw": ("adamw", "adamw_f32", [_I64, _PTR, _PTR, _PTR, _PTR, *(_F32,) * 6]),
     "swiglu": ("fused", "swiglu_f32", [_I64, _PTR, _PTR, _PTR]),
     "swiglu_backward": ("fused", "swiglu_backward_f32", [_I64, _PTR, _PTR, _PTR, _PTR, _PTR]),

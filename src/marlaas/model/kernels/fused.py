@@ -115,34 +115,61 @@ def adamw(
     )
 
 
-#: Most rows `half_linear_small` takes (beyond, oneDNN's fixed cost is amortised).
-HALF_LINEAR_MAX_ROWS = 4
+#: Most rows `half_linear_rows` takes while torch runs more than one thread (it runs in
+#: the calling thread; oneDNN spreads a large product over the threads). On one thread
+#: it takes any number: at the embedded base's shapes it is ahead of oneDNN (with the
+#: conversions around it) at every size, most where oneDNN's ~15 us a call is most of the
+#: product (`[M, 128] x [128, 704]`, M 16: 10.5 vs 23.4 us; M 256: 99 vs 113; M 2048:
+#: 791 vs 828).
+HALF_LINEAR_MAX_ROWS = 64
 
 
-def half_linear_small(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
-    """`bf16(bf16(x) W^T + b)` as float32 for a few rows `x [M, K]` (float32) and a
-    bfloat16 weight `[N, K]` (and bias), as `model.mixed.linear` computes it through
-    torch, without oneDNN's fixed cost (`half_linear.c`); None where it does not apply
-    (more than `HALF_LINEAR_MAX_ROWS` rows, `K` not a multiple of 32 up to 4096, other
-    dtypes or layouts). For a CPU with AVX512-BF16 (the caller checks first): built
-    without, the source computes the same in plain C, slowly, only so that it builds."""
-    if x.dim() != 2 or not 0 < x.shape[0] <= HALF_LINEAR_MAX_ROWS:
+def half_pack(weight: Tensor) -> Tensor | None:
+    """`weight [N, K]` (bfloat16, contiguous, K even) packed for `half_linear_rows`: per
+    block of 16 outputs and pair of inputs, the 16 outputs' two weights side by side
+    (zeros past N); None where the kernel does not apply."""
+    kernel = load("half_pack")
+    if kernel is None or weight.dim() != 2:
+        return None
+    N, K = (int(n) for n in weight.shape)
+    if K % 2 or not (weight.is_cpu and weight.dtype == torch.bfloat16 and weight.is_contiguous()):
+        return None
+    packed = torch.empty((-(-N // 16), K // 2, 16, 2), dtype=torch.bfloat16)
+    kernel(N, K, weight.data_ptr(), packed.data_ptr())
+    return packed
+
+
+def half_linear_rows(
+    x: Tensor, weight: Tensor, packed: Tensor, bias: Tensor | None
+) -> Tensor | None:
+    """`bf16(bf16(x) W^T + b)` as float32 for a few rows `x [M, K]` (float32), a bfloat16
+    weight `[N, K]` as `half_pack` packed it (and bias), as `model.mixed.linear` computes
+    it through torch, without oneDNN's fixed cost (`half_linear.c`); None where it does
+    not apply (more than `HALF_LINEAR_MAX_ROWS` rows on more than one torch thread, other
+    dtypes or layouts). For a CPU
+    with AVX512-BF16 (the caller checks first): built without, the source computes the
+    same in plain C, slowly, only so that it builds."""
+    if x.dim() != 2 or x.shape[0] < 1:
+        return None
+    if x.shape[0] > HALF_LINEAR_MAX_ROWS and torch.get_num_threads() > 1:
         return None
     M, K = (int(n) for n in x.shape)
     N = int(weight.shape[0])
-    if K % 32 or K > 4096 or tuple(weight.shape) != (N, K):
+    if tuple(weight.shape) != (N, K) or tuple(packed.shape) != (-(-N // 16), K // 2, 16, 2):
         return None
     if not (x.is_cpu and x.dtype == torch.float32 and x.is_contiguous()):
         return None
-    for t in (weight, bias):
-        if t is not None and not (t.is_cpu and t.dtype == torch.bfloat16 and t.is_contiguous()):
-            return None
+    if bias is not None and not (
+        bias.is_cpu and bias.dtype == torch.bfloat16 and bias.is_contiguous()
+    ):
+        return None
     if bias is not None and tuple(bias.shape) != (N,):
         return None
-    kernel = load("half_linear_small")
+    kernel = load("half_linear_rows")
     if kernel is None:
         return None
     y = torch.empty((M, N), dtype=torch.float32)
+    scratch = torch.empty(M * K, dtype=torch.bfloat16)
     b = 0 if bias is None else bias.data_ptr()
-    kernel(M, N, K, x.data_ptr(), weight.data_ptr(), b, y.data_ptr())
+    kernel(M, N, K, x.data_ptr(), packed.data_ptr(), b, y.data_ptr(), scratch.data_ptr())
     return y
