@@ -262,6 +262,8 @@ def test_projections_of_one_input_are_stored_together_and_multiply_as_one(
     assert len({m.weight.untyped_storage().data_ptr() for m in (mlp.gate_proj, mlp.up_proj)}) == 1
     together = Together.of([m.weight for m in qkv], [m.bias for m in qkv])
     assert together is not None and together.sizes == tuple(m.out_features for m in qkv)
+    # The same layers, the same span (and its packed weight), whoever asks.
+    assert Together.of([m.weight for m in qkv], [m.bias for m in qkv]) is together
     assert (together.bias is not None) == (arch == "qwen2")
     x = torch.randn(rows, base.config.hidden_size, generator=torch.Generator().manual_seed(rows))
     for got, m in zip(together.linear(x), qkv, strict=True):

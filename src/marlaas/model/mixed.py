@@ -262,6 +262,15 @@ def _store_together(parent: nn.Module) -> None:
             row += layer.out_features
 
 
+def _no_layer() -> None:
+    """What a missing bias's reference gives (`Together.of`'s cache)."""
+    return None
+
+
+#: The layers' ids -> (weak references to them, their `Together`) (`Together.of`).
+_TOGETHER: dict[tuple[int, ...], tuple[tuple[Any, ...], Together]] = {}
+
+
 @dataclass(frozen=True)
 class Together:
     """Layers whose weights lie one after another in one tensor (`_store_together`): the
@@ -274,7 +283,16 @@ class Together:
     @staticmethod
     def of(weights: Sequence[Tensor], biases: Sequence[Tensor | None]) -> Together | None:
         """The span of `weights` (and `biases`) where each starts where the one before
-        ends in the same storage, all half and row-major; else None."""
+        ends in the same storage, all half and row-major; else None. The same layers
+        give the same `Together` while they live (each forward built over them finds
+        the span's packed weight, `packed`, already made)."""
+        layers = (*weights, *biases)
+        key = tuple(id(t) for t in layers)
+        entry = _TOGETHER.get(key)
+        if entry is not None and all(
+            ref() is t for ref, t in zip(entry[0], layers, strict=True) if t is not None
+        ):
+            return entry[1]
         weight = _span(weights)
         present = [b for b in biases if b is not None]
         bias = _span(present) if present else None
@@ -282,7 +300,12 @@ class Together:
             return None
         if present and (len(present) < len(biases) or bias is None):
             return None  # some layers with a bias and some without, or biases apart
-        return Together(weight, bias, tuple(int(w.shape[0]) for w in weights))
+        together = Together(weight, bias, tuple(int(w.shape[0]) for w in weights))
+        refs = tuple(weakref.ref(t) if t is not None else _no_layer for t in layers)
+        if entry is None:
+            weakref.finalize(weights[0], _TOGETHER.pop, key, None)
+        _TOGETHER[key] = (refs, together)
+        return together
 
     def linear(self, x: Tensor) -> list[Tensor]:
         """Each layer's `linear(x, W, b)`, from one product: contiguous outputs in `x`'s
