@@ -183,7 +183,7 @@ def test_a_few_rows_of_a_bfloat16_layer_skip_onednn_and_round_alike(
     want = torch.nn.functional.linear(x.to(torch.bfloat16), w, b).to(torch.float32)
     weights = packed(w)
     assert weights is not None and packed(w) is weights  # packed once
-    got = kernels.half_linear_rows(x, w, weights, b)
+    got = kernels.half_linear_rows(x, weights, out, b)
     assert got is not None and got.shape == (rows, out)
     assert torch.all((got - want).abs() <= want.abs() * 2**-7)
     assert float((got == want).float().mean()) > 0.9  # rounded to bfloat16 as torch does
@@ -192,12 +192,12 @@ def test_a_few_rows_of_a_bfloat16_layer_skip_onednn_and_round_alike(
     threads = torch.get_num_threads()
     try:  # on one thread it takes any rows; on more, oneDNN takes many rows
         torch.set_num_threads(1)
-        assert kernels.half_linear_rows(many, w, weights, b) is not None
+        assert kernels.half_linear_rows(many, weights, out, b) is not None
         torch.set_num_threads(2)
-        assert kernels.half_linear_rows(many, w, weights, b) is None
+        assert kernels.half_linear_rows(many, weights, out, b) is None
     finally:
         torch.set_num_threads(threads)
-    assert kernels.half_linear_rows(x[:, :-2].contiguous(), w, weights, b) is None
+    assert kernels.half_linear_rows(x[:, :-2].contiguous(), weights, out, b) is None
     with torch.no_grad():
         w.mul_(2.0)  # written to: packed again
     assert packed(w) is not weights

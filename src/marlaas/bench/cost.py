@@ -163,7 +163,7 @@ class ModelCost:
         earlier tokens; the output head only where log-probs are taken (the prompt's
         last position, once, and every fed token). The work a step must do, not what a
         trainer that ran each sample's prompt again would."""
-        body = sum(g.prompt + sum(g.fed) for g in groups)
+        body = self.train_tokens(groups)
         attention = sum(
             self.causal_attention_flops(g.prompt)
             + sum(

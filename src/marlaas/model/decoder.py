@@ -227,8 +227,8 @@ class DecoderStack:
     def linears(self, x: Tensor, lins: Sequence[Linear], together: Together | None) -> list[Tensor]:
         """`linear(x, lin)` for each of `lins` (layers of the same input `x`): without
         gradient (the engine's forwards) and where their half weights lie together, one
-        product for all of them (`mixed.Together`: ~10 us of oneDNN's fixed cost a call
-        fewer, and `x` rounded once), each output plus its LoRA update."""
+        product for all of them (`mixed.Together`: a call's fixed cost fewer, and `x`
+        rounded once), each output plus its LoRA update."""
         if together is None or torch.is_grad_enabled():
             return [self.linear(x, lin) for lin in lins]
         outs = together.linear(x)

@@ -16,7 +16,7 @@ Without gradients on the CPU (the engine), rows skip both layouts: the native ke
 `marlaas.model.kernels.lora_rows` adds every row's update in place, reading its lane's
 weights where they lie (`RowLanes`), whether each row has its own lane (a decode batch)
 or many rows share one (a prefill of one tenant's prompts: through torch's batched
-matmuls, rank 8, 16 rows x 64 tokens, 58-72 GFLOP/s against the kernel's 96-136); where
+matmuls, rank 8, 16 rows x 64 tokens, 41-58 GFLOP/s against the kernel's 103-157); where
 it does not apply (another device or dtype, no compiler) the segments or blocks run.
 
 All give every row exactly `scale[lane] * (x A[lane]^T) B[lane]^T`, gradients

@@ -17,10 +17,10 @@ still compute the same thing.
 
 torch's bfloat16 matmul on the CPU is oneDNN's, with two fixed costs that the embedded
 base's small layers make visible: a kernel built per shape on first use (as long as
-running it: `bucket_rows` pads rows to shapes that repeat) and ~15 us a call (up to
-`kernels.HALF_LINEAR_MAX_ROWS` rows of a small layer go through
-`kernels.half_linear_rows` instead, rounding alike, over a packed copy of the weight made
-on first use: `packed`).
+running it: `bucket_rows` pads rows to shapes that repeat) and ~15 us a call. Small
+layers go through `kernels.half_linear_rows` instead, rounding alike, over a packed copy
+of the weight made on first use (`packed`): any rows on one torch thread, up to
+`kernels.HALF_LINEAR_MAX_ROWS` on more.
 
 Invariants:
 - The weights are converted in place and exist once (the float32 copy is freed).
@@ -78,26 +78,71 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 
 def _half_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """`x W^T (+ b)` for a half `weight`, as `[rows, out]` (`x`'s rows flattened): a small
-    layer's rows through `kernels.half_linear_rows` (on more than one torch thread, up
-    to `kernels.HALF_LINEAR_MAX_ROWS` of them), else through oneDNN at their bucket."""
+    """`x W^T (+ b)` for a half `weight`, as `[rows, out]` (`x`'s rows flattened): through
+    `_packed_product` where it applies, else oneDNN at the rows' bucket."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     x_2d = x.reshape(rows, x.shape[-1])
-    if rows > 0 and x.device.type == "cpu" and _cpu_bfloat16():
-        weights = packed(weight)
-        if weights is not None:
-            out = kernels.half_linear_rows(x_2d.contiguous(), weight, weights, bias)
-            if out is not None:
-                return out
+    out = _packed_product(x_2d, weight, bias, transposed=False)
+    if out is not None:
+        return out
     return F.linear(_half_rows(x_2d, weight.dtype), weight, bias)[:rows]
+
+
+def _packed_product(
+    a: Tensor, weight: Tensor, bias: Tensor | None, transposed: bool
+) -> Tensor | None:
+    """`a W^T (+ b)`, or with `transposed` `a W`, float32, through
+    `kernels.half_linear_rows` over the packed weight (a small layer's, on a CPU with
+    native bfloat16; on more than one torch thread, up to `kernels.HALF_LINEAR_MAX_ROWS`
+    rows); None where that does not apply."""
+    if a.shape[0] == 0 or a.device.type != "cpu" or not _cpu_bfloat16():
+        return None
+    weights = packed(weight, transposed)
+    if weights is None:
+        return None
+    out_features = int(weight.shape[1] if transposed else weight.shape[0])
+    return kernels.half_linear_rows(a.contiguous(), weights, out_features, bias)
 
 
 #: Weights of more elements are not packed (`packed`): their products are large enough
 #: at a few rows that oneDNN's fixed cost does not matter, and a packed copy is a copy.
 PACK_MAX_ELEMENTS = 1 << 21
 
-#: (id(weight), transposed) -> (the weight, weakly; its version when packed; the copy).
-_PACKED: dict[tuple[int, bool], tuple[weakref.ref[Tensor], int, Tensor]] = {}
+
+class _Kept:
+    """Values kept per live objects, found by identity (never by equality: tensors
+    compare element-wise), each dropped when the first of its objects is collected."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[int, ...], tuple[tuple[Any, ...], Any]] = {}
+
+    def get(self, objects: tuple[Any, ...]) -> Any:
+        """The value kept for `objects` (None: none). A plain loop: a hot path's lookup
+        (each half product of the engine's forwards makes one)."""
+        entry = self._entries.get(tuple(map(id, objects)))
+        if entry is None:
+            return None
+        refs, value = entry
+        for ref, o in zip(refs, objects, strict=True):  # kept for objects since collected
+            if ref() is not o:
+                return None
+        return value
+
+    def put(self, objects: tuple[Any, ...], value: Any) -> None:
+        key = tuple(map(id, objects))
+        if key not in self._entries:
+            weakref.finalize(objects[0], self._entries.pop, key, None)
+        refs = tuple(_none if o is None else weakref.ref(o) for o in objects)
+        self._entries[key] = (refs, value)
+
+
+def _none() -> None:
+    """The reference `_Kept` holds for a None (a layer without bias)."""
+    return None
+
+
+#: Per weight, and per weight for its transpose: (its version when packed, the copy).
+_PACKED, _PACKED_T = _Kept(), _Kept()
 
 
 def packed(weight: Tensor, transposed: bool = False) -> Tensor | None:
@@ -105,19 +150,16 @@ def packed(weight: Tensor, transposed: bool = False) -> Tensor | None:
     by it) packed for `kernels.half_linear_rows`, made on first use and kept while the
     weight lives (made again if it is written to); None for a weight too large to be
     worth a copy (`PACK_MAX_ELEMENTS`) or one the kernel does not take."""
-    key = (id(weight), transposed)
-    entry = _PACKED.get(key)
-    if entry is not None and entry[0]() is weight and entry[1] == weight._version:
-        return entry[2]
+    kept = _PACKED_T if transposed else _PACKED
+    entry = kept.get((weight,))
+    if entry is not None and entry[0] == weight._version:
+        return entry[1]  # type: ignore[no-any-return]
     if weight.numel() > PACK_MAX_ELEMENTS:
         return None
     source = weight.detach()
     copy = kernels.half_pack(source.t().contiguous() if transposed else source)
-    if copy is None:
-        return None
-    if entry is None or entry[0]() is not weight:
-        weakref.finalize(weight, _PACKED.pop, key, None)
-    _PACKED[key] = (weakref.ref(weight), weight._version, copy)
+    if copy is not None:
+        kept.put((weight,), (weight._version, copy))
     return copy
 
 
@@ -147,13 +189,10 @@ def matmul(a: Tensor, weight: Tensor) -> Tensor:
     that kernel, else oneDNN with rows in buckets)."""
     if weight.dtype == a.dtype:
         return torch.mm(a, weight)
+    out = _packed_product(a, weight, None, transposed=True)
+    if out is not None:
+        return out
     rows = int(a.shape[0])
-    if rows > 0 and a.device.type == "cpu" and _cpu_bfloat16():
-        weights = packed(weight, transposed=True)  # a W = a (W^T)^T: W^T's linear
-        if weights is not None:
-            out = kernels.half_linear_rows(a.contiguous(), weight.t(), weights, None)
-            if out is not None:
-                return out
     return torch.mm(_half_rows(a, weight.dtype), weight)[:rows].to(a.dtype)
 
 
@@ -262,13 +301,8 @@ def _store_together(parent: nn.Module) -> None:
             row += layer.out_features
 
 
-def _no_layer() -> None:
-    """What a missing bias's reference gives (`Together.of`'s cache)."""
-    return None
-
-
-#: The layers' ids -> (weak references to them, their `Together`) (`Together.of`).
-_TOGETHER: dict[tuple[int, ...], tuple[tuple[Any, ...], Together]] = {}
+#: The layers (weights, then biases) -> their `Together` (`Together.of`).
+_TOGETHER = _Kept()
 
 
 @dataclass(frozen=True)
@@ -287,12 +321,9 @@ class Together:
         give the same `Together` while they live (each forward built over them finds
         the span's packed weight, `packed`, already made)."""
         layers = (*weights, *biases)
-        key = tuple(id(t) for t in layers)
-        entry = _TOGETHER.get(key)
-        if entry is not None and all(
-            ref() is t for ref, t in zip(entry[0], layers, strict=True) if t is not None
-        ):
-            return entry[1]
+        kept = _TOGETHER.get(layers)
+        if kept is not None:
+            return kept  # type: ignore[no-any-return]
         weight = _span(weights)
         present = [b for b in biases if b is not None]
         bias = _span(present) if present else None
@@ -301,10 +332,7 @@ class Together:
         if present and (len(present) < len(biases) or bias is None):
             return None  # some layers with a bias and some without, or biases apart
         together = Together(weight, bias, tuple(int(w.shape[0]) for w in weights))
-        refs = tuple(weakref.ref(t) if t is not None else _no_layer for t in layers)
-        if entry is None:
-            weakref.finalize(weights[0], _TOGETHER.pop, key, None)
-        _TOGETHER[key] = (refs, together)
+        _TOGETHER.put(layers, together)
         return together
 
     def linear(self, x: Tensor) -> list[Tensor]:

@@ -2,10 +2,10 @@
 
 Layout: per layer, keys and values are `[rows, H, columns, D]` buffers (kv heads, head
 dim; in the model's `kv_dtype`: bfloat16 on a CPU running bfloat16 linears), all views
-of one `[layers, 2, rows, H, columns, D]` buffer, so a row's whole cache is moved, kept (`export_row`) or restored in one op rather than two per layer (in the
-pipeline every op of the device thread may wait on the event loop's hold of the
-interpreter). Batch row `b` is buffer row `b`, and its token at position `j` sits in
-column `j`:
+of one `[layers, 2, rows, H, columns, D]` buffer, so a row's whole cache is moved, kept
+(`export_row`) or restored in one op rather than two per layer (in the pipeline every
+op of the device thread may wait on the event loop's hold of the interpreter). Batch row
+`b` is buffer row `b`, and its token at position `j` sits in column `j`:
 row `b` holds `lengths_B[b]` valid columns `[0, lengths_B[b])`. A forward writes its new
 tokens' entries straight into their columns (`SlotCache`), so decoding never
 concatenates or copies the cache; the last column is a scratch column where left padding

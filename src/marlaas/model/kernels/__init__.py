@@ -20,10 +20,10 @@
 - `swiglu` / `swiglu_backward` and `rotary` (with its transpose, the backward) are the
   trainer's element-wise steps of a decoder layer, one pass each instead of torch's
   several (`fused.c`).
-- `half_linear_rows` is a bfloat16 linear layer of a few rows (up to
-  `HALF_LINEAR_MAX_ROWS`) on a CPU with AVX512-BF16 over a weight `half_pack` packed once
-  (`half_linear.c`): oneDNN's ~15 us per call is more than the product at the embedded
-  base's shapes up to ~32 rows.
+- `half_linear_rows` is a bfloat16 linear layer on a CPU with AVX512-BF16 over a weight
+  `half_pack` packed once (`half_linear.c`): at the embedded base's shapes ahead of
+  oneDNN, whose ~15 us per call is more than the product up to ~32 rows, at every row
+  count on one thread (on more, oneDNN keeps more than `HALF_LINEAR_MAX_ROWS` rows).
 - `adamw` is the trainer's AdamW update of a tenant's flat vector in one pass
   (`adamw.c`) where torch's multi-tensor ops make eight.
 - `copy_rows` moves slot-cache rows (a finished row's place taken by a live one, a

@@ -140,30 +140,29 @@ def half_pack(weight: Tensor) -> Tensor | None:
 
 
 def half_linear_rows(
-    x: Tensor, weight: Tensor, packed: Tensor, bias: Tensor | None
+    x: Tensor, packed: Tensor, out_features: int, bias: Tensor | None
 ) -> Tensor | None:
-    """`bf16(bf16(x) W^T + b)` as float32 for a few rows `x [M, K]` (float32), a bfloat16
-    weight `[N, K]` as `half_pack` packed it (and bias), as `model.mixed.linear` computes
-    it through torch, without oneDNN's fixed cost (`half_linear.c`); None where it does
-    not apply (more than `HALF_LINEAR_MAX_ROWS` rows on more than one torch thread, other
-    dtypes or layouts). For a CPU
-    with AVX512-BF16 (the caller checks first): built without, the source computes the
-    same in plain C, slowly, only so that it builds."""
+    """`bf16(bf16(x) W^T + b)` as float32 for rows `x [M, K]` (float32), a bfloat16
+    weight `W [out_features, K]` as `half_pack` packed it (and bias), as
+    `model.mixed.linear` computes it through torch, without oneDNN's fixed cost
+    (`half_linear.c`); None where it does not apply (more than `HALF_LINEAR_MAX_ROWS`
+    rows on more than one torch thread, other dtypes or layouts). For a CPU with
+    AVX512-BF16 (the caller checks first): built without, the source computes the same
+    in plain C, slowly, only so that it builds."""
     if x.dim() != 2 or x.shape[0] < 1:
         return None
     if x.shape[0] > HALF_LINEAR_MAX_ROWS and torch.get_num_threads() > 1:
         return None
     M, K = (int(n) for n in x.shape)
-    N = int(weight.shape[0])
-    if tuple(weight.shape) != (N, K) or tuple(packed.shape) != (-(-N // 16), K // 2, 16, 2):
+    N = int(out_features)
+    if tuple(packed.shape) != (-(-N // 16), K // 2, 16, 2) or K % 2:
         return None
     if not (x.is_cpu and x.dtype == torch.float32 and x.is_contiguous()):
         return None
     if bias is not None and not (
         bias.is_cpu and bias.dtype == torch.bfloat16 and bias.is_contiguous()
-    ):
-        return None
-    if bias is not None and tuple(bias.shape) != (N,):
+        and tuple(bias.shape) == (N,)
+    ):  # fmt: skip
         return None
     kernel = load("half_linear_rows")
     if kernel is None:

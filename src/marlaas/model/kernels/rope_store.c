@@ -17,8 +17,6 @@
  * strides c_sr, c_sh, c_ss (the last axis contiguous), written at row row[t], column
  * col[t].
  */
-#include <stdint.h>
-
 #include "simd.h"
 
 static inline void rotate(float *restrict dst, const float *restrict x, const float *c,

@@ -181,7 +181,7 @@ static inline __attribute__((always_inline)) void attend(
                     for (int64_t c = 0; c < cols; ++c)  /* this block's values */
                         prefetch_kv(v, at + (l0 + c) * kv_ss, D, bf16);
                     for (int64_t g0 = 0; g0 < G; g0 += GS) {
-                        if (cols == C)
+                        if (cols == C)  /* a whole block: its column count a constant */
                             group_scores(qb + g0 * q_sh, q_sh, GS, k, at + l0 * kv_ss, kv_ss, D,
                                          scale, scratch + g0 * n + l0, n, bf16, (int)C);
                         else
