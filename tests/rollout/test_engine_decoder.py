@@ -12,55 +12,17 @@ from typing import Any
 
 import pytest
 import torch
-from rollout_support import random_adapter
+from rollout_support import VOCAB, decoder_model, forwards
 from torch import Tensor
 
 from helpers.tiny_archs import ARCHS, tiny_model
-from marlaas.config.specs import LoRASpec
 from marlaas.model import kernels
 from marlaas.model.bank import AdapterBank
 from marlaas.model.decoder import MODEL_TYPES
 from marlaas.model.lora import LoRAModel
 from marlaas.model.mixed import half_linears
-from marlaas.model.tokenizer import build_tokenizer
 from marlaas.rollout.decoder import CompactDecoder
-from marlaas.rollout.forward import RowForward
-from marlaas.rollout.kv import SlotKV, kv_geometry
-
-VOCAB = len(build_tokenizer())
-SPEC = LoRASpec(rank=4, alpha=8.0)  # every linear layer: each projection's update runs
-
-
-def _model(arch: str, dtype: torch.dtype) -> tuple[LoRAModel, AdapterBank]:
-    model = LoRAModel(tiny_model(arch, VOCAB).to(dtype), max_rank=4)
-    spec = model.resolve(SPEC)
-    bank = AdapterBank(model, num_slots=4, dtype=torch.float32)
-    for i in range(3):
-        bank.register(f"t{i}", spec, tensors=random_adapter(model, 20 + i, spec))
-    return model, bank
-
-
-def _run(model: LoRAModel, bank: AdapterBank) -> tuple[list[Tensor], SlotKV, list[int]]:
-    """Prefill three rows (left-padded, each its own adapter), continue two of them with
-    a second turn, then decode all three for three steps; every forward's logits, the
-    cache, and the rows' lengths."""
-    kv = SlotKV(kv_geometry(model.base.config), model.kv_dtype, model.device, 4, 128)
-    forward = RowForward(model, bank, kv)
-    slot_R = torch.tensor([bank.acquire(f"t{i}").slot for i in range(3)])
-    gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(4, VOCAB, (n,), generator=gen).tolist() for n in (5, 13, 9)]
-    logits = [forward.prefill(0, slot_R, [0, 0, 0], prompts, 0, all_logits=True)]
-    lengths = [len(p) for p in prompts]
-    turn = [torch.randint(4, VOCAB, (n,), generator=gen).tolist() for n in (4, 2)]
-    logits.append(forward.prefill(0, slot_R[:2], lengths[:2], turn, 0, all_logits=True))
-    lengths = [lengths[0] + 4, lengths[1] + 2, lengths[2]]
-    for _ in range(3):
-        ids = torch.randint(4, VOCAB, (3, 1), generator=gen)
-        pos = torch.tensor(lengths)[:, None]
-        kv.reserve(3, max(lengths) + 1)
-        logits.append(forward.rows(0, slot_R, ids, pos, max(lengths) + 1))
-        lengths = [n + 1 for n in lengths]
-    return logits, kv, lengths
+from marlaas.rollout.kv import SlotKV
 
 
 def _compare(
@@ -88,31 +50,31 @@ def _compare(
 
 def _modules_path(model: LoRAModel, bank: AdapterBank) -> tuple[list[Tensor], SlotKV, list[int]]:
     with kernels.torch_path():
-        return _run(model, bank)
+        return forwards(model, bank)
 
 
 @pytest.mark.parametrize("arch", MODEL_TYPES)
 def test_logits_and_cache_equal_the_modules_with_the_native_kernels(arch: str) -> None:
-    model, bank = _model(arch, torch.float32)
+    model, bank = decoder_model(arch, torch.float32)
     assert CompactDecoder.of(model) is not None
     assert kernels.native_kernels()
-    _compare(_run(model, bank), _modules_path(model, bank), atol=1e-4)
+    _compare(forwards(model, bank), _modules_path(model, bank), atol=1e-4)
 
 
 @pytest.mark.parametrize("arch", MODEL_TYPES)
 def test_logits_and_cache_equal_the_modules_with_torchs_ops(
     arch: str, no_native_kernels: Any
 ) -> None:
-    model, bank = _model(arch, torch.float32)
+    model, bank = decoder_model(arch, torch.float32)
     assert not kernels.native_kernels()
-    _compare(_run(model, bank), _modules_path(model, bank), atol=1e-4)
+    _compare(forwards(model, bank), _modules_path(model, bank), atol=1e-4)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_a_bfloat16_base_gives_the_modules_logits(arch: str) -> None:
-    model, bank = _model(arch, torch.bfloat16)
+    model, bank = decoder_model(arch, torch.bfloat16)
     assert model.dtype == torch.bfloat16
-    _compare(_run(model, bank), _modules_path(model, bank), atol=2e-2)
+    _compare(forwards(model, bank), _modules_path(model, bank), atol=2e-2)
 
 
 @pytest.mark.parametrize("arch", [a for a in ARCHS if a not in MODEL_TYPES])
@@ -140,11 +102,11 @@ def test_half_linear_weights_give_the_modules_logits(arch: str) -> None:
     multiply alike, and cache keys and values in bfloat16 alike. Rounding an input to
     bfloat16 can turn a float32 ulp of difference into a bfloat16 one, hence a wider
     tolerance than float32's."""
-    model, bank = _model(arch, torch.float32)
+    model, bank = decoder_model(arch, torch.float32)
     assert half_linears(model.base, torch.bfloat16) > 0
     assert model.dtype == torch.float32 and CompactDecoder.of(model) is not None
     assert model.kv_dtype == torch.bfloat16  # both paths write and read a half cache
-    got = _run(model, bank)
+    got = forwards(model, bank)
     assert got[1].buffer.dtype == torch.bfloat16
     _compare(got, _modules_path(model, bank), atol=2e-3)
 
@@ -153,11 +115,11 @@ def test_half_linear_weights_are_closer_to_float32_than_a_bfloat16_model() -> No
     """What the float32 activations buy: the logits of bfloat16 linear weights over float32
     activations stay nearer the float32 model's than those of the whole model in
     bfloat16 (the same rounded weights, bfloat16 activations and cache)."""
-    want = _run(*_model("llama", torch.float32))[0]
-    mixed_model, mixed_bank = _model("llama", torch.float32)
+    want = forwards(*decoder_model("llama", torch.float32))[0]
+    mixed_model, mixed_bank = decoder_model("llama", torch.float32)
     half_linears(mixed_model.base, torch.bfloat16)
-    mixed = _run(mixed_model, mixed_bank)[0]
-    whole = _run(*_model("llama", torch.bfloat16))[0]
+    mixed = forwards(mixed_model, mixed_bank)[0]
+    whole = forwards(*decoder_model("llama", torch.bfloat16))[0]
 
     def error(got: list[Tensor]) -> float:
         return max(float((a.float() - b).abs().max()) for a, b in zip(got, want, strict=True))

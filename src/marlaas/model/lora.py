@@ -62,7 +62,7 @@ from marlaas.model.arch import (
     output_head,
     resolve_targets,
 )
-from marlaas.model.lane_plan import LanePlan
+from marlaas.model.lane_plan import LanePlan, RowLanes
 from marlaas.model.mixed import cache_dtype
 from marlaas.model.mixed import linear as mixed_linear
 
@@ -403,6 +403,24 @@ class LoRAModel:
         return LaneBatch(lane_B=lane_B, A=A, B=B, scale_L=scale_L)
 
     # -- forward context ---------------------------------------------------------------
+
+    def row_lanes(self, tokens: int) -> tuple[LaneBatch, RowLanes] | None:
+        """The lane batch this thread's `lanes()` context set and its rows for the native
+        kernels (`RowLanes`: each row's lane, the rows by lane, the scales), planned as
+        the injected layers plan it for inputs of `tokens` tokens (whichever asks first,
+        the same plan); None outside a context, or where the rows have none."""
+        context = self._context
+        batch = context.batch if context.owner == threading.get_ident() else None
+        if batch is None:
+            return None
+        rows = int(batch.lane_B.shape[0])
+        if rows == 0 or tokens % rows:
+            return None
+        rank = next((int(A.shape[1]) for A in batch.A.values()), 1)
+        current = context.current(tokens // rows, rank)
+        if current is None or current[1].rows is None:
+            return None
+        return current[0], current[1].rows
 
     def add_lora(self, path: str, x: Tensor, y: Tensor) -> Tensor:
         """`y` plus module `path`'s LoRA update for input `x` under the lane batch of the

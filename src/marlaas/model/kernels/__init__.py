@@ -34,6 +34,10 @@
 - `rope_store` applies the rotary embedding to a forward's new queries (in place) and
   keys and writes the keys and values into their cache columns (`rope_store.c`): about
   a dozen element-wise ops, a transpose and two indexed copies per layer in torch.
+- `decoder_layers` runs every decoder layer of an engine forward in one call
+  (`decoder_layers.c`, linked with the kernels above): the same kernels in the same
+  order as the compact forward's Python path, without its ~70 wrapper calls a step
+  (`marlaas.rollout.native`).
 
 Build: each C source is compiled with the system's C compiler (`cc`, or `$CC`) into a
 shared library in the user's cache (`$XDG_CACHE_HOME/marlaas/kernels`, else a private
@@ -68,6 +72,7 @@ from marlaas.model.kernels.fused import (
     adamw,
     adamw_applies,
     half_linear_rows,
+    half_linear_takes,
     half_pack,
     rotary,
     rotary_applies,
@@ -92,6 +97,7 @@ __all__ = [
     "add_rms_norm",
     "copy_rows",
     "half_linear_rows",
+    "half_linear_takes",
     "half_pack",
     "lora_rows",
     "lora_rows_backward",

@@ -13,7 +13,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +109,19 @@ KERNELS: dict[str, tuple[str, str, list[type]]] = {
             *(_PTR, _PTR, _I64),
         ],
     ),
+    "decoder_layers": ("decoder_layers", "decoder_layers_f32", [_PTR, _PTR]),
+}
+#: Libraries that link other kernels' sources with their own (a stem's functions called
+#: from another's C): the stem -> the other stems.
+LINKED: dict[str, tuple[str, ...]] = {
+    "decoder_layers": (
+        "rms_norm",
+        "half_linear",
+        "lora_rows",
+        "rope_store",
+        "span_attention",
+        "fused",
+    ),
 }
 
 
@@ -140,24 +153,30 @@ def _source(stem: str) -> Path:
     return Path(__file__).with_name(f"{stem}.c")
 
 
-def _build(source: Path, cc: str) -> Path:
-    """The shared library of `source`, compiled unless the cache has it (keyed on the
-    source, the headers beside it that sources include, the flags and the CPU)."""
+def _build(source: Path, cc: str, linked: Sequence[Path] = ()) -> Path:
+    """The shared library of `source` (linked with the `linked` sources), compiled unless
+    the cache has it (keyed on the sources, the headers beside them that sources
+    include, the flags and the CPU)."""
+    sources = [source, *linked]
     # -march=native: a cache shared by machines of other CPUs must not hand them this one.
-    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    headers = b"".join(h.read_bytes() for h in sorted(sources[0].parent.glob("*.h")))
     digest = hashlib.sha256(
-        source.read_bytes() + headers + " ".join([cc, *_COMPILE, *_LINK, _cpu()]).encode()
+        b"".join(s.read_bytes() for s in sources)
+        + headers
+        + " ".join([cc, *_COMPILE, *_LINK, _cpu()]).encode()
     ).hexdigest()[:16]
     target = _kernel_dir() / f"{source.stem}-{digest}.so"
     if target.exists():
         return target
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        obj, lib = Path(tmp) / "kernel.o", Path(tmp) / "kernel.so"
-        for argv in (
-            [cc, *_COMPILE, "-c", str(source), "-o", str(obj)],
-            [cc, str(obj), "-o", str(lib), *_LINK],
-        ):
+        objects = [str(Path(tmp) / f"{s.stem}.o") for s in sources]
+        lib = Path(tmp) / "kernel.so"
+        for src, obj in zip(sources, objects, strict=True):
+            argv = [cc, *_COMPILE, "-c", str(src), "-o", obj]
             subprocess.run(argv, check=True, capture_output=True, timeout=120)
+        subprocess.run(
+            [cc, *objects, "-o", str(lib), *_LINK], check=True, capture_output=True, timeout=120
+        )
         os.replace(lib, target)
     return target
 
@@ -174,7 +193,8 @@ def _library(name: str) -> Any:
         return None
     stem, function, argtypes = KERNELS[name]
     try:
-        lib = ctypes.CDLL(str(_build(_source(stem), cc)))
+        linked = [_source(s) for s in LINKED.get(stem, ())]
+        lib = ctypes.CDLL(str(_build(_source(stem), cc, linked)))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", b"") or b""
         _log.warning(

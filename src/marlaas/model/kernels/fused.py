@@ -124,6 +124,12 @@ def adamw(
 HALF_LINEAR_MAX_ROWS = 64
 
 
+def half_linear_takes(rows: int) -> bool:
+    """Whether `half_linear_rows` takes a product of `rows` rows on this many torch
+    threads (`HALF_LINEAR_MAX_ROWS`)."""
+    return rows <= HALF_LINEAR_MAX_ROWS or torch.get_num_threads() == 1
+
+
 def half_pack(weight: Tensor) -> Tensor | None:
     """`weight [N, K]` (bfloat16, contiguous, K even) packed for `half_linear_rows`: per
     block of 16 outputs and pair of inputs, the 16 outputs' two weights side by side
@@ -149,9 +155,7 @@ def half_linear_rows(
     rows on more than one torch thread, other dtypes or layouts). For a CPU with
     AVX512-BF16 (the caller checks first): built without, the source computes the same
     in plain C, slowly, only so that it builds."""
-    if x.dim() != 2 or x.shape[0] < 1:
-        return None
-    if x.shape[0] > HALF_LINEAR_MAX_ROWS and torch.get_num_threads() > 1:
+    if x.dim() != 2 or x.shape[0] < 1 or not half_linear_takes(int(x.shape[0])):
         return None
     M, K = (int(n) for n in x.shape)
     N = int(out_features)

@@ -167,36 +167,40 @@ static inline const float *rank_major(const float *Bl, int64_t b_so, int64_t b_s
  * GFLOP/s): `r` as a compile-time constant for the common ranks (the loops over it
  * unroll); r <= 64 (the caller checks). */
 static inline __attribute__((always_inline)) void tokens(
-    int64_t T, int64_t in, int64_t out, const int64_t r, const float *x, float *y,
+    int64_t T, int64_t in, int64_t out, int64_t ys, const int64_t r, const float *x, float *y,
     const float *Al, int64_t a_sr, const float *Bt, int64_t bt_sk, float s, int64_t u) {
     float h0[64], h1[64];
     int64_t t = 0;
     for (; t + 2 <= T; t += 2) {
         const int64_t t0 = u * T + t;
         down2(Al, a_sr, r, x + t0 * in, x + (t0 + 1) * in, in, s, h0, h1);
-        up2(Bt, bt_sk, r, h0, h1, y + t0 * out, y + (t0 + 1) * out, out);
+        up2(Bt, bt_sk, r, h0, h1, y + t0 * ys, y + (t0 + 1) * ys, out);
     }
     if (t < T) {
         down(Al, a_sr, r, x + (u * T + t) * in, in, s, h0);
-        up(Bt, bt_sk, r, h0, y + (u * T + t) * out, out);
+        up(Bt, bt_sk, r, h0, y + (u * T + t) * ys, out);
     }
 }
 
 /* Two one-token units `u0`, `u1` of one lane. */
 static inline __attribute__((always_inline)) void pair(
-    int64_t in, int64_t out, const int64_t r, const float *x, float *y, const float *Al,
-    int64_t a_sr, const float *Bt, int64_t bt_sk, float s, int64_t u0, int64_t u1) {
+    int64_t in, int64_t out, int64_t ys, const int64_t r, const float *x, float *y,
+    const float *Al, int64_t a_sr, const float *Bt, int64_t bt_sk, float s, int64_t u0,
+    int64_t u1) {
     float h0[64], h1[64];
     down2(Al, a_sr, r, x + u0 * in, x + u1 * in, in, s, h0, h1);
-    up2(Bt, bt_sk, r, h0, h1, y + u0 * out, y + u1 * out, out);
+    up2(Bt, bt_sk, r, h0, h1, y + u0 * ys, y + u1 * ys, out);
 }
 
-void lora_rows_f32(int64_t U, int64_t T, int64_t in, int64_t out, int64_t r,
-                   const float *x, float *y,
-                   const float *A, int64_t a_sl, int64_t a_sr,
-                   const float *B, int64_t b_sl, int64_t b_so, int64_t b_sr,
-                   const int64_t *lane, const int64_t *order, const float *scale,
-                   float *scratch) {
+/* `lora_rows_f32` into the tokens of a wider y: token t's `out` features at y + t * ys
+ * (ys >= out: q, k and v, or gate and up, side by side in one product's output, as the
+ * engine's decoder layers leave them: `decoder_layers.c`). */
+void lora_rows_strided_f32(int64_t U, int64_t T, int64_t in, int64_t out, int64_t r,
+                           const float *x, float *y, int64_t ys,
+                           const float *A, int64_t a_sl, int64_t a_sr,
+                           const float *B, int64_t b_sl, int64_t b_so, int64_t b_sr,
+                           const int64_t *lane, const int64_t *order, const float *scale,
+                           float *scratch) {
     int64_t current = -1;
     const float *Bt = scratch;
     int64_t bt_sk = out;
@@ -227,18 +231,28 @@ void lora_rows_f32(int64_t U, int64_t T, int64_t in, int64_t out, int64_t r,
         if (T == 1 && j + 1 < U && lane[order[j + 1]] == l) {
             const int64_t u1 = order[++j];
             switch (r) {
-                case 8: pair(in, out, 8, x, y, Al, a_sr, Bt, bt_sk, s, u, u1); break;
-                case 16: pair(in, out, 16, x, y, Al, a_sr, Bt, bt_sk, s, u, u1); break;
-                default: pair(in, out, r, x, y, Al, a_sr, Bt, bt_sk, s, u, u1);
+                case 8: pair(in, out, ys, 8, x, y, Al, a_sr, Bt, bt_sk, s, u, u1); break;
+                case 16: pair(in, out, ys, 16, x, y, Al, a_sr, Bt, bt_sk, s, u, u1); break;
+                default: pair(in, out, ys, r, x, y, Al, a_sr, Bt, bt_sk, s, u, u1);
             }
             continue;
         }
         switch (r) {
-            case 8: tokens(T, in, out, 8, x, y, Al, a_sr, Bt, bt_sk, s, u); break;
-            case 16: tokens(T, in, out, 16, x, y, Al, a_sr, Bt, bt_sk, s, u); break;
-            default: tokens(T, in, out, r, x, y, Al, a_sr, Bt, bt_sk, s, u);
+            case 8: tokens(T, in, out, ys, 8, x, y, Al, a_sr, Bt, bt_sk, s, u); break;
+            case 16: tokens(T, in, out, ys, 16, x, y, Al, a_sr, Bt, bt_sk, s, u); break;
+            default: tokens(T, in, out, ys, r, x, y, Al, a_sr, Bt, bt_sk, s, u);
         }
     }
+}
+
+void lora_rows_f32(int64_t U, int64_t T, int64_t in, int64_t out, int64_t r,
+                   const float *x, float *y,
+                   const float *A, int64_t a_sl, int64_t a_sr,
+                   const float *B, int64_t b_sl, int64_t b_so, int64_t b_sr,
+                   const int64_t *lane, const int64_t *order, const float *scale,
+                   float *scratch) {
+    lora_rows_strided_f32(U, T, in, out, r, x, y, out, A, a_sl, a_sr, B, b_sl, b_so, b_sr, lane,
+                          order, scale, scratch);
 }
 
 /* acc[k * ld + i] += sum_t c[t * r + k] * v_t[i] for k < r, i < n over the `nt` rows

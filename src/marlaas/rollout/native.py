@@ -1,0 +1,291 @@
+"""The engine's decoder layers in one native call (`kernels/decoder_layers.c`): what the
+compact forward (`marlaas.rollout.decoder`) runs layer by layer, kernel by kernel, run
+by the same kernels in the same order from C, so the Python wrappers, ctypes and the
+tensors of each step are paid once a forward instead of ~70 times (~0.5 ms of a decode
+step of the embedded base, whatever its rows).
+
+It covers the CPU's half dtype (`marlaas.model.mixed`: bfloat16 linear weights over
+float32 activations, every product through `kernels.half_linear_rows`) with every
+other step on its native kernel: SwiGLU MLPs, no per-head norms (Qwen3 keeps the
+Python path), q/k/v and gate/up stored together (`mixed.Together`), the adapters' rows
+on `kernels.lora_rows` (`RowLanes`). Elsewhere `NativeLayers.of` is None, and a
+forward it does not take (`run` returns None: the kernels switched off, more rows than
+the half kernel takes on several threads, a lane batch of another layout) runs the
+Python path.
+
+Invariant: its keys, values and residual stream equal the Python path's exactly (the
+same kernels on the same values: `tests/rollout/test_native_layers.py`).
+"""
+
+from __future__ import annotations
+
+import array
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from marlaas.model.attention import AttentionPlan
+from marlaas.model.decoder import DecoderStack, Layer, Linear
+from marlaas.model.kernels import LORA_ROWS_MAX_RANK, half_linear_takes, native_kernels
+from marlaas.model.kernels.build import kernel as load
+from marlaas.model.mixed import native_bfloat16, packed
+from marlaas.rollout.kv import SlotKV, SlotWrites
+
+#: The C side's field counts (`decoder_layers.c`: F_FIELDS, L_FIELDS, M_FIELDS,
+#: FL_FIELDS); the order of each list below is its enums'.
+_F_FIELDS, _L_STATIC, _L_KV, _M_FIELDS, _FL_FIELDS = 32, 13, 7, 8, 4
+#: A layer's LoRA modules, in the C side's order.
+_MODULES = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclass(frozen=True)
+class _Weights:
+    """One layer's packed weights (kept: the C side reads them by address)."""
+
+    qkv: Tensor
+    o: Tensor
+    gate_up: Tensor
+    down: Tensor
+
+
+class NativeLayers:
+    """The native call's view of one `DecoderStack` (see the module doc)."""
+
+    def __init__(self, stack: DecoderStack) -> None:
+        self.stack = stack
+        first = stack.layers[0]
+        self.inter = int(first.down.weight.shape[1])
+        self.kv_bf16 = stack.kv_dtype == torch.bfloat16
+        self._floats = array.array(
+            "f",
+            [v for layer in stack.layers for v in _layer_floats(layer)],
+        )
+        self._weights: list[_Weights] = []
+        self._static: list[int] = []
+        #: The lane batch's weights (`A`, `B` mappings) -> each layer's LoRA fields.
+        self._lora: tuple[Mapping[str, Tensor], Mapping[str, Tensor], list[list[int]]] | None
+        self._lora = None
+
+    @staticmethod
+    def of(stack: DecoderStack) -> NativeLayers | None:
+        """The native layers of `stack`, or None where they do not cover it."""
+        model = stack.model
+        E = int(stack.embed.shape[1])
+        if (
+            model.device.type != "cpu"
+            or model.dtype != torch.float32
+            or not native_bfloat16(model.device)
+            or not native_kernels("decoder_layers")
+            or not stack.silu
+            or stack.kv_dtype not in (torch.float32, torch.bfloat16)
+            or E % 2
+            or (stack.heads * stack.head_dim) % 2
+        ):
+            return None
+        for layer in stack.layers:
+            if layer.q_norm is not None or layer.qkv is None or layer.gate_up is None:
+                return None
+            if (
+                layer.gate_up.sizes[0] != layer.gate_up.sizes[1]
+                or int(layer.down.weight.shape[1]) != layer.gate_up.sizes[0]
+            ):
+                return None
+            weights = (layer.qkv.weight, layer.o.weight, layer.gate_up.weight, layer.down.weight)
+            biases = (layer.qkv.bias, layer.o.bias, layer.gate_up.bias, layer.down.bias)
+            if any(w.dtype != torch.bfloat16 for w in weights) or any(
+                b is not None and (b.dtype != torch.bfloat16 or not b.is_contiguous())
+                for b in biases
+            ):
+                return None
+            if int(layer.down.weight.shape[1]) % 2 or any(packed(w) is None for w in weights):
+                return None
+        return NativeLayers(stack)
+
+    def run(
+        self,
+        kv: SlotKV,
+        row0: int,
+        R: int,
+        N: int,
+        h_TE: Tensor,
+        cos_TD: Tensor,
+        sin_TD: Tensor,
+        writes: SlotWrites,
+        plan: AttentionPlan,
+    ) -> Tensor | None:
+        """Every layer over the forward's `R x N` tokens: `h_TE` updated in place (all
+        but the last layer's MLP output) and that last output returned, the keys and
+        values written into `kv`; None (nothing done) where the call does not apply."""
+        stack = self.stack
+        T, E = (int(n) for n in h_TE.shape)
+        H, Hkv, D = stack.heads, stack.kv_heads, stack.head_dim
+        kernel = load("decoder_layers")
+        if kernel is None or not half_linear_takes(T):
+            return None
+        lanes = stack.model.row_lanes(T)
+        if lanes is None or not _takes(h_TE, cos_TD, sin_TD, writes, T, D):
+            return None
+        batch, rows = lanes
+        lora = self._lora_fields(batch.A, batch.B)
+        static = self._static_fields()
+        if lora is None or static is None:
+            return None
+        spans = {w: plan.span(w) for w in set(kv.geometry.windows)}
+        columns = int(plan.columns)
+        if any(s.widest < 1 or s.widest > columns for s in spans.values()):
+            return None
+        widest = max(s.widest for s in spans.values())
+        units = int(rows.lane_N.shape[0])
+        width = max(E, H * D, self.inter)
+        C = int(stack.layers[0].qkv.weight.shape[0]) if stack.layers[0].qkv else 0
+        x = torch.empty((T, E))
+        qkv = torch.empty((T, C))
+        att = torch.empty((T, H * D))
+        out = torch.empty((T, E))
+        gu = torch.empty((T, 2 * self.inter))
+        gated = torch.empty((T, self.inter))
+        delta = torch.empty((T, E))
+        xb = torch.empty(T * width, dtype=torch.bfloat16)
+        scores = torch.empty((H // Hkv) * widest)
+        lora_scratch = torch.empty(LORA_ROWS_MAX_RANK * max(C, 2 * self.inter, E))
+        fields = [
+            *(len(stack.layers), T, R, N, E, H, Hkv, D, int(cos_TD.shape[-1]), self.inter),
+            *(int(self.kv_bf16), units, T // units, row0),
+            h_TE.data_ptr(),
+            cos_TD.data_ptr(),
+            sin_TD.data_ptr(),
+            writes.row_T.data_ptr(),
+            writes.col_T.data_ptr(),
+            rows.lane_N.data_ptr(),
+            rows.order_N.data_ptr(),
+            0 if rows.scale_L is None else rows.scale_L.data_ptr(),
+            *(x.data_ptr(), qkv.data_ptr(), att.data_ptr(), out.data_ptr(), gu.data_ptr()),
+            *(gated.data_ptr(), delta.data_ptr(), xb.data_ptr(), scores.data_ptr()),
+            lora_scratch.data_ptr(),
+        ]
+        assert len(fields) == _F_FIELDS
+        for i, window in enumerate(kv.geometry.windows):
+            keys, values = kv.keys[i], kv.values[i]
+            span = spans[window]
+            fields += static[i * _L_STATIC : (i + 1) * _L_STATIC]
+            fields += (keys.data_ptr(), values.data_ptr(), *keys.stride()[:3])
+            fields += (span.start_Q.data_ptr(), span.end_Q.data_ptr())
+            fields += lora[i]
+        program = array.array("q", fields)
+        kernel(program.buffer_info()[0], self._floats.buffer_info()[0])
+        return delta
+
+    def _static_fields(self) -> list[int] | None:
+        """Each layer's weights' fields, made again where a packed weight was (a weight
+        written since: `mixed.packed`)."""
+        current: list[_Weights] = []
+        for layer in self.stack.layers:
+            assert layer.qkv is not None and layer.gate_up is not None
+            parts = [
+                packed(w)
+                for w in (layer.qkv.weight, layer.o.weight, layer.gate_up.weight, layer.down.weight)
+            ]
+            if any(p is None for p in parts):
+                return None
+            current.append(_Weights(*(p for p in parts if p is not None)))
+        if len(current) != len(self._weights) or any(
+            a is not b
+            for new, old in zip(current, self._weights, strict=False)
+            for a, b in zip(vars(new).values(), vars(old).values(), strict=True)
+        ):
+            self._weights = current
+            self._static = [
+                v
+                for layer, w in zip(self.stack.layers, current, strict=True)
+                for v in _layer_static(layer, w)
+            ]
+        return self._static
+
+    def _lora_fields(
+        self, A: Mapping[str, Tensor], B: Mapping[str, Tensor]
+    ) -> list[list[int]] | None:
+        """Each layer's LoRA modules' fields for the lane batch's weights (kept while the
+        batch's mappings are the same objects: the adapter bank's, step after step);
+        None where the kernel does not take one of them."""
+        kept = self._lora
+        if kept is not None and kept[0] is A and kept[1] is B:
+            return kept[2]
+        layers: list[list[int]] = []
+        for layer in self.stack.layers:
+            fields: list[int] = []
+            for name in _MODULES:
+                lin: Linear = getattr(layer, name)
+                A_Lri = A.get(lin.path) if lin.path is not None else None
+                if A_Lri is None:
+                    fields += [0] * _M_FIELDS
+                    continue
+                B_Lor = B[lin.path]  # type: ignore[index]
+                if not _lora_takes(A_Lri, B_Lor, lin):
+                    return None
+                fields += (A_Lri.data_ptr(), *A_Lri.stride()[:2], B_Lor.data_ptr())
+                fields += (*B_Lor.stride(), int(A_Lri.shape[1]))
+            layers.append(fields)
+        self._lora = (A, B, layers)
+        return layers
+
+
+def _layer_floats(layer: Layer) -> list[float]:
+    """A layer's floats, in the C side's order (FL_*)."""
+    return [layer.input_norm.eps, layer.post_norm.eps, layer.scaling, 0.0]
+
+
+def _layer_static(layer: Layer, w: _Weights) -> list[int]:
+    """A layer's fields of its weights, in the C side's order (L_NORM1 .. L_DOWN_B)."""
+    assert layer.qkv is not None and layer.gate_up is not None
+
+    def ptr(t: Tensor | None) -> int:
+        return 0 if t is None else t.data_ptr()
+
+    return [
+        layer.input_norm.weight.data_ptr(),
+        layer.post_norm.weight.data_ptr(),
+        w.qkv.data_ptr(),
+        ptr(layer.qkv.bias),
+        *layer.qkv.sizes,
+        w.o.data_ptr(),
+        ptr(layer.o.bias),
+        w.gate_up.data_ptr(),
+        ptr(layer.gate_up.bias),
+        w.down.data_ptr(),
+        ptr(layer.down.bias),
+    ]
+
+
+def _lora_takes(A_Lri: Tensor, B_Lor: Tensor, lin: Linear) -> bool:
+    """Whether `kernels.lora_rows` takes a module's lane weights (its layouts)."""
+    out_features, in_features = (int(n) for n in lin.weight.shape)
+    L, r, fan_in = (int(n) for n in A_Lri.shape)
+    return (
+        A_Lri.dtype == B_Lor.dtype == torch.float32
+        and A_Lri.is_cpu
+        and B_Lor.is_cpu
+        and fan_in == in_features
+        and tuple(B_Lor.shape) == (L, out_features, r)
+        and r <= LORA_ROWS_MAX_RANK
+        and A_Lri.stride(-1) == 1
+        and 1 in (B_Lor.stride(1), B_Lor.stride(2))
+    )
+
+
+def _takes(
+    h_TE: Tensor, cos_TD: Tensor, sin_TD: Tensor, writes: SlotWrites, T: int, D: int
+) -> bool:
+    """Whether the forward's own tensors are of the layouts the kernels take."""
+    tensors: tuple[Any, ...] = (h_TE, cos_TD, sin_TD)
+    return (
+        all(t.is_cpu and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+        and tuple(cos_TD.shape) == (T, D)
+        and tuple(sin_TD.shape) == (T, D)
+        and all(
+            t.dtype == torch.int64 and t.is_contiguous() and int(t.shape[0]) == T
+            for t in (writes.row_T, writes.col_T)
+        )
+    )
