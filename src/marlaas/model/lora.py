@@ -406,9 +406,11 @@ class LoRAModel:
 
     def row_lanes(self, tokens: int) -> tuple[LaneBatch, RowLanes] | None:
         """The lane batch this thread's `lanes()` context set and its rows for the native
-        kernels (`RowLanes`: each row's lane, the rows by lane, the scales), planned as
-        the injected layers plan it for inputs of `tokens` tokens (whichever asks first,
-        the same plan); None outside a context, or where the rows have none."""
+        kernels (`RowLanes`: each row's lane, the rows by lane, the scales), for inputs
+        of `tokens` tokens (a whole number of tokens a row); None outside a context, or
+        where the kernels are not built. Made here rather than through the layers' lane
+        plan, whose other layouts (segments: a Python loop over the rows) only torch's
+        path needs."""
         context = self._context
         batch = context.batch if context.owner == threading.get_ident() else None
         if batch is None:
@@ -416,11 +418,9 @@ class LoRAModel:
         rows = int(batch.lane_B.shape[0])
         if rows == 0 or tokens % rows:
             return None
-        rank = next((int(A.shape[1]) for A in batch.A.values()), 1)
-        current = context.current(tokens // rows, rank)
-        if current is None or current[1].rows is None:
-            return None
-        return current[0], current[1].rows
+        scale_L = None if batch.prescaled else batch.scale_L
+        lanes = RowLanes.of(batch.lane_B, scale_L)
+        return None if lanes is None else (batch, lanes)
 
     def add_lora(self, path: str, x: Tensor, y: Tensor) -> Tensor:
         """`y` plus module `path`'s LoRA update for input `x` under the lane batch of the
