@@ -5,9 +5,11 @@ does not take."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -213,3 +215,29 @@ def test_a_changed_shared_header_builds_again(
     (folder / "v.h").write_text("#define V 2\n")
     second = build._build(folder / "k.c", cc)
     assert second != first and second.exists()
+
+
+def test_a_source_linked_into_two_libraries_compiles_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Objects are cached per source: a library that links another kernel's source
+    (`build.LINKED`) and that kernel's own library share its object."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    folder = tmp_path / "src"
+    folder.mkdir()
+    (folder / "a.c").write_text("int b(void);\nint a(void) { return b() + 1; }\n")
+    (folder / "b.c").write_text("int b(void) { return 41; }\n")
+    cc = shutil.which("cc") or "gcc"
+    runs: list[list[str]] = []
+    run = build.subprocess.run
+
+    def spy(argv: list[str], **kwargs: Any) -> Any:
+        runs.append(argv)
+        return run(argv, **kwargs)
+
+    monkeypatch.setattr(build.subprocess, "run", spy)
+    lib_a = build._build(folder / "a.c", cc, [folder / "b.c"])
+    lib_b = build._build(folder / "b.c", cc)
+    assert len([argv for argv in runs if "-c" in argv]) == 2  # a.c and b.c, once each
+    assert ctypes.CDLL(str(lib_a)).a() == 42
+    assert ctypes.CDLL(str(lib_b)).b() == 41

@@ -39,13 +39,15 @@
   order as the compact forward's Python path, without its ~70 wrapper calls a step
   (`marlaas.rollout.native`).
 
-Build: each C source is compiled with the system's C compiler (`cc`, or `$CC`) into a
-shared library in the user's cache (`$XDG_CACHE_HOME/marlaas/kernels`, else a private
-temporary folder; named by a hash of the source, the shared header `simd.h` and the
-flags, so a changed source or header builds again), written to a temporary
-name and renamed, so concurrent processes never load a half-written file. It takes
-well under a second. Where there is no compiler, or the build or load fails, or
-`MARLAAS_NATIVE_KERNELS=0`, the kernels decline (None or False, logged once) and callers
+Build: each C source is compiled with the system's C compiler (`cc`, or `$CC`) into an
+object in the user's cache (`$XDG_CACHE_HOME/marlaas/kernels`, else a private temporary
+folder; named by a hash of the source, the shared header `simd.h`, the flags and the
+CPU, so a changed source or header builds again), and the objects into a shared library
+(one kernel's source, and those `build.LINKED` to it: `decoder_layers` links six),
+each written to a temporary name and renamed, so concurrent processes never load a
+half-written file. The first build on a machine takes ~15 s (the span attention's
+specialisations ~12 of them), later ones are loads. Where there is no compiler, or the
+build or load fails, or `MARLAAS_NATIVE_KERNELS=0`, the kernels decline (None or False, logged once) and callers
 keep torch's path: the kernels change speed, never results beyond float rounding.
 
 Only float32 CPU tensors whose last axis is contiguous are taken; anything else is

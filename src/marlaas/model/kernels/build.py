@@ -153,30 +153,39 @@ def _source(stem: str) -> Path:
     return Path(__file__).with_name(f"{stem}.c")
 
 
-def _build(source: Path, cc: str, linked: Sequence[Path] = ()) -> Path:
-    """The shared library of `source` (linked with the `linked` sources), compiled unless
-    the cache has it (keyed on the sources, the headers beside them that sources
-    include, the flags and the CPU)."""
-    sources = [source, *linked]
+def _digest(*parts: bytes) -> str:
+    return hashlib.sha256(b"".join(parts)).hexdigest()[:16]
+
+
+def _object(source: Path, cc: str) -> Path:
+    """`source` compiled to an object in the cache unless it has it (keyed on the source,
+    the headers beside it that sources include, the flags and the CPU): a source linked
+    into several libraries (`LINKED`) is compiled once."""
     # -march=native: a cache shared by machines of other CPUs must not hand them this one.
-    headers = b"".join(h.read_bytes() for h in sorted(sources[0].parent.glob("*.h")))
-    digest = hashlib.sha256(
-        b"".join(s.read_bytes() for s in sources)
-        + headers
-        + " ".join([cc, *_COMPILE, *_LINK, _cpu()]).encode()
-    ).hexdigest()[:16]
-    target = _kernel_dir() / f"{source.stem}-{digest}.so"
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    flags = " ".join([cc, *_COMPILE, _cpu()]).encode()
+    target = _kernel_dir() / f"{source.stem}-{_digest(source.read_bytes(), headers, flags)}.o"
+    if not target.exists():
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            obj = Path(tmp) / "kernel.o"
+            argv = [cc, *_COMPILE, "-c", str(source), "-o", str(obj)]
+            subprocess.run(argv, check=True, capture_output=True, timeout=120)
+            os.replace(obj, target)
+    return target
+
+
+def _build(source: Path, cc: str, linked: Sequence[Path] = ()) -> Path:
+    """The shared library of `source` (linked with the `linked` sources), built from
+    their cached objects (`_object`) unless the cache has it."""
+    objects = [_object(s, cc) for s in (source, *linked)]
+    names = " ".join([cc, *_LINK, *(o.name for o in objects)]).encode()
+    target = _kernel_dir() / f"{source.stem}-{_digest(names)}.so"
     if target.exists():
         return target
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        objects = [str(Path(tmp) / f"{s.stem}.o") for s in sources]
         lib = Path(tmp) / "kernel.so"
-        for src, obj in zip(sources, objects, strict=True):
-            argv = [cc, *_COMPILE, "-c", str(src), "-o", obj]
-            subprocess.run(argv, check=True, capture_output=True, timeout=120)
-        subprocess.run(
-            [cc, *objects, "-o", str(lib), *_LINK], check=True, capture_output=True, timeout=120
-        )
+        argv = [cc, *map(str, objects), "-o", str(lib), *_LINK]
+        subprocess.run(argv, check=True, capture_output=True, timeout=120)
         os.replace(lib, target)
     return target
 
