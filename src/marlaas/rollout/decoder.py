@@ -112,7 +112,7 @@ class CompactDecoder(StackForward):
             q_TO, k_TO, v_TO = stack.linears(x_TE, (layer.q, layer.k, layer.v), layer.qkv)
             q_THD, k_THD, v_THD = q_TO.view(T, H, D), k_TO.view(T, Hkv, D), v_TO.view(T, Hkv, D)
             if layer.q_norm is not None and layer.k_norm is not None:
-                q_THD, k_THD = layer.q_norm(q_THD), layer.k_norm(k_THD)
+                q_THD, k_THD = _head_norm(layer.q_norm, q_THD), _head_norm(layer.k_norm, k_THD)
             keys, values = kv.keys[i], kv.values[i]
             if not rope_store(
                 q_THD, k_THD, v_THD, cos_TD, sin_TD, keys, values, writes.row_T, writes.col_T
@@ -136,6 +136,14 @@ class CompactDecoder(StackForward):
             delta_TE = linear(gated, layer.down)
         assert delta_TE is not None
         return h_TE, delta_TE
+
+
+def _head_norm(norm: Norm, x_THD: Tensor) -> Tensor:
+    """Qwen3's norm of each head of the queries or keys, through the native norm where it
+    applies (as the native layers compute it), else the module's math."""
+    T, H, D = x_THD.shape
+    out = add_rms_norm(x_THD.reshape(T * H, D), None, norm.weight, norm.eps)
+    return norm(x_THD) if out is None else out.view(T, H, D)
 
 
 def _after(norm: Norm, h_TE: Tensor, delta_TE: Tensor | None) -> tuple[Tensor, Tensor]:

@@ -6,8 +6,8 @@ step of the embedded base, whatever its rows).
 
 It covers the CPU's half dtype (`marlaas.model.mixed`: bfloat16 linear weights over
 float32 activations, every product through `kernels.half_linear_rows`) with every
-other step on its native kernel: SwiGLU MLPs, no per-head norms (Qwen3 keeps the
-Python path), q/k/v and gate/up stored together (`mixed.Together`), the adapters' rows
+other step on its native kernel: SwiGLU MLPs, Qwen3's per-head norms (the native RMS
+norm, as the Python path), q/k/v and gate/up stored together (`mixed.Together`), the adapters' rows
 on `kernels.lora_rows` (`RowLanes`). Elsewhere `NativeLayers.of` is None, and a
 forward it does not take (`run` returns None: the kernels switched off, more rows than
 the half kernel takes on several threads, a lane batch of another layout) runs the
@@ -36,7 +36,7 @@ from marlaas.rollout.kv import SlotKV, SlotWrites
 
 #: The C side's field counts (`decoder_layers.c`: F_FIELDS, L_FIELDS, M_FIELDS,
 #: FL_FIELDS); the order of each list below is its enums'.
-_F_FIELDS, _L_STATIC, _L_KV, _M_FIELDS, _FL_FIELDS = 32, 13, 7, 8, 4
+_F_FIELDS, _L_STATIC, _M_FIELDS, _FL_FIELDS = 32, 13, 8, 6
 #: A layer's LoRA modules, in the C side's order.
 _MODULES = ("q", "k", "v", "o", "gate", "up", "down")
 
@@ -63,6 +63,11 @@ class NativeLayers:
             "f",
             [v for layer in stack.layers for v in _layer_floats(layer)],
         )
+        #: Each layer's Qwen3 per-head norms' weights (0: none), in the C side's order.
+        self._head_norms = [
+            [0 if n is None else n.weight.data_ptr() for n in (layer.q_norm, layer.k_norm)]
+            for layer in stack.layers
+        ]
         self._weights: list[_Weights] = []
         self._static: list[int] = []
         #: The lane batch's weights (`A`, `B` mappings) -> each layer's LoRA fields.
@@ -86,7 +91,16 @@ class NativeLayers:
         ):
             return None
         for layer in stack.layers:
-            if layer.q_norm is not None or layer.qkv is None or layer.gate_up is None:
+            if layer.qkv is None or layer.gate_up is None:
+                return None
+            norms = [n for n in (layer.q_norm, layer.k_norm) if n is not None]
+            if (
+                any(
+                    n.weight.dtype != torch.float32 or n.weight.shape != (stack.head_dim,)
+                    for n in norms
+                )
+                or len(norms) == 1
+            ):
                 return None
             if (
                 layer.gate_up.sizes[0] != layer.gate_up.sizes[1]
@@ -173,6 +187,7 @@ class NativeLayers:
             fields += static[i * _L_STATIC : (i + 1) * _L_STATIC]
             fields += (keys.data_ptr(), values.data_ptr(), *keys.stride()[:3])
             fields += (span.start_Q.data_ptr(), span.end_Q.data_ptr())
+            fields += self._head_norms[i]
             fields += lora[i]
         program = array.array("q", fields)
         kernel(program.buffer_info()[0], self._floats.buffer_info()[0])
@@ -234,7 +249,8 @@ class NativeLayers:
 
 def _layer_floats(layer: Layer) -> list[float]:
     """A layer's floats, in the C side's order (FL_*)."""
-    return [layer.input_norm.eps, layer.post_norm.eps, layer.scaling, 0.0]
+    q_eps, k_eps = (0.0 if n is None else n.eps for n in (layer.q_norm, layer.k_norm))
+    return [layer.input_norm.eps, layer.post_norm.eps, layer.scaling, 0.0, q_eps, k_eps]
 
 
 def _layer_static(layer: Layer, w: _Weights) -> list[int]:

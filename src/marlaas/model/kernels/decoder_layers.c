@@ -5,6 +5,7 @@
  *     x = add_rms_norm(h, delta)                     (h += delta: the last block's output)
  *     qkv = x [W_q; W_k; W_v]^T (+ b)                half_linear_rows_f32, one product
  *     qkv += LoRA of q, k and v                      lora_rows_strided_f32, in place
+ *     [Qwen3: q, k = RMS norm of each head]          add_rms_norm_f32, in place
  *     rotary on q; k and v into the cache            rope_store_f32
  *     att = attention over each query's span         span_attention_f32
  *     out = att W_o^T (+ b) + LoRA                   and the next norm: add_rms_norm
@@ -67,12 +68,20 @@ enum {
     L_NORM1, L_NORM2, L_QKV_W, L_QKV_B, L_Q_OUT, L_K_OUT, L_V_OUT,
     L_O_W, L_O_B, L_GU_W, L_GU_B, L_DOWN_W, L_DOWN_B,
     L_KEYS, L_VALUES, L_KV_SR, L_KV_SH, L_KV_SS, L_START, L_END,
+    L_Q_NORM, L_K_NORM, /* Qwen3's per-head norms' weights (null: none) */
     L_LORA, L_FIELDS = L_LORA + MODULES * M_FIELDS
 };
 /* A layer's floats. */
-enum { FL_EPS1, FL_EPS2, FL_SCALING, FL_SOFTCAP, FL_FIELDS };
+enum { FL_EPS1, FL_EPS2, FL_SCALING, FL_SOFTCAP, FL_Q_EPS, FL_K_EPS, FL_FIELDS };
 
 #define PTR(type, v) ((type)(intptr_t)(v))
+
+/* The RMS norm of each of the `heads` heads (D features) of every token (row stride
+ * `st`) of x, in place (Qwen3's queries and keys, before the rotary). */
+static void head_norm(int64_t T, int64_t heads, int64_t D, float *x, int64_t st,
+                      const float *weight, float eps) {
+    for (int64_t t = 0; t < T; ++t) add_rms_norm_f32(heads, D, x + t * st, 0, weight, eps, x + t * st);
+}
 
 /* y (row stride ys) += the LoRA update of module m over x [T, in]. */
 static void lora(const int64_t *p, const int64_t *m, int64_t in, int64_t out, const float *x,
@@ -105,6 +114,10 @@ void decoder_layers_f32(const int64_t *p, const float *f) {
         lora(p, lora_m + Q * M_FIELDS, E, qo, x, qkv, C);
         lora(p, lora_m + K * M_FIELDS, E, ko, x, qkv + qo, C);
         lora(p, lora_m + V * M_FIELDS, E, vo, x, qkv + qo + ko, C);
+        if (L[L_Q_NORM]) {
+            head_norm(T, H, D, qkv, C, PTR(const float *, L[L_Q_NORM]), fl[FL_Q_EPS]);
+            head_norm(T, Hkv, D, qkv + qo, C, PTR(const float *, L[L_K_NORM]), fl[FL_K_EPS]);
+        }
         char *keys = PTR(char *, L[L_KEYS]), *values = PTR(char *, L[L_VALUES]);
         rope_store_f32(T, H, Hkv, D, p[F_ROT], qkv, C, qkv + qo, C, qkv + qo + ko, C,
                        PTR(const float *, p[F_COS]), PTR(const float *, p[F_SIN]), keys, values,
