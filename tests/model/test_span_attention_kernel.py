@@ -199,16 +199,23 @@ def test_builds_in_a_temporary_folder_without_a_writable_cache(
     assert built.exists()
 
 
+def _sources(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, files: dict[str, str]) -> Path:
+    """A folder of `files` (name -> text) to build, with a kernel cache of the test's own."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    folder = tmp_path / "src"
+    folder.mkdir()
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    return folder
+
+
 def test_a_changed_shared_header_builds_again(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """The cache keys on the headers beside a source (`simd.h`), not the source alone: a
     source that includes a changed header is compiled again."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    folder = tmp_path / "src"
-    folder.mkdir()
-    (folder / "k.c").write_text('#include "v.h"\nint k(void) { return V; }\n')
-    (folder / "v.h").write_text("#define V 1\n")
+    files = {"k.c": '#include "v.h"\nint k(void) { return V; }\n', "v.h": "#define V 1\n"}
+    folder = _sources(monkeypatch, tmp_path, files)
     cc = shutil.which("cc") or "gcc"
     first = build._build(folder / "k.c", cc)
     assert build._build(folder / "k.c", cc) == first  # cached
@@ -222,11 +229,11 @@ def test_a_source_linked_into_two_libraries_compiles_once(
 ) -> None:
     """Objects are cached per source: a library that links another kernel's source
     (`build.LINKED`) and that kernel's own library share its object."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    folder = tmp_path / "src"
-    folder.mkdir()
-    (folder / "a.c").write_text("int b(void);\nint a(void) { return b() + 1; }\n")
-    (folder / "b.c").write_text("int b(void) { return 41; }\n")
+    files = {
+        "a.c": "int b(void);\nint a(void) { return b() + 1; }\n",
+        "b.c": "int b(void) { return 41; }\n",
+    }
+    folder = _sources(monkeypatch, tmp_path, files)
     cc = shutil.which("cc") or "gcc"
     runs: list[list[str]] = []
     run = build.subprocess.run

@@ -43,8 +43,8 @@ from marlaas.model.attention import AttentionPlan, slot_attention
 from marlaas.model.decoder import DecoderStack, Norm, StackForward
 from marlaas.model.fused import rotary
 from marlaas.model.kernels import add_rms_norm, rope_store, swiglu
-from marlaas.rollout.kv import SlotKV, SlotWrites
-from marlaas.rollout.native import NativeLayers
+from marlaas.rollout.kv import SlotKV
+from marlaas.rollout.native import LayerInputs, NativeLayers
 
 
 class CompactDecoder(StackForward):
@@ -75,11 +75,10 @@ class CompactDecoder(StackForward):
         writes = kv.writes(row0, positions_RN)
         # The last block's output, not yet added to h: all the layers in one native call
         # where it applies (`marlaas.rollout.native`), else kernel by kernel.
-        delta_TE: Tensor | None = None
-        if self.native is not None:
-            delta_TE = self.native.run(kv, row0, R, N, h_TE, cos_TD, sin_TD, writes, plan)
+        inputs = LayerInputs(kv, row0, R, N, h_TE, cos_TD, sin_TD, writes, plan)
+        delta_TE = None if self.native is None else self.native.run(inputs)
         if delta_TE is None:
-            h_TE, delta_TE = self._layers(kv, row0, R, N, h_TE, cos_TD, sin_TD, writes, plan)
+            h_TE, delta_TE = self._layers(inputs)
         if not all_logits:  # the last token of each row
             h_TE = h_TE.view(R, N, -1)[:, -1].contiguous()
             delta_TE = delta_TE.view(R, N, -1)[:, -1].contiguous()
@@ -87,22 +86,13 @@ class CompactDecoder(StackForward):
         logits = F.linear(x_TE, stack.head.weight, stack.head.bias)
         return logits.view(R, -1, logits.shape[-1])
 
-    def _layers(
-        self,
-        kv: SlotKV,
-        row0: int,
-        R: int,
-        N: int,
-        h_TE: Tensor,
-        cos_TD: Tensor,
-        sin_TD: Tensor,
-        writes: SlotWrites,
-        plan: AttentionPlan,
-    ) -> tuple[Tensor, Tensor]:
-        """The decoder layers, kernel by kernel: the residual stream `h_TE` (updated in
-        place where the native norm applies) before the last layer's MLP output, and that
-        output; keys and values written into the cache."""
+    def _layers(self, inputs: LayerInputs) -> tuple[Tensor, Tensor]:
+        """The decoder layers, kernel by kernel: the residual stream `inputs.h_TE`
+        (updated in place where the native norm applies) before the last layer's MLP
+        output, and that output; keys and values written into the cache."""
         stack = self.stack
+        kv, row0, R, N, h_TE = inputs.kv, inputs.row0, inputs.R, inputs.N, inputs.h_TE
+        cos_TD, sin_TD, writes, plan = inputs.cos_TD, inputs.sin_TD, inputs.writes, inputs.plan
         T, H, Hkv, D = R * N, stack.heads, stack.kv_heads, stack.head_dim
         linear = stack.linear
         windows = kv.geometry.windows

@@ -42,6 +42,23 @@ _MODULES = ("q", "k", "v", "o", "gate", "up", "down")
 
 
 @dataclass(frozen=True)
+class LayerInputs:
+    """What the decoder layers of one engine forward read: the cache and the forward's
+    `R` rows of `N` new tokens from cache row `row0`, their residual stream `h_TE` (the
+    embeddings), rotary tables, cache cells (`writes`) and attention plan."""
+
+    kv: SlotKV
+    row0: int
+    R: int
+    N: int
+    h_TE: Tensor
+    cos_TD: Tensor
+    sin_TD: Tensor
+    writes: SlotWrites
+    plan: AttentionPlan
+
+
+@dataclass(frozen=True)
 class _Weights:
     """One layer's packed weights (kept: the C side reads them by address)."""
 
@@ -118,21 +135,13 @@ class NativeLayers:
                 return None
         return NativeLayers(stack)
 
-    def run(
-        self,
-        kv: SlotKV,
-        row0: int,
-        R: int,
-        N: int,
-        h_TE: Tensor,
-        cos_TD: Tensor,
-        sin_TD: Tensor,
-        writes: SlotWrites,
-        plan: AttentionPlan,
-    ) -> Tensor | None:
-        """Every layer over the forward's `R x N` tokens: `h_TE` updated in place (all
-        but the last layer's MLP output) and that last output returned, the keys and
-        values written into `kv`; None (nothing done) where the call does not apply."""
+    def run(self, inputs: LayerInputs) -> Tensor | None:
+        """Every layer over the forward's tokens: `inputs.h_TE` updated in place (all but
+        the last layer's MLP output) and that last output returned, the keys and values
+        written into the cache; None (nothing done) where the call does not apply."""
+        kv, row0, R, N = inputs.kv, inputs.row0, inputs.R, inputs.N
+        h_TE, cos_TD, sin_TD = inputs.h_TE, inputs.cos_TD, inputs.sin_TD
+        writes, plan = inputs.writes, inputs.plan
         stack = self.stack
         T, E = (int(n) for n in h_TE.shape)
         H, Hkv, D = stack.heads, stack.kv_heads, stack.head_dim

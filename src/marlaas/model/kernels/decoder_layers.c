@@ -25,31 +25,7 @@
  * Python side (`marlaas.rollout.native`) writes them in this order; pointers as
  * integers, a LoRA module without an update has a null A.
  */
-#include <stdint.h>
-
-void add_rms_norm_f32(int64_t T, int64_t E, float *h, const float *delta, const float *weight,
-                      float eps, float *out);
-void half_linear_rows_f32(int64_t M, int64_t N, int64_t K, const float *x, const uint16_t *Wp,
-                          const uint16_t *b, float *y, uint16_t *xb);
-void lora_rows_strided_f32(int64_t U, int64_t T, int64_t in, int64_t out, int64_t r,
-                           const float *x, float *y, int64_t ys,
-                           const float *A, int64_t a_sl, int64_t a_sr,
-                           const float *B, int64_t b_sl, int64_t b_so, int64_t b_sr,
-                           const int64_t *lane, const int64_t *order, const float *scale,
-                           float *scratch);
-void rope_store_f32(int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t rot,
-                    float *q, int64_t q_st, const float *k, int64_t k_st,
-                    const float *v, int64_t v_st, const float *cos, const float *sin,
-                    void *keys, void *values, int64_t c_sr, int64_t c_sh, int64_t c_ss,
-                    const int64_t *row, const int64_t *col, int64_t bf16);
-void span_attention_f32(int64_t R, int64_t N, int64_t H, int64_t Hkv, int64_t D,
-                        const float *q, int64_t q_sr, int64_t q_sh, int64_t q_sn,
-                        const void *k, const void *v,
-                        int64_t kv_sr, int64_t kv_sh, int64_t kv_ss,
-                        const int64_t *start, const int64_t *end,
-                        float scale, float softcap, float *out, float *lse, float *scratch,
-                        int64_t kv_bf16);
-void swiglu_f32(int64_t n, const float *restrict g, const float *restrict u, float *restrict y);
+#include "kernels.h"
 
 /* The forward's fields. */
 enum {

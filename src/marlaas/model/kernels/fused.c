@@ -12,6 +12,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include "kernels.h"
 
 void swiglu_f32(int64_t n, const float *restrict g, const float *restrict u, float *restrict y) {
     for (int64_t i = 0; i < n; ++i) {

@@ -28,6 +28,7 @@
 #endif
 
 #include "simd.h"
+#include "kernels.h"
 
 #define OUT 16 /* outputs of a packed block */
 

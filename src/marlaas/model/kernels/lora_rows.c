@@ -23,6 +23,7 @@
  * that carry their scale; r <= 64. `scratch` holds r * out floats (used when b_so != 1).
  */
 #include "simd.h"
+#include "kernels.h"
 
 #define GROUP 8
 

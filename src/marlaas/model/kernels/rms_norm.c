@@ -13,6 +13,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include "kernels.h"
 
 void add_rms_norm_f32(int64_t T, int64_t E, float *h, const float *delta, const float *weight,
                       float eps, float *out) {

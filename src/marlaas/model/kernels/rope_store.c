@@ -18,6 +18,7 @@
  * col[t].
  */
 #include "simd.h"
+#include "kernels.h"
 
 static inline void rotate(float *restrict dst, const float *restrict x, const float *c,
                           const float *s, int64_t D, int64_t rot) {

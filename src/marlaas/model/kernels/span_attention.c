@@ -45,6 +45,7 @@
 #include <math.h>
 
 #include "simd.h"
+#include "kernels.h"
 
 #ifdef __AVX512F__
 #include <immintrin.h>
