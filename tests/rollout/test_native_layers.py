@@ -21,7 +21,8 @@ from marlaas.model.bank import AdapterBank
 from marlaas.model.lora import LoRAModel
 from marlaas.model.mixed import native_bfloat16
 from marlaas.rollout.decoder import CompactDecoder
-from marlaas.rollout.kv import SlotKV
+from marlaas.rollout.forward import RowForward
+from marlaas.rollout.kv import SlotKV, kv_geometry
 from marlaas.rollout.native import NativeLayers
 
 pytestmark = pytest.mark.skipif(
@@ -103,3 +104,14 @@ def test_several_threads_leave_many_rows_to_oneDNN(
     forwards(model, bank)
     # The prefills (3 x 13 and 2 x 4 tokens) decline; the decode steps (3 rows) run.
     assert calls == [False, False, True, True, True]
+
+
+def test_a_cache_of_another_dtype_runs_the_python_path(calls: list[bool]) -> None:
+    """The native call reads keys and values as the model caches them (bfloat16 here);
+    a cache made in another dtype goes through the Python path, which converts."""
+    model, bank = _half_model("llama")
+    kv = SlotKV(kv_geometry(model.base.config), torch.float32, model.device, 4, 128)
+    forward = RowForward(model, bank, kv)
+    slot_R = torch.tensor([bank.acquire("t0").slot])
+    logits = forward.prefill(0, slot_R, [0], [[5, 6, 7]], 0, all_logits=True)
+    assert calls == [False] and torch.isfinite(logits).all()

@@ -146,8 +146,8 @@ class NativeLayers:
         T, E = (int(n) for n in h_TE.shape)
         H, Hkv, D = stack.heads, stack.kv_heads, stack.head_dim
         kernel = load("decoder_layers")
-        if kernel is None or not half_linear_takes(T):
-            return None
+        if kernel is None or not half_linear_takes(T) or kv.dtype != stack.kv_dtype:
+            return None  # (a cache of another dtype: the kernels would misread it)
         lanes = stack.model.row_lanes(T)
         if lanes is None or not _takes(h_TE, cos_TD, sin_TD, writes, T, D):
             return None
