@@ -127,6 +127,21 @@ class _LaneContext:
                 self._last = (batch.lane_B, *key, self.plan) if keep else None
         return self.batch, self.plan
 
+    def row_lanes(self, tokens: int) -> tuple[LaneBatch, RowLanes] | None:
+        """The lane batch and its rows for the native kernels (`RowLanes`: each row's
+        lane, the rows by lane, the scales), for inputs of `tokens` tokens (a whole
+        number a row); None outside a lane context, or where the kernels are not built.
+        Made directly, not through the plan, whose other layouts (segments: a Python loop
+        over the rows) only torch's path needs."""
+        if self.owner != threading.get_ident() or self.batch is None:
+            return None
+        batch = self.batch
+        rows = int(batch.lane_B.shape[0])
+        if rows == 0 or tokens % rows:
+            return None
+        lanes = RowLanes.of(batch.lane_B, None if batch.prescaled else batch.scale_L)
+        return None if lanes is None else (batch, lanes)
+
     def linear(self, path: str, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
         """`F.linear(x, weight, bias)` plus module `path`'s LoRA update as one autograd node
         where the lane plan has one for it (`LanePlan.linear`); None otherwise (the caller
@@ -405,22 +420,9 @@ class LoRAModel:
     # -- forward context ---------------------------------------------------------------
 
     def row_lanes(self, tokens: int) -> tuple[LaneBatch, RowLanes] | None:
-        """The lane batch this thread's `lanes()` context set and its rows for the native
-        kernels (`RowLanes`: each row's lane, the rows by lane, the scales), for inputs
-        of `tokens` tokens (a whole number of tokens a row); None outside a context, or
-        where the kernels are not built. Made here rather than through the layers' lane
-        plan, whose other layouts (segments: a Python loop over the rows) only torch's
-        path needs."""
-        context = self._context
-        batch = context.batch if context.owner == threading.get_ident() else None
-        if batch is None:
-            return None
-        rows = int(batch.lane_B.shape[0])
-        if rows == 0 or tokens % rows:
-            return None
-        scale_L = None if batch.prescaled else batch.scale_L
-        lanes = RowLanes.of(batch.lane_B, scale_L)
-        return None if lanes is None else (batch, lanes)
+        """The lane batch of this thread's `lanes()` context and its rows for the native
+        kernels, for inputs of `tokens` tokens (`_LaneContext.row_lanes`)."""
+        return self._context.row_lanes(tokens)
 
     def add_lora(self, path: str, x: Tensor, y: Tensor) -> Tensor:
         """`y` plus module `path`'s LoRA update for input `x` under the lane batch of the

@@ -22,21 +22,20 @@ from __future__ import annotations
 import array
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from marlaas.model.attention import AttentionPlan
 from marlaas.model.decoder import DecoderStack, Layer, Linear
-from marlaas.model.kernels import LORA_ROWS_MAX_RANK, half_linear_takes, native_kernels
+from marlaas.model.kernels import half_linear_takes, lane_weights_take, native_kernels
 from marlaas.model.kernels.build import kernel as load
 from marlaas.model.mixed import native_bfloat16, packed
 from marlaas.rollout.kv import SlotKV, SlotWrites
 
-#: The C side's field counts (`decoder_layers.c`: F_FIELDS, L_FIELDS, M_FIELDS,
-#: FL_FIELDS); the order of each list below is its enums'.
-_F_FIELDS, _L_STATIC, _M_FIELDS, _FL_FIELDS = 32, 13, 8, 6
+#: The C side's field counts (`decoder_layers.c`: F_FIELDS, a layer's fields up to
+#: L_K_NORM, M_FIELDS); the order of each list below is its enums'.
+_F_FIELDS, _L_STATIC, _M_FIELDS = 31, 15, 8
 #: A layer's LoRA modules, in the C side's order.
 _MODULES = ("q", "k", "v", "o", "gate", "up", "down")
 
@@ -58,38 +57,24 @@ class LayerInputs:
     plan: AttentionPlan
 
 
-@dataclass(frozen=True)
-class _Weights:
-    """One layer's packed weights (kept: the C side reads them by address)."""
-
-    qkv: Tensor
-    o: Tensor
-    gate_up: Tensor
-    down: Tensor
-
-
 class NativeLayers:
     """The native call's view of one `DecoderStack` (see the module doc)."""
 
     def __init__(self, stack: DecoderStack) -> None:
         self.stack = stack
         first = stack.layers[0]
+        assert first.qkv is not None  # `of` checked every layer
+        self.qkv_out = sum(first.qkv.sizes)
         self.inter = int(first.down.weight.shape[1])
         self.kv_bf16 = stack.kv_dtype == torch.bfloat16
-        self._floats = array.array(
-            "f",
-            [v for layer in stack.layers for v in _layer_floats(layer)],
-        )
-        #: Each layer's Qwen3 per-head norms' weights (0: none), in the C side's order.
-        self._head_norms = [
-            [0 if n is None else n.weight.data_ptr() for n in (layer.q_norm, layer.k_norm)]
-            for layer in stack.layers
-        ]
-        self._weights: list[_Weights] = []
+        self._floats = array.array("f", [v for layer in stack.layers for v in _layer_floats(layer)])
+        #: The packed weights the static fields point at (kept: C reads them by address).
+        self._packed: list[Tensor] = []
         self._static: list[int] = []
-        #: The lane batch's weights (`A`, `B` mappings) -> each layer's LoRA fields.
-        self._lora: tuple[Mapping[str, Tensor], Mapping[str, Tensor], list[list[int]]] | None
-        self._lora = None
+        #: The lane batch's weights (`A`, `B` mappings) -> each layer's LoRA fields and
+        #: the floats of scratch the kernel needs (0: every B rank-major, none).
+        self._lora: tuple[Mapping[str, Tensor], Mapping[str, Tensor], list[list[int]], int]
+        self._lora = ({}, {}, [], 0)
 
     @staticmethod
     def of(stack: DecoderStack) -> NativeLayers | None:
@@ -124,7 +109,7 @@ class NativeLayers:
                 or int(layer.down.weight.shape[1]) != layer.gate_up.sizes[0]
             ):
                 return None
-            weights = (layer.qkv.weight, layer.o.weight, layer.gate_up.weight, layer.down.weight)
+            weights = _weights(layer)
             biases = (layer.qkv.bias, layer.o.bias, layer.gate_up.bias, layer.down.bias)
             if any(w.dtype != torch.bfloat16 for w in weights) or any(
                 b is not None and (b.dtype != torch.bfloat16 or not b.is_contiguous())
@@ -156,14 +141,14 @@ class NativeLayers:
         static = self._static_fields()
         if lora is None or static is None:
             return None
+        lora_fields, lora_floats = lora
         spans = {w: plan.span(w) for w in set(kv.geometry.windows)}
         columns = int(plan.columns)
         if any(s.widest < 1 or s.widest > columns for s in spans.values()):
             return None
         widest = max(s.widest for s in spans.values())
         units = int(rows.lane_N.shape[0])
-        width = max(E, H * D, self.inter)
-        C = int(stack.layers[0].qkv.weight.shape[0]) if stack.layers[0].qkv else 0
+        width, C = max(E, H * D, self.inter), self.qkv_out
         x = torch.empty((T, E))
         qkv = torch.empty((T, C))
         att = torch.empty((T, H * D))
@@ -173,9 +158,9 @@ class NativeLayers:
         delta = torch.empty((T, E))
         xb = torch.empty(T * width, dtype=torch.bfloat16)
         scores = torch.empty((H // Hkv) * widest)
-        lora_scratch = torch.empty(LORA_ROWS_MAX_RANK * max(C, 2 * self.inter, E))
+        lora_scratch = torch.empty(lora_floats) if lora_floats else None
         fields = [
-            *(len(stack.layers), T, R, N, E, H, Hkv, D, int(cos_TD.shape[-1]), self.inter),
+            *(len(stack.layers), T, R, N, E, H, Hkv, D, self.inter),
             *(int(self.kv_bf16), units, T // units, row0),
             h_TE.data_ptr(),
             cos_TD.data_ptr(),
@@ -187,7 +172,7 @@ class NativeLayers:
             0 if rows.scale_L is None else rows.scale_L.data_ptr(),
             *(x.data_ptr(), qkv.data_ptr(), att.data_ptr(), out.data_ptr(), gu.data_ptr()),
             *(gated.data_ptr(), delta.data_ptr(), xb.data_ptr(), scores.data_ptr()),
-            lora_scratch.data_ptr(),
+            0 if lora_scratch is None else lora_scratch.data_ptr(),
         ]
         assert len(fields) == _F_FIELDS
         for i, window in enumerate(kv.geometry.windows):
@@ -196,48 +181,40 @@ class NativeLayers:
             fields += static[i * _L_STATIC : (i + 1) * _L_STATIC]
             fields += (keys.data_ptr(), values.data_ptr(), *keys.stride()[:3])
             fields += (span.start_Q.data_ptr(), span.end_Q.data_ptr())
-            fields += self._head_norms[i]
-            fields += lora[i]
+            fields += lora_fields[i]
         program = array.array("q", fields)
         kernel(program.buffer_info()[0], self._floats.buffer_info()[0])
         return delta
 
     def _static_fields(self) -> list[int] | None:
-        """Each layer's weights' fields, made again where a packed weight was (a weight
-        written since: `mixed.packed`)."""
-        current: list[_Weights] = []
-        for layer in self.stack.layers:
-            assert layer.qkv is not None and layer.gate_up is not None
-            parts = [
-                packed(w)
-                for w in (layer.qkv.weight, layer.o.weight, layer.gate_up.weight, layer.down.weight)
-            ]
-            if any(p is None for p in parts):
-                return None
-            current.append(_Weights(*(p for p in parts if p is not None)))
-        if len(current) != len(self._weights) or any(
-            a is not b
-            for new, old in zip(current, self._weights, strict=False)
-            for a, b in zip(vars(new).values(), vars(old).values(), strict=True)
+        """Each layer's fields of its weights (up to L_K_NORM), made again where a packed
+        weight was (a weight written since: `mixed.packed`)."""
+        current = [packed(w) for layer in self.stack.layers for w in _weights(layer)]
+        if any(p is None for p in current):
+            return None
+        if len(current) != len(self._packed) or any(
+            a is not b for a, b in zip(current, self._packed, strict=True)
         ):
-            self._weights = current
+            self._packed = [p for p in current if p is not None]
             self._static = [
                 v
-                for layer, w in zip(self.stack.layers, current, strict=True)
-                for v in _layer_static(layer, w)
+                for i, layer in enumerate(self.stack.layers)
+                for v in _layer_static(layer, self._packed[4 * i : 4 * i + 4])
             ]
         return self._static
 
     def _lora_fields(
         self, A: Mapping[str, Tensor], B: Mapping[str, Tensor]
-    ) -> list[list[int]] | None:
-        """Each layer's LoRA modules' fields for the lane batch's weights (kept while the
-        batch's mappings are the same objects: the adapter bank's, step after step);
-        None where the kernel does not take one of them."""
-        kept = self._lora
-        if kept is not None and kept[0] is A and kept[1] is B:
-            return kept[2]
+    ) -> tuple[list[list[int]], int] | None:
+        """Each layer's LoRA modules' fields for the lane batch's weights, and the floats
+        of scratch the kernel needs for B in PEFT's layout (kept while the batch's
+        mappings are the same objects: the adapter bank's, step after step); None where
+        the kernel does not take one of them."""
+        kept_A, kept_B, kept, floats = self._lora
+        if kept_A is A and kept_B is B:
+            return kept, floats
         layers: list[list[int]] = []
+        floats = 0
         for layer in self.stack.layers:
             fields: list[int] = []
             for name in _MODULES:
@@ -247,24 +224,37 @@ class NativeLayers:
                     fields += [0] * _M_FIELDS
                     continue
                 B_Lor = B[lin.path]  # type: ignore[index]
-                if not _lora_takes(A_Lri, B_Lor, lin):
+                out_features, in_features = (int(n) for n in lin.weight.shape)
+                if not lane_weights_take(A_Lri, B_Lor, in_features, out_features):
                     return None
+                r = int(A_Lri.shape[1])
+                if B_Lor.stride(1) != 1:  # transposed into scratch, a lane at a time
+                    floats = max(floats, r * out_features)
                 fields += (A_Lri.data_ptr(), *A_Lri.stride()[:2], B_Lor.data_ptr())
-                fields += (*B_Lor.stride(), int(A_Lri.shape[1]))
+                fields += (*B_Lor.stride(), r)
             layers.append(fields)
-        self._lora = (A, B, layers)
-        return layers
+        self._lora = (A, B, layers, floats)
+        return layers, floats
+
+
+def _weights(layer: Layer) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A layer's half weights as the native call multiplies them: q/k/v's span, o's,
+    gate/up's span, down's."""
+    assert layer.qkv is not None and layer.gate_up is not None
+    return layer.qkv.weight, layer.o.weight, layer.gate_up.weight, layer.down.weight
 
 
 def _layer_floats(layer: Layer) -> list[float]:
     """A layer's floats, in the C side's order (FL_*)."""
     q_eps, k_eps = (0.0 if n is None else n.eps for n in (layer.q_norm, layer.k_norm))
-    return [layer.input_norm.eps, layer.post_norm.eps, layer.scaling, 0.0, q_eps, k_eps]
+    return [layer.input_norm.eps, layer.post_norm.eps, layer.scaling, q_eps, k_eps]
 
 
-def _layer_static(layer: Layer, w: _Weights) -> list[int]:
-    """A layer's fields of its weights, in the C side's order (L_NORM1 .. L_DOWN_B)."""
+def _layer_static(layer: Layer, packs: list[Tensor]) -> list[int]:
+    """A layer's fields of its weights (`packs`: `_weights`' packed), in the C side's
+    order (L_NORM1 .. L_K_NORM)."""
     assert layer.qkv is not None and layer.gate_up is not None
+    qkv, o, gate_up, down = packs
 
     def ptr(t: Tensor | None) -> int:
         return 0 if t is None else t.data_ptr()
@@ -272,41 +262,28 @@ def _layer_static(layer: Layer, w: _Weights) -> list[int]:
     return [
         layer.input_norm.weight.data_ptr(),
         layer.post_norm.weight.data_ptr(),
-        w.qkv.data_ptr(),
+        qkv.data_ptr(),
         ptr(layer.qkv.bias),
         *layer.qkv.sizes,
-        w.o.data_ptr(),
+        o.data_ptr(),
         ptr(layer.o.bias),
-        w.gate_up.data_ptr(),
+        gate_up.data_ptr(),
         ptr(layer.gate_up.bias),
-        w.down.data_ptr(),
+        down.data_ptr(),
         ptr(layer.down.bias),
+        *(0 if n is None else n.weight.data_ptr() for n in (layer.q_norm, layer.k_norm)),
     ]
-
-
-def _lora_takes(A_Lri: Tensor, B_Lor: Tensor, lin: Linear) -> bool:
-    """Whether `kernels.lora_rows` takes a module's lane weights (its layouts)."""
-    out_features, in_features = (int(n) for n in lin.weight.shape)
-    L, r, fan_in = (int(n) for n in A_Lri.shape)
-    return (
-        A_Lri.dtype == B_Lor.dtype == torch.float32
-        and A_Lri.is_cpu
-        and B_Lor.is_cpu
-        and fan_in == in_features
-        and tuple(B_Lor.shape) == (L, out_features, r)
-        and r <= LORA_ROWS_MAX_RANK
-        and A_Lri.stride(-1) == 1
-        and 1 in (B_Lor.stride(1), B_Lor.stride(2))
-    )
 
 
 def _takes(
     h_TE: Tensor, cos_TD: Tensor, sin_TD: Tensor, writes: SlotWrites, T: int, D: int
 ) -> bool:
     """Whether the forward's own tensors are of the layouts the kernels take."""
-    tensors: tuple[Any, ...] = (h_TE, cos_TD, sin_TD)
     return (
-        all(t.is_cpu and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
+        all(
+            t.is_cpu and t.dtype == torch.float32 and t.is_contiguous()
+            for t in (h_TE, cos_TD, sin_TD)
+        )
         and tuple(cos_TD.shape) == (T, D)
         and tuple(sin_TD.shape) == (T, D)
         and all(

@@ -47,8 +47,9 @@ CPU, so a changed source or header builds again), and the objects into a shared 
 each written to a temporary name and renamed, so concurrent processes never load a
 half-written file. The first build on a machine takes ~15 s (the span attention's
 specialisations ~12 of them), later ones are loads. Where there is no compiler, or the
-build or load fails, or `MARLAAS_NATIVE_KERNELS=0`, the kernels decline (None or False, logged once) and callers
-keep torch's path: the kernels change speed, never results beyond float rounding.
+build or load fails, or `MARLAAS_NATIVE_KERNELS=0`, the kernels decline (None or False,
+logged once) and callers keep torch's path: the kernels change speed, never results
+beyond float rounding.
 
 Only float32 CPU tensors whose last axis is contiguous are taken; anything else is
 None too. The kernel runs in the calling thread (one core, as the engine's default).
@@ -84,6 +85,7 @@ from marlaas.model.kernels.fused import (
 )
 from marlaas.model.kernels.lora import (
     LORA_ROWS_MAX_RANK,
+    lane_weights_take,
     lora_rows,
     lora_rows_backward,
     lora_rows_trains,
@@ -101,6 +103,7 @@ __all__ = [
     "half_linear_rows",
     "half_linear_takes",
     "half_pack",
+    "lane_weights_take",
     "lora_rows",
     "lora_rows_backward",
     "lora_rows_trains",

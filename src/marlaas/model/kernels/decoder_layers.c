@@ -6,8 +6,8 @@
  *     qkv = x [W_q; W_k; W_v]^T (+ b)                half_linear_rows_f32, one product
  *     qkv += LoRA of q, k and v                      lora_rows_strided_f32, in place
  *     [Qwen3: q, k = RMS norm of each head]          add_rms_norm_f32, in place
- *     rotary on q; k and v into the cache            rope_store_f32
- *     att = attention over each query's span         span_attention_f32
+ *     rotary on q; k and v into the cache            rope_store_f32 (every feature)
+ *     att = attention over each query's span         span_attention_f32 (no softcap)
  *     out = att W_o^T (+ b) + LoRA                   and the next norm: add_rms_norm
  *     gu = x [W_gate; W_up]^T (+ b) + LoRA of each
  *     gated = silu(gate) * up                        swiglu_f32, row by row
@@ -29,7 +29,7 @@
 
 /* The forward's fields. */
 enum {
-    F_LAYERS, F_T, F_R, F_N, F_E, F_H, F_HKV, F_D, F_ROT, F_INTER, F_KV_BF16,
+    F_LAYERS, F_T, F_R, F_N, F_E, F_H, F_HKV, F_D, F_INTER, F_KV_BF16,
     F_UNITS, F_UNIT_TOKENS, F_ROW0,
     F_HIDDEN, F_COS, F_SIN, F_ROW, F_COL, F_LANE, F_ORDER, F_SCALE,
     F_X, F_QKV, F_ATT, F_OUT, F_GU, F_GATED, F_DELTA, F_XB, F_SCORES, F_LORA_SCRATCH,
@@ -43,12 +43,12 @@ enum { Q, K, V, O, GATE, UP, DOWN, MODULES };
 enum {
     L_NORM1, L_NORM2, L_QKV_W, L_QKV_B, L_Q_OUT, L_K_OUT, L_V_OUT,
     L_O_W, L_O_B, L_GU_W, L_GU_B, L_DOWN_W, L_DOWN_B,
-    L_KEYS, L_VALUES, L_KV_SR, L_KV_SH, L_KV_SS, L_START, L_END,
     L_Q_NORM, L_K_NORM, /* Qwen3's per-head norms' weights (null: none) */
+    L_KEYS, L_VALUES, L_KV_SR, L_KV_SH, L_KV_SS, L_START, L_END,
     L_LORA, L_FIELDS = L_LORA + MODULES * M_FIELDS
 };
 /* A layer's floats. */
-enum { FL_EPS1, FL_EPS2, FL_SCALING, FL_SOFTCAP, FL_Q_EPS, FL_K_EPS, FL_FIELDS };
+enum { FL_EPS1, FL_EPS2, FL_SCALING, FL_Q_EPS, FL_K_EPS, FL_FIELDS };
 
 #define PTR(type, v) ((type)(intptr_t)(v))
 
@@ -95,14 +95,14 @@ void decoder_layers_f32(const int64_t *p, const float *f) {
             head_norm(T, Hkv, D, qkv + qo, C, PTR(const float *, L[L_K_NORM]), fl[FL_K_EPS]);
         }
         char *keys = PTR(char *, L[L_KEYS]), *values = PTR(char *, L[L_VALUES]);
-        rope_store_f32(T, H, Hkv, D, p[F_ROT], qkv, C, qkv + qo, C, qkv + qo + ko, C,
+        rope_store_f32(T, H, Hkv, D, D, qkv, C, qkv + qo, C, qkv + qo + ko, C,
                        PTR(const float *, p[F_COS]), PTR(const float *, p[F_SIN]), keys, values,
                        L[L_KV_SR], L[L_KV_SH], L[L_KV_SS], PTR(const int64_t *, p[F_ROW]),
                        PTR(const int64_t *, p[F_COL]), bf16);
         const int64_t at = p[F_ROW0] * L[L_KV_SR] * elem; /* the forward's first row */
         span_attention_f32(R, N, H, Hkv, D, qkv, N * C, D, C, keys + at, values + at,
                            L[L_KV_SR], L[L_KV_SH], L[L_KV_SS], PTR(const int64_t *, L[L_START]),
-                           PTR(const int64_t *, L[L_END]), fl[FL_SCALING], fl[FL_SOFTCAP], att,
+                           PTR(const int64_t *, L[L_END]), fl[FL_SCALING], 0.0f, att,
                            0, PTR(float *, p[F_SCORES]), bf16);
         half_linear_rows_f32(T, E, H * D, att, PTR(const uint16_t *, L[L_O_W]),
                              PTR(const uint16_t *, L[L_O_B]), out, xb);

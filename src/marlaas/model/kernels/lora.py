@@ -138,6 +138,25 @@ def _lane_args(
     )
 
 
+def lane_weights_take(A_Lri: Tensor, B_Lor: Tensor, fan_in: int, fan_out: int) -> bool:
+    """Whether the per-row kernels take these lane weights of a `fan_in -> fan_out`
+    module: float32 on the CPU, `A [L, r, in]` with `in` contiguous, `B [L, out, r]`
+    contiguous along `r` or `out`, `r` at most `LORA_ROWS_MAX_RANK`."""
+    if A_Lri.dim() != 3:
+        return False
+    L, r = int(A_Lri.shape[0]), int(A_Lri.shape[1])
+    return (
+        A_Lri.is_cpu
+        and B_Lor.is_cpu
+        and A_Lri.dtype == B_Lor.dtype == torch.float32
+        and int(A_Lri.shape[2]) == fan_in
+        and tuple(B_Lor.shape) == (L, fan_out, r)
+        and r <= LORA_ROWS_MAX_RANK
+        and A_Lri.stride(-1) == 1
+        and 1 in (B_Lor.stride(1), B_Lor.stride(2))
+    )
+
+
 def _shape(
     x_NTi: Tensor,
     y_NTo: Tensor | None,
@@ -150,7 +169,7 @@ def _shape(
 ) -> Shape | None:
     """`(N, T, in, out, r)` of a `lora_rows` call, or None where the kernel does not take
     its tensors (see `lora_rows`; `y_NTo` None: an output the caller makes to fit)."""
-    L, r, _ = A_Lri.shape
+    r = int(A_Lri.shape[1])
     fan_in, fan_out = int(x_NTi.shape[-1]), int(B_Lor.shape[1])
     if rows is None:
         N, T = int(x_NTi.shape[0]), int(x_NTi.shape[1])
@@ -169,16 +188,11 @@ def _shape(
         )
     if (
         not shaped
-        or not (x_NTi.is_cpu and A_Lri.is_cpu and B_Lor.is_cpu)
-        or not (x_NTi.dtype == A_Lri.dtype == B_Lor.dtype == torch.float32)
-        or not x_NTi.is_contiguous()
-        or r > LORA_ROWS_MAX_RANK
-        or A_Lri.stride(-1) != 1
-        or 1 not in (B_Lor.stride(1), B_Lor.stride(2))
-        or tuple(B_Lor.shape) != (L, fan_out, r)
+        or not (x_NTi.is_cpu and x_NTi.dtype == torch.float32 and x_NTi.is_contiguous())
+        or not lane_weights_take(A_Lri, B_Lor, fan_in, fan_out)
         or lane_N.dtype != torch.int64
         or not (lane_N.is_contiguous() and order_N.is_contiguous())
         or (scale_L is not None and (scale_L.dtype != torch.float32 or not scale_L.is_contiguous()))
     ):
         return None
-    return N, T, fan_in, fan_out, int(r)
+    return N, T, fan_in, fan_out, r
