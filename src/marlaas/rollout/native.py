@@ -4,9 +4,9 @@ by the same kernels in the same order from C, so the Python wrappers, ctypes and
 tensors of each step are paid once a forward instead of ~70 times (~0.5 ms of a decode
 step of the embedded base, whatever its rows).
 
-It covers the CPU's half dtype (`marlaas.model.mixed`: bfloat16 linear weights over
-float32 activations, every product through `kernels.half_linear_rows`) with every
-other step on its native kernel: SwiGLU MLPs, Qwen3's per-head norms (the native RMS
+It covers what `marlaas.model.native` covers (the CPU's half dtype: bfloat16 linear
+weights over float32 activations, every product through `kernels.half_linear_rows`)
+with every other step on its native kernel: SwiGLU MLPs, Qwen3's per-head norms (the native RMS
 norm, as the Python path), q/k/v and gate/up stored together (`mixed.Together`), the adapters' rows
 on `kernels.lora_rows` (`RowLanes`). Elsewhere `NativeLayers.of` is None, and a
 forward it does not take (`run` returns None: the kernels switched off, more rows than
@@ -30,7 +30,8 @@ from marlaas.model.attention import AttentionPlan
 from marlaas.model.decoder import DecoderStack, Layer, Linear
 from marlaas.model.kernels import half_linear_takes, lane_weights_take, native_kernels
 from marlaas.model.kernels.build import kernel as load
-from marlaas.model.mixed import native_bfloat16, packed
+from marlaas.model.mixed import packed
+from marlaas.model.native import covers, half_weights
 from marlaas.rollout.kv import SlotKV, SlotWrites
 
 #: The C side's field counts (`decoder_layers.c`: F_FIELDS, a layer's fields up to
@@ -79,45 +80,8 @@ class NativeLayers:
     @staticmethod
     def of(stack: DecoderStack) -> NativeLayers | None:
         """The native layers of `stack`, or None where they do not cover it."""
-        model = stack.model
-        E = int(stack.embed.shape[1])
-        if (
-            model.device.type != "cpu"
-            or model.dtype != torch.float32
-            or not native_bfloat16(model.device)
-            or not native_kernels("decoder_layers")
-            or not stack.silu
-            or stack.kv_dtype not in (torch.float32, torch.bfloat16)
-            or E % 2
-            or (stack.heads * stack.head_dim) % 2
-        ):
+        if not native_kernels("decoder_layers") or not covers(stack):
             return None
-        for layer in stack.layers:
-            if layer.qkv is None or layer.gate_up is None:
-                return None
-            norms = [n for n in (layer.q_norm, layer.k_norm) if n is not None]
-            if (
-                any(
-                    n.weight.dtype != torch.float32 or n.weight.shape != (stack.head_dim,)
-                    for n in norms
-                )
-                or len(norms) == 1
-            ):
-                return None
-            if (
-                layer.gate_up.sizes[0] != layer.gate_up.sizes[1]
-                or int(layer.down.weight.shape[1]) != layer.gate_up.sizes[0]
-            ):
-                return None
-            weights = _weights(layer)
-            biases = (layer.qkv.bias, layer.o.bias, layer.gate_up.bias, layer.down.bias)
-            if any(w.dtype != torch.bfloat16 for w in weights) or any(
-                b is not None and (b.dtype != torch.bfloat16 or not b.is_contiguous())
-                for b in biases
-            ):
-                return None
-            if int(layer.down.weight.shape[1]) % 2 or any(packed(w) is None for w in weights):
-                return None
         return NativeLayers(stack)
 
     def run(self, inputs: LayerInputs) -> Tensor | None:
@@ -189,7 +153,7 @@ class NativeLayers:
     def _static_fields(self) -> list[int] | None:
         """Each layer's fields of its weights (up to L_K_NORM), made again where a packed
         weight was (a weight written since: `mixed.packed`)."""
-        current = [packed(w) for layer in self.stack.layers for w in _weights(layer)]
+        current = [packed(w) for layer in self.stack.layers for w in half_weights(layer)]
         if any(p is None for p in current):
             return None
         if len(current) != len(self._packed) or any(
@@ -235,13 +199,6 @@ class NativeLayers:
             layers.append(fields)
         self._lora = (A, B, layers, floats)
         return layers, floats
-
-
-def _weights(layer: Layer) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """A layer's half weights as the native call multiplies them: q/k/v's span, o's,
-    gate/up's span, down's."""
-    assert layer.qkv is not None and layer.gate_up is not None
-    return layer.qkv.weight, layer.o.weight, layer.gate_up.weight, layer.down.weight
 
 
 def _layer_floats(layer: Layer) -> list[float]:

@@ -26,6 +26,12 @@ the layers. `bench trainer`'s 32 tenants of mixed lengths (one thread, with the 
 per-row LoRA kernels both ways and one micro-batch where three ran): 180 -> 128 ms a
 round.
 
+On the CPU's half dtype (bfloat16 linear weights over float32 activations, with
+native bfloat16), every layer of a pass runs in one native node, forward and backward
+(`marlaas.train.native`: the same kernels from C, without a few dozen wrappers,
+autograd nodes and new tensors per layer each way); elsewhere the layers below run one
+by one.
+
 Keys and values are rounded to the dtype the engine's cache holds them in
 (`DecoderStack.kv_dtype`: bfloat16 on a CPU running bfloat16 linears), their gradients
 passed straight through, so that trainer and sampler compute the same policy.
@@ -47,17 +53,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from marlaas.model.decoder import StackForward
+from marlaas.model.decoder import DecoderStack, StackForward
 from marlaas.model.fused import rotary, round_to, span_attention, swiglu
 from marlaas.model.kernels import Spans
 from marlaas.model.lora import LaneBatch
-
-#: Per layer: keys and values `[B, Hkv, columns, D]`.
-LayerCache = list[tuple[Tensor, Tensor]]
+from marlaas.train.native import LayerCache, PassInputs, TrainLayers
 
 
 class TrainDecoder(StackForward):
     """The trainer's compact forward of one `LoRAModel`'s base (see the module doc)."""
+
+    def __init__(self, stack: DecoderStack) -> None:
+        super().__init__(stack)
+        #: Every layer of a pass in one native node where it covers the stack.
+        self.native = TrainLayers.of(stack)
 
     def forward(
         self,
@@ -81,7 +90,9 @@ class TrainDecoder(StackForward):
             lanes = packed.lanes(lanes)
         model = self.stack.model
         with model.lanes(lanes) if lanes is not None else contextlib.nullcontext():
-            return self._forward(ids_BT, key_mask_BK, pos_BT, past, keep_cache, last_only, packed)
+            return self._forward(
+                ids_BT, key_mask_BK, pos_BT, past, keep_cache, last_only, packed, lanes is not None
+            )
 
     def _forward(
         self,
@@ -92,6 +103,7 @@ class TrainDecoder(StackForward):
         keep_cache: bool,
         last_only: bool,
         packed: Packed | None,
+        lanes: bool,
     ) -> tuple[TokenLogits, LayerCache]:
         stack = self.stack
         B, T = (int(n) for n in ids_BT.shape)
@@ -106,6 +118,11 @@ class TrainDecoder(StackForward):
         cos, sin = cos.contiguous(), sin.contiguous()
         rows, tokens = int(h.shape[0]), int(h.shape[1])
         masks = _Masks(key_mask_BK.bool(), P, T)
+        native = self._native(h, cos, sin, masks, packed, B, T, past, lanes)
+        if native is not None:
+            h_TE, kept = native
+            h = h_TE.view(h.shape)
+            return self._logits(h, packed, last_only), kept if keep_cache else []
         grouped = sdpa_groups_heads(ids_BT.device)
         linear = stack.linear
         held = stack.kv_dtype
@@ -152,11 +169,52 @@ class TrainDecoder(StackForward):
             gate, up = linear(x, layer.gate), linear(x, layer.up)
             gated = swiglu(gate, up) if stack.silu else layer.act(gate) * up
             h = h + linear(gated, layer.down)
+        return self._logits(h, packed, last_only), cache
+
+    def _logits(self, h: Tensor, packed: Packed | None, last_only: bool) -> TokenLogits:
+        stack = self.stack
         if packed is None:
-            return TokenLogits(stack.logits(h[:, -1:] if last_only else h)), cache
+            return TokenLogits(stack.logits(h[:, -1:] if last_only else h))
         if last_only:
-            return TokenLogits(stack.logits(h[0, packed.last_B]).unsqueeze(1)), cache
-        return TokenLogits(stack.logits(h), packed), cache
+            return TokenLogits(stack.logits(h[0, packed.last_B]).unsqueeze(1))
+        return TokenLogits(stack.logits(h), packed)
+
+    def _native(
+        self,
+        h: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        masks: _Masks,
+        packed: Packed | None,
+        B: int,
+        T: int,
+        past: LayerCache | None,
+        lanes: bool,
+    ) -> tuple[Tensor, LayerCache] | None:
+        """Every layer in one native node (`marlaas.train.native`), or None where it does
+        not apply."""
+        if self.native is None:
+            return None
+        spans: dict[int | None, Spans] = {}
+        for layer in self.stack.layers:
+            span = masks.spans(layer.window)
+            if span is None:
+                return None
+            spans[layer.window] = span
+        E, D = int(h.shape[-1]), int(cos.shape[-1])
+        pad_T = torch.arange(B * T) if packed is None else packed.index_N
+        inputs = PassInputs(
+            h_TE=h.reshape(-1, E),
+            cos_TD=cos.reshape(-1, D),
+            sin_TD=sin.reshape(-1, D),
+            pad_T=pad_T.contiguous(),
+            B=B,
+            TQ=T,
+            past=past,
+            spans=spans,
+            lanes=lanes,
+        )
+        return self.native.run(inputs)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -37,13 +37,16 @@
 - `decoder_layers` runs every decoder layer of an engine forward in one call
   (`decoder_layers.c`, linked with the kernels above): the same kernels in the same
   order as the compact forward's Python path, without its ~70 wrapper calls a step
-  (`marlaas.rollout.native`).
+  (`marlaas.rollout.native`). `train_layers` / `train_layers_backward` do the same for
+  one pass of the trainer's compact forward and its backward (`train_layers.c`,
+  `marlaas.train.native`), keeping what the backward reads.
 
 Build: each C source is compiled with the system's C compiler (`cc`, or `$CC`) into an
 object in the user's cache (`$XDG_CACHE_HOME/marlaas/kernels`, else a private temporary
 folder; named by a hash of the source, the shared header `simd.h`, the flags and the
 CPU, so a changed source or header builds again), and the objects into a shared library
-(one kernel's source, and those `build.LINKED` to it: `decoder_layers` links six),
+(one kernel's source, and those `build.LINKED` to it: `decoder_layers` and
+`train_layers` link six each),
 each written to a temporary name and renamed, so concurrent processes never load a
 half-written file. The first build on a machine takes ~15 s (the span attention's
 specialisations ~12 of them), later ones are loads. Where there is no compiler, or the

@@ -110,11 +110,21 @@ KERNELS: dict[str, tuple[str, str, list[type]]] = {
         ],
     ),
     "decoder_layers": ("decoder_layers", "decoder_layers_f32", [_PTR, _PTR]),
+    "train_layers": ("train_layers", "train_layers_f32", [_PTR, _PTR]),
+    "train_layers_backward": ("train_layers", "train_layers_backward_f32", [_PTR, _PTR]),
 }
 #: Libraries that link other kernels' sources with their own (a stem's functions called
 #: from another's C): the stem -> the other stems.
 LINKED: dict[str, tuple[str, ...]] = {
     "decoder_layers": (
+        "rms_norm",
+        "half_linear",
+        "lora_rows",
+        "rope_store",
+        "span_attention",
+        "fused",
+    ),
+    "train_layers": (
         "rms_norm",
         "half_linear",
         "lora_rows",

@@ -299,13 +299,15 @@ static inline void outer_add(float *acc, int64_t ld, int64_t r, const float *c,
  * not computed (NULL: the input needs none). Units
  * are visited in `order` (sorted by lane: a lane's gradients stay in cache, its B is
  * transposed into `scratch` once); the tokens of up to `BLOCK` consecutive units of one
- * lane add into its gradients together. Other arguments as `lora_rows_f32`. */
-void lora_rows_backward_f32(int64_t U, int64_t T, int64_t in, int64_t out, int64_t r,
-                            const float *x, const float *g, float *gx,
-                            const float *A, int64_t a_sl, int64_t a_sr,
-                            const float *B, int64_t b_sl, int64_t b_so, int64_t b_sr,
-                            const int64_t *lane, const int64_t *order, const float *scale,
-                            float *gA, float *gBt, float *scratch, int64_t add_gx) {
+ * lane add into its gradients together. g's tokens are g_st apart (g_st >= out: q, k
+ * and v's gradients side by side, `train_layers.c`). Other arguments as `lora_rows_f32`. */
+void lora_rows_backward_strided_f32(int64_t U, int64_t T, int64_t in, int64_t out, int64_t r,
+                                    const float *x, const float *g, int64_t g_st, float *gx,
+                                    const float *A, int64_t a_sl, int64_t a_sr,
+                                    const float *B, int64_t b_sl, int64_t b_so, int64_t b_sr,
+                                    const int64_t *lane, const int64_t *order,
+                                    const float *scale, float *gA, float *gBt, float *scratch,
+                                    int64_t add_gx) {
     int64_t current = -1, nt = 0;
     const float *Bt = scratch;
     int64_t bt_sk = out;
@@ -334,7 +336,7 @@ void lora_rows_backward_f32(int64_t U, int64_t T, int64_t in, int64_t out, int64
             }
             const int64_t tok = u * T + t;
             xs[nt] = x + tok * in;
-            gs[nt] = g + tok * out;
+            gs[nt] = g + tok * g_st;
             down(Al, a_sr, r, xs[nt], in, s, h + nt * r);
             down(Bt, bt_sk, r, gs[nt], out, s, e + nt * r);
             if (gx) {
@@ -346,4 +348,14 @@ void lora_rows_backward_f32(int64_t U, int64_t T, int64_t in, int64_t out, int64
             ++nt;
         }
     }
+}
+
+void lora_rows_backward_f32(int64_t U, int64_t T, int64_t in, int64_t out, int64_t r,
+                            const float *x, const float *g, float *gx,
+                            const float *A, int64_t a_sl, int64_t a_sr,
+                            const float *B, int64_t b_sl, int64_t b_so, int64_t b_sr,
+                            const int64_t *lane, const int64_t *order, const float *scale,
+                            float *gA, float *gBt, float *scratch, int64_t add_gx) {
+    lora_rows_backward_strided_f32(U, T, in, out, r, x, g, out, gx, A, a_sl, a_sr, B, b_sl, b_so,
+                                   b_sr, lane, order, scale, gA, gBt, scratch, add_gx);
 }

@@ -1,0 +1,241 @@
+/* The trainer's decoder layers in one call each way: the forward of every layer of one
+ * pass of the trainer's compact forward (`marlaas.train.decoder`), keeping what its
+ * backward reads (the tape), and that backward, through the kernels the pass calls one
+ * by one from Python (`marlaas.train.native`). The forward, per layer:
+ *
+ *     x1 = rms_norm(h)                               (h: the layer's input, kept)
+ *     qkv = x1 [W_q; W_k; W_v]^T (+ b) + LoRA of q, k and v
+ *     rotary on q (in place); k rotated and v into the pass's keys and values
+ *       [B, Hkv, P + TQ, D] (zeros, the past's P columns first), rounded to bfloat16
+ *       where the engine's cache holds that (`round`)
+ *     att = attention of each query (in the rows' layout [B, TQ]) over its span
+ *     h += att W_o^T (+ b) + LoRA;  x2 = rms_norm(h) (h kept)
+ *     gu = x2 [W_gate; W_up]^T (+ b) + LoRA of each;  gated = silu(gate) * up
+ *     h += gated W_down^T (+ b) + LoRA
+ *
+ * over the pass's `T` tokens (a packed pass's valid tokens, or every column of its rows),
+ * token t in row row[t], key column col[t] = P + its column, query slot pad[t] of the
+ * rows' layout. The backward runs the same steps in reverse for the gradient of the
+ * last layer's h (and of each layer's keys and values, where a later pass attended
+ * them: added into dK and dV before the call), writing each LoRA module's gradients
+ * (`gA [L, r, in]`, `gBt [L, r, out]`, added to) and the input's gradient (in place of
+ * the output's), the base frozen: the products' input gradients through the packed
+ * transposes of the half weights, as `mixed.matmul`. The keys' and values' rounding
+ * passes their gradient straight through, as `fused.round_to`.
+ *
+ * `p` holds the pass's fields (`P_*`), then each layer's (`L_*`, with `M_FIELDS` per
+ * LoRA module); `f` each layer's floats (`FL_*`). Pointers as integers; a module without
+ * an update has a null A. The Python side writes them in this order.
+ */
+#include <string.h>
+
+#include "simd.h"
+#include "kernels.h"
+
+enum {
+    P_LAYERS, P_T, P_B, P_TQ, P_PAST, P_E, P_H, P_HKV, P_D, P_INTER, P_ROUND,
+    P_UNITS, P_UNIT_TOKENS,
+    P_HIDDEN, P_COS, P_SIN, P_ROW, P_COL, P_PAD, P_LANE, P_ORDER, P_SCALE,
+    P_XB, P_SCORES, P_LORA_SCRATCH, P_OUT, P_WIDE, P_GRAD2, P_GPAD, P_DQ,
+    P_FIELDS
+};
+enum { M_A, M_A_SL, M_A_SR, M_B, M_B_SL, M_B_SO, M_B_SR, M_RANK, M_GA, M_GBT, M_FIELDS };
+enum { Q, K, V, O, GATE, UP, DOWN, MODULES };
+enum {
+    L_NORM1, L_NORM2, L_QKV_W, L_QKV_WT, L_QKV_B, L_Q_OUT, L_K_OUT, L_V_OUT,
+    L_O_W, L_O_WT, L_O_B, L_GU_W, L_GU_WT, L_GU_B, L_DOWN_W, L_DOWN_WT, L_DOWN_B,
+    L_START, L_END, L_PAST_K, L_PAST_V, L_KEYS, L_VALUES, L_DK, L_DV,
+    /* the tape */
+    L_HIN, L_X1, L_QKV, L_QPAD, L_ATTPAD, L_LSE, L_ATT, L_HMID, L_X2, L_GU, L_GATED,
+    L_LORA, L_FIELDS = L_LORA + MODULES * M_FIELDS
+};
+enum { FL_EPS1, FL_EPS2, FL_SCALING, FL_FIELDS };
+
+#define PTR(type, v) ((type)(intptr_t)(v))
+
+/* y (row stride ys) += the LoRA update of module m over x [T, in]. */
+static void lora(const int64_t *p, const int64_t *m, int64_t in, int64_t out, const float *x,
+                 float *y, int64_t ys) {
+    if (!m[M_A]) return;
+    lora_rows_strided_f32(p[P_UNITS], p[P_UNIT_TOKENS], in, out, m[M_RANK], x, y, ys,
+                          PTR(const float *, m[M_A]), m[M_A_SL], m[M_A_SR],
+                          PTR(const float *, m[M_B]), m[M_B_SL], m[M_B_SO], m[M_B_SR],
+                          PTR(const int64_t *, p[P_LANE]), PTR(const int64_t *, p[P_ORDER]),
+                          PTR(const float *, p[P_SCALE]), PTR(float *, p[P_LORA_SCRATCH]));
+}
+
+/* Module m's gradients for the gradient g (row stride gs) of its output; its input's
+ * added into gx [T, in]. */
+static void lora_back(const int64_t *p, const int64_t *m, int64_t in, int64_t out,
+                      const float *x, const float *g, int64_t gs, float *gx) {
+    if (!m[M_A]) return;
+    lora_rows_backward_strided_f32(
+        p[P_UNITS], p[P_UNIT_TOKENS], in, out, m[M_RANK], x, g, gs, gx,
+        PTR(const float *, m[M_A]), m[M_A_SL], m[M_A_SR], PTR(const float *, m[M_B]),
+        m[M_B_SL], m[M_B_SO], m[M_B_SR], PTR(const int64_t *, p[P_LANE]),
+        PTR(const int64_t *, p[P_ORDER]), PTR(const float *, p[P_SCALE]),
+        PTR(float *, m[M_GA]), PTR(float *, m[M_GBT]), PTR(float *, p[P_LORA_SCRATCH]), 1);
+}
+
+/* The pass's shapes, and a layer's keys' and values' strides ([B, Hkv, P + TQ, D]). */
+typedef struct {
+    int64_t T, B, TQ, P, E, H, Hkv, D, I, HD, C, S, sr, sh, ss;
+} Shape;
+
+static Shape shape_of(const int64_t *p, const int64_t *L) {
+    Shape s;
+    s.T = p[P_T], s.B = p[P_B], s.TQ = p[P_TQ], s.P = p[P_PAST], s.E = p[P_E], s.H = p[P_H];
+    s.Hkv = p[P_HKV], s.D = p[P_D], s.I = p[P_INTER], s.HD = s.H * s.D;
+    s.C = L[L_Q_OUT] + L[L_K_OUT] + L[L_V_OUT];
+    s.S = s.P + s.TQ, s.ss = s.D, s.sh = s.S * s.D, s.sr = s.Hkv * s.S * s.D;
+    return s;
+}
+
+static void layer_forward(const int64_t *p, const int64_t *L, const float *fl, float *h) {
+    const Shape s = shape_of(p, L);
+    const int64_t *m = L + L_LORA;
+    const int64_t qo = L[L_Q_OUT], ko = L[L_K_OUT];
+    float *x1 = PTR(float *, L[L_X1]), *qkv = PTR(float *, L[L_QKV]);
+    float *qpad = PTR(float *, L[L_QPAD]), *attpad = PTR(float *, L[L_ATTPAD]);
+    float *att = PTR(float *, L[L_ATT]), *x2 = PTR(float *, L[L_X2]);
+    float *gu = PTR(float *, L[L_GU]), *gated = PTR(float *, L[L_GATED]);
+    float *keys = PTR(float *, L[L_KEYS]), *values = PTR(float *, L[L_VALUES]);
+    float *out = PTR(float *, p[P_OUT]);
+    uint16_t *xb = PTR(uint16_t *, p[P_XB]);
+    const int64_t *row = PTR(const int64_t *, p[P_ROW]), *col = PTR(const int64_t *, p[P_COL]);
+    const int64_t *pad = PTR(const int64_t *, p[P_PAD]);
+    const size_t cells = (size_t)(s.B * s.Hkv * s.S * s.D) * sizeof(float);
+
+    memcpy(PTR(float *, L[L_HIN]), h, (size_t)(s.T * s.E) * sizeof(float));
+    add_rms_norm_f32(s.T, s.E, h, 0, PTR(const float *, L[L_NORM1]), fl[FL_EPS1], x1);
+    half_linear_rows_f32(s.T, s.C, s.E, x1, PTR(const uint16_t *, L[L_QKV_W]),
+                         PTR(const uint16_t *, L[L_QKV_B]), qkv, xb);
+    lora(p, m + Q * M_FIELDS, s.E, qo, x1, qkv, s.C);
+    lora(p, m + K * M_FIELDS, s.E, ko, x1, qkv + qo, s.C);
+    lora(p, m + V * M_FIELDS, s.E, L[L_V_OUT], x1, qkv + qo + ko, s.C);
+    /* The keys and values: zeros, the past's columns, the new tokens' (rounded). */
+    memset(keys, 0, cells);
+    memset(values, 0, cells);
+    if (s.P) {
+        const float *pk = PTR(const float *, L[L_PAST_K]), *pv = PTR(const float *, L[L_PAST_V]);
+        for (int64_t bh = 0; bh < s.B * s.Hkv; ++bh) {
+            memcpy(keys + bh * s.sh, pk + bh * s.P * s.D, (size_t)(s.P * s.D) * sizeof(float));
+            memcpy(values + bh * s.sh, pv + bh * s.P * s.D, (size_t)(s.P * s.D) * sizeof(float));
+        }
+    }
+    rope_store_f32(s.T, s.H, s.Hkv, s.D, s.D, qkv, s.C, qkv + qo, s.C, qkv + qo + ko, s.C,
+                   PTR(const float *, p[P_COS]), PTR(const float *, p[P_SIN]), keys, values,
+                   s.sr, s.sh, s.ss, row, col, 0);
+    if (p[P_ROUND])
+        for (int64_t t = 0; t < s.T; ++t)
+            for (int64_t kv = 0; kv < s.Hkv; ++kv) {
+                float *kt = keys + row[t] * s.sr + kv * s.sh + col[t] * s.ss;
+                float *vt = values + (kt - keys);
+                for (int64_t d = 0; d < s.D; ++d) {
+                    kt[d] = bf16_widen(bf16_nearest(kt[d]));
+                    vt[d] = bf16_widen(bf16_nearest(vt[d]));
+                }
+            }
+    /* Attention in the rows' layout: the queries in (zeros at padding), its output out. */
+    if (s.T < s.B * s.TQ) memset(qpad, 0, (size_t)(s.B * s.TQ * s.HD) * sizeof(float));
+    for (int64_t t = 0; t < s.T; ++t)
+        memcpy(qpad + pad[t] * s.HD, qkv + t * s.C, (size_t)s.HD * sizeof(float));
+    span_attention_f32(s.B, s.TQ, s.H, s.Hkv, s.D, qpad, s.TQ * s.HD, s.D, s.HD, keys, values,
+                       s.sr, s.sh, s.ss, PTR(const int64_t *, L[L_START]),
+                       PTR(const int64_t *, L[L_END]), fl[FL_SCALING], 0.0f, attpad,
+                       PTR(float *, L[L_LSE]), PTR(float *, p[P_SCORES]), 0);
+    for (int64_t t = 0; t < s.T; ++t)
+        memcpy(att + t * s.HD, attpad + pad[t] * s.HD, (size_t)s.HD * sizeof(float));
+    half_linear_rows_f32(s.T, s.E, s.HD, att, PTR(const uint16_t *, L[L_O_W]),
+                         PTR(const uint16_t *, L[L_O_B]), out, xb);
+    lora(p, m + O * M_FIELDS, s.HD, s.E, att, out, s.E);
+    add_rms_norm_f32(s.T, s.E, h, out, PTR(const float *, L[L_NORM2]), fl[FL_EPS2], x2);
+    memcpy(PTR(float *, L[L_HMID]), h, (size_t)(s.T * s.E) * sizeof(float));
+    half_linear_rows_f32(s.T, 2 * s.I, s.E, x2, PTR(const uint16_t *, L[L_GU_W]),
+                         PTR(const uint16_t *, L[L_GU_B]), gu, xb);
+    lora(p, m + GATE * M_FIELDS, s.E, s.I, x2, gu, 2 * s.I);
+    lora(p, m + UP * M_FIELDS, s.E, s.I, x2, gu + s.I, 2 * s.I);
+    for (int64_t t = 0; t < s.T; ++t)
+        swiglu_f32(s.I, gu + t * 2 * s.I, gu + t * 2 * s.I + s.I, gated + t * s.I);
+    half_linear_rows_f32(s.T, s.E, s.I, gated, PTR(const uint16_t *, L[L_DOWN_W]),
+                         PTR(const uint16_t *, L[L_DOWN_B]), out, xb);
+    lora(p, m + DOWN * M_FIELDS, s.I, s.E, gated, out, s.E);
+    for (int64_t i = 0; i < s.T * s.E; ++i) h[i] += out[i];
+}
+
+/* g [T, E]: the gradient of the layer's output in, of its input out. */
+static void layer_backward(const int64_t *p, const int64_t *L, const float *fl, float *g) {
+    const Shape s = shape_of(p, L);
+    const int64_t *m = L + L_LORA;
+    const int64_t qo = L[L_Q_OUT], ko = L[L_K_OUT];
+    const float *x1 = PTR(const float *, L[L_X1]), *qpad = PTR(const float *, L[L_QPAD]);
+    const float *att = PTR(const float *, L[L_ATT]), *x2 = PTR(const float *, L[L_X2]);
+    const float *gu = PTR(const float *, L[L_GU]), *gated = PTR(const float *, L[L_GATED]);
+    const float *cos = PTR(const float *, p[P_COS]), *sin = PTR(const float *, p[P_SIN]);
+    float *dk = PTR(float *, L[L_DK]), *dv = PTR(float *, L[L_DV]);
+    /* Scratch: wide [T, max(E, HD, C, 2I)], g2 [T, E], the output's gradient and the
+     * queries' in the rows' layout, gpad and dq [B * TQ, HD]. */
+    float *wide = PTR(float *, p[P_WIDE]), *g2 = PTR(float *, p[P_GRAD2]);
+    float *gpad = PTR(float *, p[P_GPAD]), *dq = PTR(float *, p[P_DQ]);
+    uint16_t *xb = PTR(uint16_t *, p[P_XB]);
+    const int64_t *row = PTR(const int64_t *, p[P_ROW]), *col = PTR(const int64_t *, p[P_COL]);
+    const int64_t *pad = PTR(const int64_t *, p[P_PAD]);
+
+    /* The MLP: g of gated, of gate and up (into g2's room: wide holds gated's), of x2. */
+    float *g_gated = PTR(float *, p[P_OUT]);  /* [T, I] */
+    half_linear_rows_f32(s.T, s.I, s.E, g, PTR(const uint16_t *, L[L_DOWN_WT]), 0, g_gated, xb);
+    lora_back(p, m + DOWN * M_FIELDS, s.I, s.E, gated, g, s.E, g_gated);
+    for (int64_t t = 0; t < s.T; ++t)
+        swiglu_backward_f32(s.I, gu + t * 2 * s.I, gu + t * 2 * s.I + s.I, g_gated + t * s.I,
+                            wide + t * 2 * s.I, wide + t * 2 * s.I + s.I);
+    half_linear_rows_f32(s.T, s.E, 2 * s.I, wide, PTR(const uint16_t *, L[L_GU_WT]), 0, g2, xb);
+    lora_back(p, m + GATE * M_FIELDS, s.E, s.I, x2, wide, 2 * s.I, g2);
+    lora_back(p, m + UP * M_FIELDS, s.E, s.I, x2, wide + s.I, 2 * s.I, g2);
+    rms_norm_backward_f32(s.T, s.E, PTR(const float *, L[L_HMID]),
+                          PTR(const float *, L[L_NORM2]), g2, fl[FL_EPS2], wide, 0);
+    for (int64_t i = 0; i < s.T * s.E; ++i) g[i] += wide[i];
+    /* The attention's output projection, then the attention in the rows' layout. */
+    half_linear_rows_f32(s.T, s.HD, s.E, g, PTR(const uint16_t *, L[L_O_WT]), 0, wide, xb);
+    lora_back(p, m + O * M_FIELDS, s.HD, s.E, att, g, s.E, wide);
+    if (s.T < s.B * s.TQ) memset(gpad, 0, (size_t)(s.B * s.TQ * s.HD) * sizeof(float));
+    for (int64_t t = 0; t < s.T; ++t)
+        memcpy(gpad + pad[t] * s.HD, wide + t * s.HD, (size_t)s.HD * sizeof(float));
+    span_attention_backward_f32(s.B, s.TQ, s.H, s.Hkv, s.D, qpad, s.TQ * s.HD, s.D, s.HD,
+                                PTR(const float *, L[L_KEYS]), PTR(const float *, L[L_VALUES]),
+                                s.sr, s.sh, s.ss, PTR(const int64_t *, L[L_START]),
+                                PTR(const int64_t *, L[L_END]), fl[FL_SCALING],
+                                PTR(const float *, L[L_ATTPAD]), gpad,
+                                PTR(const float *, L[L_LSE]), dq, dk, dv);
+    /* Each token's q, k and v gradients side by side (the rotary transposed). */
+    float *gqkv = wide;  /* [T, C] */
+    for (int64_t t = 0; t < s.T; ++t) {
+        float *gt = gqkv + t * s.C;
+        rotary_f32(1, s.H, s.D, dq + pad[t] * s.HD, cos + t * s.D, sin + t * s.D, gt, 1);
+        float kt[s.Hkv * s.D];
+        for (int64_t kv = 0; kv < s.Hkv; ++kv) {
+            const int64_t at = row[t] * s.sr + kv * s.sh + col[t] * s.ss;
+            memcpy(kt + kv * s.D, dk + at, (size_t)s.D * sizeof(float));
+            memcpy(gt + qo + ko + kv * s.D, dv + at, (size_t)s.D * sizeof(float));
+        }
+        rotary_f32(1, s.Hkv, s.D, kt, cos + t * s.D, sin + t * s.D, gt + qo, 1);
+    }
+    half_linear_rows_f32(s.T, s.E, s.C, gqkv, PTR(const uint16_t *, L[L_QKV_WT]), 0, g2, xb);
+    lora_back(p, m + Q * M_FIELDS, s.E, qo, x1, gqkv, s.C, g2);
+    lora_back(p, m + K * M_FIELDS, s.E, ko, x1, gqkv + qo, s.C, g2);
+    lora_back(p, m + V * M_FIELDS, s.E, L[L_V_OUT], x1, gqkv + qo + ko, s.C, g2);
+    rms_norm_backward_f32(s.T, s.E, PTR(const float *, L[L_HIN]),
+                          PTR(const float *, L[L_NORM1]), g2, fl[FL_EPS1], wide, 0);
+    for (int64_t i = 0; i < s.T * s.E; ++i) g[i] += wide[i];
+}
+
+void train_layers_f32(const int64_t *p, const float *f) {
+    float *h = PTR(float *, p[P_HIDDEN]);
+    for (int64_t l = 0; l < p[P_LAYERS]; ++l)
+        layer_forward(p, p + P_FIELDS + l * L_FIELDS, f + l * FL_FIELDS, h);
+}
+
+void train_layers_backward_f32(const int64_t *p, const float *f) {
+    float *g = PTR(float *, p[P_HIDDEN]);
+    for (int64_t l = p[P_LAYERS] - 1; l >= 0; --l)
+        layer_backward(p, p + P_FIELDS + l * L_FIELDS, f + l * FL_FIELDS, g);
+}

@@ -1,0 +1,396 @@
+"""The trainer's decoder layers in one native call each way (`kernels/train_layers.c`):
+one pass of the compact forward (`marlaas.train.decoder`) runs every layer's forward in
+one C call that keeps what the backward reads, and its backward is one more, instead of
+a few dozen Python wrappers, autograd nodes and new tensors per layer each way
+(`bench trainer`'s 32 tenants: ~20 ms of a ~77 ms round were that glue).
+
+One autograd node per pass: its inputs are the embeddings, the past's keys and values
+(a shared prompt's, `marlaas.train.prefix`) and every LoRA module's lane weights; its
+outputs the last layer's residual stream and each layer's keys and values (the cache a
+later pass attends: their gradients come back into the backward's). The same kernels
+as the Python path, in the same order, except that q, k and v (and gate and up) are one
+product each way, as their half weights lie together: the same values up to float
+rounding (`tests/train/test_native_train_layers.py`).
+
+It covers what `marlaas.model.native` covers but Qwen3's per-head norms, for passes
+whose every row's keys are one run of columns (`Spans`) and whose lanes the per-row
+kernels take; elsewhere (`TrainLayers.of` None, or `run` None) the Python path runs.
+"""
+
+from __future__ import annotations
+
+import array
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from marlaas.model.decoder import DecoderStack, Layer, Linear
+from marlaas.model.kernels import Spans, half_linear_takes, lane_weights_take, native_kernels
+from marlaas.model.kernels.build import kernel as load
+from marlaas.model.lane_plan import RowLanes
+from marlaas.model.lora import LaneBatch
+from marlaas.model.mixed import packed
+from marlaas.model.native import covers, half_weights
+
+#: The C side's field counts (`train_layers.c`: P_FIELDS, L_FIELDS, M_FIELDS); the order
+#: of each list below is its enums'.
+_P_FIELDS, _M_FIELDS = 30, 10
+_L_STATIC, _L_PASS, _L_TAPE = 17, 8, 11
+_L_FIELDS = _L_STATIC + _L_PASS + _L_TAPE + 7 * _M_FIELDS
+#: A layer's LoRA modules, in the C side's order.
+_MODULES = ("q", "k", "v", "o", "gate", "up", "down")
+#: Per layer: keys and values `[B, Hkv, columns, D]`.
+LayerCache = list[tuple[Tensor, Tensor]]
+
+
+@dataclass(frozen=True)
+class PassInputs:
+    """One pass of the compact forward: `T` tokens (the embeddings `h_TE`, rotary tables
+    `[T, D]`), each in row `row_T` of the `B x TQ` rows' layout at query slot `pad_T`
+    (`b * TQ + column`), after `P` past columns (`past`: each layer's keys and values
+    `[B, Hkv, P, D]`, or None); each layer's query spans by its window."""
+
+    h_TE: Tensor
+    cos_TD: Tensor
+    sin_TD: Tensor
+    pad_T: Tensor
+    B: int
+    TQ: int
+    past: LayerCache | None
+    spans: dict[int | None, Spans]
+    #: The pass runs under a lane batch (`LoRAModel.lanes`); else the plain base.
+    lanes: bool
+
+
+class TrainLayers:
+    """The native pass over one `DecoderStack` (see the module doc)."""
+
+    def __init__(self, stack: DecoderStack) -> None:
+        self.stack = stack
+        first = stack.layers[0]
+        assert first.qkv is not None  # `of` checked every layer
+        self.qkv_out = sum(first.qkv.sizes)
+        self.inter = int(first.down.weight.shape[1])
+        self.round = stack.kv_dtype == torch.bfloat16
+        self._floats = array.array(
+            "f",
+            [
+                v
+                for layer in stack.layers
+                for v in (layer.input_norm.eps, layer.post_norm.eps, layer.scaling)
+            ],
+        )
+        self._packed: list[Tensor] = []
+        self._static: list[int] = []
+
+    @staticmethod
+    def of(stack: DecoderStack) -> TrainLayers | None:
+        """The native pass of `stack`, or None where it does not cover it."""
+        if (
+            not native_kernels("train_layers", "train_layers_backward")
+            or not covers(stack)
+            or any(layer.q_norm is not None for layer in stack.layers)
+        ):
+            return None
+        return TrainLayers(stack)
+
+    def run(self, inputs: PassInputs) -> tuple[Tensor, LayerCache] | None:
+        """The last layer's residual stream `[T, E]` and each layer's keys and values
+        (past columns first), differentiable; None (nothing done) where the pass does
+        not apply."""
+        T = int(inputs.h_TE.shape[0])
+        stack = self.stack
+        if (
+            load("train_layers") is None
+            or load("train_layers_backward") is None
+            or not half_linear_takes(T)
+            or any(s.widest < 1 for s in inputs.spans.values())
+        ):
+            return None
+        static = self._static_fields()
+        if static is None:
+            return None
+        if inputs.lanes:
+            lanes = stack.model.row_lanes(T)
+            if lanes is None:
+                return None
+            batch, rows = lanes
+            modules = self._modules(batch)
+            if modules is None:
+                return None
+        else:  # the plain base: no module has an update (the lanes are never read)
+            none = torch.zeros(1, dtype=torch.long)
+            rows, modules = RowLanes(none, none, None), {}
+        weights = [w for pair in modules.values() for w in pair]
+        past = [t for kv in inputs.past for t in kv] if inputs.past is not None else []
+        if not all(t.is_contiguous() and t.dtype == torch.float32 for t in past):
+            return None
+        outs = _Pass.apply(inputs.h_TE, _Call(self, inputs, rows, modules, static), *past, *weights)
+        h, *kv = outs
+        return h, list(zip(kv[0::2], kv[1::2], strict=True))
+
+    def _static_fields(self) -> list[int] | None:
+        """Each layer's fields of its weights (up to L_DOWN_B), made again where a packed
+        weight was (a weight written since: `mixed.packed`)."""
+        current = [
+            packed(w, transposed)
+            for layer in self.stack.layers
+            for w in half_weights(layer)
+            for transposed in (False, True)
+        ]
+        if any(p is None for p in current):
+            return None
+        if len(current) != len(self._packed) or any(
+            a is not b for a, b in zip(current, self._packed, strict=True)
+        ):
+            self._packed = [p for p in current if p is not None]
+            self._static = [
+                v
+                for i, layer in enumerate(self.stack.layers)
+                for v in _layer_static(layer, self._packed[8 * i : 8 * i + 8])
+            ]
+        return self._static
+
+    def _modules(self, batch: LaneBatch) -> dict[tuple[int, str], tuple[Tensor, Tensor]] | None:
+        """Each (layer, module) with an update in the lane batch: its `A`, `B`; None where
+        the kernels do not take one."""
+        found: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}
+        for i, layer in enumerate(self.stack.layers):
+            for name in _MODULES:
+                lin: Linear = getattr(layer, name)
+                A_Lri = batch.A.get(lin.path) if lin.path is not None else None
+                if A_Lri is None:
+                    continue
+                B_Lor = batch.B[lin.path]  # type: ignore[index]
+                out_features, in_features = (int(n) for n in lin.weight.shape)
+                if not lane_weights_take(A_Lri, B_Lor, in_features, out_features):
+                    return None
+                found[(i, name)] = (A_Lri, B_Lor)
+        return found
+
+
+@dataclass(frozen=True)
+class _Call:
+    """What one pass's node needs besides its tensor inputs."""
+
+    layers: TrainLayers
+    inputs: PassInputs
+    rows: RowLanes
+    modules: dict[tuple[int, str], tuple[Tensor, Tensor]]
+    static: list[int]
+
+
+class _Tape:
+    """One pass's buffers: what the forward keeps for the backward, per layer, in one
+    allocation, and the keys and values."""
+
+    #: A layer's tape, in the C side's order (L_HIN .. L_GATED): name -> floats a token
+    #: (`tokens`) or a query slot of the rows' layout (`slots`).
+    def __init__(self, layers: TrainLayers, T: int, B: int, TQ: int, P: int) -> None:
+        stack = layers.stack
+        E, H, Hkv, D = int(stack.embed.shape[1]), stack.heads, stack.kv_heads, stack.head_dim
+        HD, C, inter = H * D, layers.qkv_out, layers.inter
+        slots = B * TQ
+        self.sizes = [
+            T * E,  # h_in
+            T * E,  # x1
+            T * C,  # qkv
+            slots * HD,  # queries
+            slots * HD,  # attention's output
+            slots * H,  # its log-sum-exp
+            T * HD,  # attention's output, tokens
+            T * E,  # h_mid
+            T * E,  # x2
+            T * 2 * inter,  # gate, up
+            T * inter,  # gated
+        ]
+        count = len(stack.layers)
+        # A buffer per layer: each small enough for the heap (`cli.process`'s malloc
+        # settings), where one for the pass came from fresh pages every step (a page
+        # fault each 4 KB: ~20% of `bench trainer`'s round).
+        self.buffers = [torch.empty(sum(self.sizes)) for _ in range(count)]
+        self.fields: list[list[int]] = []
+        for buffer in self.buffers:
+            at = buffer.data_ptr()
+            fields = []
+            for size in self.sizes:
+                fields.append(at)
+                at += 4 * size
+            self.fields.append(fields)
+        shape = (B, Hkv, P + TQ, D)
+        self.kv = [torch.empty(shape) for _ in range(2 * count)]
+
+
+class _Pass(torch.autograd.Function):
+    """One pass's layers forward and backward (see the module doc). Inputs: the
+    embeddings `[T, E]`, the call, the past's keys and values (each layer's, or none),
+    the modules' `A` and `B`; outputs: the residual stream `[T, E]`, then each layer's
+    keys and values."""
+
+    @staticmethod
+    def forward(ctx: Any, h_TE: Tensor, call: _Call, *tensors: Tensor) -> tuple[Tensor, ...]:
+        layers, inputs, rows = call.layers, call.inputs, call.rows
+        stack = layers.stack
+        count = len(stack.layers)
+        past = tensors[: 2 * count] if inputs.past is not None else ()
+        T, E = (int(n) for n in h_TE.shape)
+        B, TQ = inputs.B, inputs.TQ
+        P = 0 if inputs.past is None else int(inputs.past[0][0].shape[2])
+        H, Hkv, D = stack.heads, stack.kv_heads, stack.head_dim
+        pad = inputs.pad_T
+        row = torch.div(pad, TQ, rounding_mode="floor")
+        col = pad - row * TQ + P
+        tape = _Tape(layers, T, B, TQ, P)
+        h = h_TE.detach().clone(memory_format=torch.contiguous_format)
+        units = int(rows.lane_N.shape[0])
+        widest = max(s.widest for s in inputs.spans.values())
+        inter, C, HD = layers.inter, layers.qkv_out, H * D
+        xb = torch.empty(T * max(E, HD, 2 * inter, C), dtype=torch.bfloat16)
+        scores = torch.empty((H // Hkv) * widest)
+        out = torch.empty(T * max(E, inter))
+        lora_floats = max(
+            (
+                int(A.shape[1]) * int(Bm.shape[1])
+                for A, Bm in call.modules.values()
+                if Bm.stride(1) != 1
+            ),
+            default=0,
+        )
+        lora_scratch = torch.empty(max(lora_floats, 1))
+        program = [
+            *(count, T, B, TQ, P, E, H, Hkv, D, inter, int(layers.round), units, T // units),
+            h.data_ptr(),
+            inputs.cos_TD.data_ptr(),
+            inputs.sin_TD.data_ptr(),
+            row.data_ptr(),
+            col.data_ptr(),
+            pad.data_ptr(),
+            rows.lane_N.data_ptr(),
+            rows.order_N.data_ptr(),
+            0 if rows.scale_L is None else rows.scale_L.data_ptr(),
+            xb.data_ptr(),
+            scores.data_ptr(),
+            lora_scratch.data_ptr(),
+            out.data_ptr(),
+            *(0, 0, 0, 0),  # the backward's scratch
+        ]
+        assert len(program) == _P_FIELDS
+        for i, layer in enumerate(stack.layers):
+            span = inputs.spans[layer.window]
+            keys, values = tape.kv[2 * i], tape.kv[2 * i + 1]
+            program += call.static[i * _L_STATIC : (i + 1) * _L_STATIC]
+            program += (span.start_Q.data_ptr(), span.end_Q.data_ptr())
+            program += (past[2 * i].data_ptr(), past[2 * i + 1].data_ptr()) if past else (0, 0)
+            program += (keys.data_ptr(), values.data_ptr(), 0, 0)  # dK, dV: the backward's
+            program += tape.fields[i]
+            for name in _MODULES:
+                pair = call.modules.get((i, name))
+                if pair is None:
+                    program += [0] * _M_FIELDS
+                    continue
+                A, Bm = pair
+                program += (A.data_ptr(), *A.stride()[:2], Bm.data_ptr(), *Bm.stride())
+                program += (int(A.shape[1]), 0, 0)  # the rank; gA, gBt: the backward's
+        assert len(program) == _P_FIELDS + count * _L_FIELDS
+        fields = array.array("q", program)
+        load("train_layers")(fields.buffer_info()[0], layers._floats.buffer_info()[0])
+        ctx.set_materialize_grads(False)
+        ctx.call, ctx.fields, ctx.tape = call, fields, tape.buffers
+        ctx.keep = (
+            row,
+            col,
+            xb,
+            scores,
+            out,
+            lora_scratch,
+            *past,
+            *tensors[2 * count if past else 0 :],
+        )
+        ctx.save_for_backward(*tape.kv)
+        return (h, *tape.kv)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        call: _Call = ctx.call
+        layers, inputs = call.layers, call.inputs
+        stack = layers.stack
+        count = len(stack.layers)
+        kv = ctx.saved_tensors
+        g_h, g_kv = grads[0], grads[1:]
+        fields = array.array("q", ctx.fields)
+        T, E, B, TQ = fields[1], fields[5], inputs.B, inputs.TQ
+        H, D = stack.heads, stack.head_dim
+        inter, C, HD = layers.inter, layers.qkv_out, H * D
+        g = (
+            torch.zeros((T, E))
+            if g_h is None
+            else g_h.detach().clone(memory_format=torch.contiguous_format)
+        )
+        wide = torch.empty(T * max(E, HD, C, 2 * inter))
+        g2 = torch.empty((T, E))
+        gpad = torch.empty(B * TQ * HD)
+        dq = torch.empty(B * TQ * HD)
+        fields[13] = g.data_ptr()
+        fields[26:30] = array.array(
+            "q", [wide.data_ptr(), g2.data_ptr(), gpad.data_ptr(), dq.data_ptr()]
+        )
+        dkv: list[Tensor] = []
+        for i in range(2 * count):
+            given = g_kv[i]
+            d = (
+                torch.zeros_like(kv[i])
+                if given is None
+                else given.detach().clone(memory_format=torch.contiguous_format)
+            )
+            dkv.append(d)
+        grads_w: list[Tensor] = []
+        for i in range(count):
+            at = _P_FIELDS + i * _L_FIELDS
+            fields[at + _L_STATIC + 6] = dkv[2 * i].data_ptr()
+            fields[at + _L_STATIC + 7] = dkv[2 * i + 1].data_ptr()
+            for j, name in enumerate(_MODULES):
+                pair = call.modules.get((i, name))
+                if pair is None:
+                    continue
+                A, Bm = pair
+                L, r = int(A.shape[0]), int(A.shape[1])
+                gA = torch.zeros((L, r, int(A.shape[2])))
+                gBt = torch.zeros((L, r, int(Bm.shape[1])))
+                m = at + _L_STATIC + _L_PASS + _L_TAPE + j * _M_FIELDS
+                fields[m + 8] = gA.data_ptr()
+                fields[m + 9] = gBt.data_ptr()
+                grads_w += (gA, gBt.transpose(1, 2))
+        load("train_layers_backward")(fields.buffer_info()[0], layers._floats.buffer_info()[0])
+        P = 0 if inputs.past is None else int(inputs.past[0][0].shape[2])
+        g_past = [d[:, :, :P] for d in dkv] if inputs.past is not None else []
+        return (g if ctx.needs_input_grad[0] else None, None, *g_past, *grads_w)
+
+
+def _layer_static(layer: Layer, packs: list[Tensor]) -> list[int]:
+    """A layer's fields of its weights (`packs`: each of `half_weights` packed, then its
+    transpose packed), in the C side's order (L_NORM1 .. L_DOWN_B)."""
+    assert layer.qkv is not None and layer.gate_up is not None
+    qkv, qkv_t, o, o_t, gate_up, gate_up_t, down, down_t = packs
+
+    def ptr(t: Tensor | None) -> int:
+        return 0 if t is None else t.data_ptr()
+
+    return [
+        layer.input_norm.weight.data_ptr(),
+        layer.post_norm.weight.data_ptr(),
+        qkv.data_ptr(),
+        qkv_t.data_ptr(),
+        ptr(layer.qkv.bias),
+        *layer.qkv.sizes,
+        o.data_ptr(),
+        o_t.data_ptr(),
+        ptr(layer.o.bias),
+        gate_up.data_ptr(),
+        gate_up_t.data_ptr(),
+        ptr(layer.gate_up.bias),
+        down.data_ptr(),
+        down_t.data_ptr(),
+        ptr(layer.down.bias),
+    ]
