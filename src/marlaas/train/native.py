@@ -36,8 +36,8 @@ from marlaas.model.native import covers, half_weights
 
 #: The C side's field counts (`train_layers.c`: P_FIELDS, L_FIELDS, M_FIELDS); the order
 #: of each list below is its enums'.
-_P_FIELDS, _M_FIELDS = 30, 10
-_L_STATIC, _L_PASS, _L_TAPE = 17, 8, 11
+_P_FIELDS, _M_FIELDS = 28, 10
+_L_STATIC, _L_PASS, _L_TAPE = 17, 8, 9
 _L_FIELDS = _L_STATIC + _L_PASS + _L_TAPE + 7 * _M_FIELDS
 #: A layer's LoRA modules, in the C side's order.
 _MODULES = ("q", "k", "v", "o", "gate", "up", "down")
@@ -48,8 +48,8 @@ LayerCache = list[tuple[Tensor, Tensor]]
 @dataclass(frozen=True)
 class PassInputs:
     """One pass of the compact forward: `T` tokens (the embeddings `h_TE`, rotary tables
-    `[T, D]`), each in row `row_T` of the `B x TQ` rows' layout at query slot `pad_T`
-    (`b * TQ + column`), after `P` past columns (`past`: each layer's keys and values
+    `[T, D]`), each at `pad_T` of the `B x TQ` rows' layout (`b * TQ + column`), after
+    `P` past columns (`past`: each layer's keys and values
     `[B, Hkv, P, D]`, or None); each layer's query spans by its window."""
 
     h_TE: Tensor
@@ -124,10 +124,24 @@ class TrainLayers:
             none = torch.zeros(1, dtype=torch.long)
             rows, modules = RowLanes(none, none, None), {}
         weights = [w for pair in modules.values() for w in pair]
-        past = [t for kv in inputs.past for t in kv] if inputs.past is not None else []
-        if not all(t.is_contiguous() and t.dtype == torch.float32 for t in past):
+        # (a pass's own keys and values are views of the tape: contiguous copies)
+        past = [t.contiguous() for kv in inputs.past for t in kv] if inputs.past else []
+        if any(t.dtype != torch.float32 for t in past):
             return None
-        outs = _Pass.apply(inputs.h_TE, _Call(self, inputs, rows, modules, static), *past, *weights)
+        P = 0 if inputs.past is None else int(inputs.past[0][0].shape[2])
+        row_T = torch.div(inputs.pad_T, inputs.TQ, rounding_mode="floor")
+        col_T = inputs.pad_T - row_T * inputs.TQ + P
+        first_T = row_T * (P + inputs.TQ)
+        spans = {
+            window: (
+                (span.start_Q.index_select(0, inputs.pad_T) + first_T).contiguous(),
+                (span.end_Q.index_select(0, inputs.pad_T) + first_T).contiguous(),
+            )
+            for window, span in inputs.spans.items()
+        }
+        widest = max(span.widest for span in inputs.spans.values())
+        call = _Call(self, inputs, rows, modules, static, row_T, col_T, spans, widest)
+        outs = _Pass.apply(inputs.h_TE, call, *past, *weights)
         h, *kv = outs
         return h, list(zip(kv[0::2], kv[1::2], strict=True))
 
@@ -180,27 +194,30 @@ class _Call:
     rows: RowLanes
     modules: dict[tuple[int, str], tuple[Tensor, Tensor]]
     static: list[int]
+    #: Each token's row and key column (after the past's).
+    row_T: Tensor
+    col_T: Tensor
+    #: Per window, each token's span of columns counted across the rows (row `b`'s
+    #: column `c` is `b * columns + c`: the tape's keys are `[Hkv, B, columns, D]`), and
+    #: the widest span.
+    spans: dict[int | None, tuple[Tensor, Tensor]]
+    widest: int
 
 
 class _Tape:
     """One pass's buffers: what the forward keeps for the backward, per layer, in one
     allocation, and the keys and values."""
 
-    #: A layer's tape, in the C side's order (L_HIN .. L_GATED): name -> floats a token
-    #: (`tokens`) or a query slot of the rows' layout (`slots`).
     def __init__(self, layers: TrainLayers, T: int, B: int, TQ: int, P: int) -> None:
         stack = layers.stack
         E, H, Hkv, D = int(stack.embed.shape[1]), stack.heads, stack.kv_heads, stack.head_dim
         HD, C, inter = H * D, layers.qkv_out, layers.inter
-        slots = B * TQ
         self.sizes = [
             T * E,  # h_in
             T * E,  # x1
             T * C,  # qkv
-            slots * HD,  # queries
-            slots * HD,  # attention's output
-            slots * H,  # its log-sum-exp
-            T * HD,  # attention's output, tokens
+            T * H,  # the attention's log-sum-exp
+            T * HD,  # its output
             T * E,  # h_mid
             T * E,  # x2
             T * 2 * inter,  # gate, up
@@ -219,8 +236,8 @@ class _Tape:
                 fields.append(at)
                 at += 4 * size
             self.fields.append(fields)
-        shape = (B, Hkv, P + TQ, D)
-        self.kv = [torch.empty(shape) for _ in range(2 * count)]
+        # [Hkv, B, P + TQ, D]: the rows' columns of a kv head one run (`train_layers.c`).
+        self.kv = [torch.empty((Hkv, B, P + TQ, D)) for _ in range(2 * count)]
 
 
 class _Pass(torch.autograd.Function):
@@ -239,16 +256,12 @@ class _Pass(torch.autograd.Function):
         B, TQ = inputs.B, inputs.TQ
         P = 0 if inputs.past is None else int(inputs.past[0][0].shape[2])
         H, Hkv, D = stack.heads, stack.kv_heads, stack.head_dim
-        pad = inputs.pad_T
-        row = torch.div(pad, TQ, rounding_mode="floor")
-        col = pad - row * TQ + P
         tape = _Tape(layers, T, B, TQ, P)
         h = h_TE.detach().clone(memory_format=torch.contiguous_format)
         units = int(rows.lane_N.shape[0])
-        widest = max(s.widest for s in inputs.spans.values())
         inter, C, HD = layers.inter, layers.qkv_out, H * D
         xb = torch.empty(T * max(E, HD, 2 * inter, C), dtype=torch.bfloat16)
-        scores = torch.empty((H // Hkv) * widest)
+        scores = torch.empty((H // Hkv) * call.widest)
         out = torch.empty(T * max(E, inter))
         lora_floats = max(
             (
@@ -264,9 +277,8 @@ class _Pass(torch.autograd.Function):
             h.data_ptr(),
             inputs.cos_TD.data_ptr(),
             inputs.sin_TD.data_ptr(),
-            row.data_ptr(),
-            col.data_ptr(),
-            pad.data_ptr(),
+            call.row_T.data_ptr(),
+            call.col_T.data_ptr(),
             rows.lane_N.data_ptr(),
             rows.order_N.data_ptr(),
             0 if rows.scale_L is None else rows.scale_L.data_ptr(),
@@ -274,14 +286,14 @@ class _Pass(torch.autograd.Function):
             scores.data_ptr(),
             lora_scratch.data_ptr(),
             out.data_ptr(),
-            *(0, 0, 0, 0),  # the backward's scratch
+            *(0, 0, 0),  # the backward's scratch
         ]
         assert len(program) == _P_FIELDS
         for i, layer in enumerate(stack.layers):
-            span = inputs.spans[layer.window]
+            start_T, end_T = call.spans[layer.window]
             keys, values = tape.kv[2 * i], tape.kv[2 * i + 1]
             program += call.static[i * _L_STATIC : (i + 1) * _L_STATIC]
-            program += (span.start_Q.data_ptr(), span.end_Q.data_ptr())
+            program += (start_T.data_ptr(), end_T.data_ptr())
             program += (past[2 * i].data_ptr(), past[2 * i + 1].data_ptr()) if past else (0, 0)
             program += (keys.data_ptr(), values.data_ptr(), 0, 0)  # dK, dV: the backward's
             program += tape.fields[i]
@@ -297,19 +309,10 @@ class _Pass(torch.autograd.Function):
         fields = array.array("q", program)
         load("train_layers")(fields.buffer_info()[0], layers._floats.buffer_info()[0])
         ctx.set_materialize_grads(False)
-        ctx.call, ctx.fields, ctx.tape = call, fields, tape.buffers
-        ctx.keep = (
-            row,
-            col,
-            xb,
-            scores,
-            out,
-            lora_scratch,
-            *past,
-            *tensors[2 * count if past else 0 :],
-        )
-        ctx.save_for_backward(*tape.kv)
-        return (h, *tape.kv)
+        ctx.call, ctx.fields, ctx.tape, ctx.kv = call, fields, tape.buffers, tape.kv
+        ctx.keep = (xb, scores, out, lora_scratch, *past, *tensors[2 * count if past else 0 :])
+        # Each layer's keys and values as the Python path's ([B, Hkv, columns, D]).
+        return (h, *(t.transpose(0, 1) for t in tape.kv))
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
@@ -317,10 +320,10 @@ class _Pass(torch.autograd.Function):
         layers, inputs = call.layers, call.inputs
         stack = layers.stack
         count = len(stack.layers)
-        kv = ctx.saved_tensors
+        kv: list[Tensor] = ctx.kv
         g_h, g_kv = grads[0], grads[1:]
         fields = array.array("q", ctx.fields)
-        T, E, B, TQ = fields[1], fields[5], inputs.B, inputs.TQ
+        T, E = fields[1], fields[5]
         H, D = stack.heads, stack.head_dim
         inter, C, HD = layers.inter, layers.qkv_out, H * D
         g = (
@@ -330,20 +333,14 @@ class _Pass(torch.autograd.Function):
         )
         wide = torch.empty(T * max(E, HD, C, 2 * inter))
         g2 = torch.empty((T, E))
-        gpad = torch.empty(B * TQ * HD)
-        dq = torch.empty(B * TQ * HD)
+        dq = torch.empty((T, HD))
         fields[13] = g.data_ptr()
-        fields[26:30] = array.array(
-            "q", [wide.data_ptr(), g2.data_ptr(), gpad.data_ptr(), dq.data_ptr()]
-        )
+        fields[25:28] = array.array("q", [wide.data_ptr(), g2.data_ptr(), dq.data_ptr()])
         dkv: list[Tensor] = []
         for i in range(2 * count):
             given = g_kv[i]
-            d = (
-                torch.zeros_like(kv[i])
-                if given is None
-                else given.detach().clone(memory_format=torch.contiguous_format)
-            )
+            # (in the tape's layout, `[Hkv, B, columns, D]`)
+            d = torch.zeros_like(kv[i]) if given is None else given.transpose(0, 1).contiguous()
             dkv.append(d)
         grads_w: list[Tensor] = []
         for i in range(count):
@@ -364,7 +361,7 @@ class _Pass(torch.autograd.Function):
                 grads_w += (gA, gBt.transpose(1, 2))
         load("train_layers_backward")(fields.buffer_info()[0], layers._floats.buffer_info()[0])
         P = 0 if inputs.past is None else int(inputs.past[0][0].shape[2])
-        g_past = [d[:, :, :P] for d in dkv] if inputs.past is not None else []
+        g_past = [d[:, :, :P].transpose(0, 1) for d in dkv] if inputs.past is not None else []
         return (g if ctx.needs_input_grad[0] else None, None, *g_past, *grads_w)
 
 

@@ -6,20 +6,20 @@
  *     x1 = rms_norm(h)                               (h: the layer's input, kept)
  *     qkv = x1 [W_q; W_k; W_v]^T (+ b) + LoRA of q, k and v
  *     rotary on q (in place); k rotated and v into the pass's keys and values
- *       [B, Hkv, P + TQ, D] (zeros, the past's P columns first), rounded to bfloat16
+ *       [Hkv, B, P + TQ, D] (zeros, the past's P columns first), rounded to bfloat16
  *       where the engine's cache holds that (`round`)
- *     att = attention of each query (in the rows' layout [B, TQ]) over its span
+ *     att = attention of each token's query over its span of columns
  *     h += att W_o^T (+ b) + LoRA;  x2 = rms_norm(h) (h kept)
  *     gu = x2 [W_gate; W_up]^T (+ b) + LoRA of each;  gated = silu(gate) * up
  *     h += gated W_down^T (+ b) + LoRA
  *
  * over the pass's `T` tokens (a packed pass's valid tokens, or every column of its rows),
- * token t in row row[t], key column col[t] = P + its column, query slot pad[t] of the
- * rows' layout. The backward runs the same steps in reverse for the gradient of the
- * last layer's h (and of each layer's keys and values, where a later pass attended
- * them: added into dK and dV before the call), writing each LoRA module's gradients
- * (`gA [L, r, in]`, `gBt [L, r, out]`, added to) and the input's gradient (in place of
- * the output's), the base frozen: the products' input gradients through the packed
+ * token t in row row[t] at key column col[t] = P + its column, attending its span of
+ * columns (start[t], end[t]: counted across the rows, see `Shape`). The backward runs the
+ * same steps in reverse for the gradient of the last layer's h (and of each layer's keys
+ * and values, where a later pass attended them: added into dK and dV before the call),
+ * writing each LoRA module's gradients (`gA [L, r, in]`, `gBt [L, r, out]`, added to)
+ * and the input's gradient (in place of the output's), the base frozen: the products' input gradients through the packed
  * transposes of the half weights, as `mixed.matmul`. The keys' and values' rounding
  * passes their gradient straight through, as `fused.round_to`.
  *
@@ -35,8 +35,8 @@
 enum {
     P_LAYERS, P_T, P_B, P_TQ, P_PAST, P_E, P_H, P_HKV, P_D, P_INTER, P_ROUND,
     P_UNITS, P_UNIT_TOKENS,
-    P_HIDDEN, P_COS, P_SIN, P_ROW, P_COL, P_PAD, P_LANE, P_ORDER, P_SCALE,
-    P_XB, P_SCORES, P_LORA_SCRATCH, P_OUT, P_WIDE, P_GRAD2, P_GPAD, P_DQ,
+    P_HIDDEN, P_COS, P_SIN, P_ROW, P_COL, P_LANE, P_ORDER, P_SCALE,
+    P_XB, P_SCORES, P_LORA_SCRATCH, P_OUT, P_WIDE, P_GRAD2, P_DQ,
     P_FIELDS
 };
 enum { M_A, M_A_SL, M_A_SR, M_B, M_B_SL, M_B_SO, M_B_SR, M_RANK, M_GA, M_GBT, M_FIELDS };
@@ -46,7 +46,7 @@ enum {
     L_O_W, L_O_WT, L_O_B, L_GU_W, L_GU_WT, L_GU_B, L_DOWN_W, L_DOWN_WT, L_DOWN_B,
     L_START, L_END, L_PAST_K, L_PAST_V, L_KEYS, L_VALUES, L_DK, L_DV,
     /* the tape */
-    L_HIN, L_X1, L_QKV, L_QPAD, L_ATTPAD, L_LSE, L_ATT, L_HMID, L_X2, L_GU, L_GATED,
+    L_HIN, L_X1, L_QKV, L_LSE, L_ATT, L_HMID, L_X2, L_GU, L_GATED,
     L_LORA, L_FIELDS = L_LORA + MODULES * M_FIELDS
 };
 enum { FL_EPS1, FL_EPS2, FL_SCALING, FL_FIELDS };
@@ -77,7 +77,10 @@ static void lora_back(const int64_t *p, const int64_t *m, int64_t in, int64_t ou
         PTR(float *, m[M_GA]), PTR(float *, m[M_GBT]), PTR(float *, p[P_LORA_SCRATCH]), 1);
 }
 
-/* The pass's shapes, and a layer's keys' and values' strides ([B, Hkv, P + TQ, D]). */
+/* The pass's shapes, and a layer's keys' and values' strides: [Hkv, B, P + TQ, D], so
+ * that each row's columns of a kv head follow the row before's and the tokens' spans are
+ * runs of one sequence of columns (the attention sees one row of T queries: no query
+ * slots for padding, no copies into and out of the rows' layout). */
 typedef struct {
     int64_t T, B, TQ, P, E, H, Hkv, D, I, HD, C, S, sr, sh, ss;
 } Shape;
@@ -87,7 +90,7 @@ static Shape shape_of(const int64_t *p, const int64_t *L) {
     s.T = p[P_T], s.B = p[P_B], s.TQ = p[P_TQ], s.P = p[P_PAST], s.E = p[P_E], s.H = p[P_H];
     s.Hkv = p[P_HKV], s.D = p[P_D], s.I = p[P_INTER], s.HD = s.H * s.D;
     s.C = L[L_Q_OUT] + L[L_K_OUT] + L[L_V_OUT];
-    s.S = s.P + s.TQ, s.ss = s.D, s.sh = s.S * s.D, s.sr = s.Hkv * s.S * s.D;
+    s.S = s.P + s.TQ, s.ss = s.D, s.sr = s.S * s.D, s.sh = s.B * s.S * s.D;
     return s;
 }
 
@@ -96,14 +99,12 @@ static void layer_forward(const int64_t *p, const int64_t *L, const float *fl, f
     const int64_t *m = L + L_LORA;
     const int64_t qo = L[L_Q_OUT], ko = L[L_K_OUT];
     float *x1 = PTR(float *, L[L_X1]), *qkv = PTR(float *, L[L_QKV]);
-    float *qpad = PTR(float *, L[L_QPAD]), *attpad = PTR(float *, L[L_ATTPAD]);
     float *att = PTR(float *, L[L_ATT]), *x2 = PTR(float *, L[L_X2]);
     float *gu = PTR(float *, L[L_GU]), *gated = PTR(float *, L[L_GATED]);
     float *keys = PTR(float *, L[L_KEYS]), *values = PTR(float *, L[L_VALUES]);
     float *out = PTR(float *, p[P_OUT]);
     uint16_t *xb = PTR(uint16_t *, p[P_XB]);
     const int64_t *row = PTR(const int64_t *, p[P_ROW]), *col = PTR(const int64_t *, p[P_COL]);
-    const int64_t *pad = PTR(const int64_t *, p[P_PAD]);
     const size_t cells = (size_t)(s.B * s.Hkv * s.S * s.D) * sizeof(float);
 
     memcpy(PTR(float *, L[L_HIN]), h, (size_t)(s.T * s.E) * sizeof(float));
@@ -116,12 +117,15 @@ static void layer_forward(const int64_t *p, const int64_t *L, const float *fl, f
     /* The keys and values: zeros, the past's columns, the new tokens' (rounded). */
     memset(keys, 0, cells);
     memset(values, 0, cells);
-    if (s.P) {
+    if (s.P) {  /* the past: [B, Hkv, P, D] contiguous */
         const float *pk = PTR(const float *, L[L_PAST_K]), *pv = PTR(const float *, L[L_PAST_V]);
-        for (int64_t bh = 0; bh < s.B * s.Hkv; ++bh) {
-            memcpy(keys + bh * s.sh, pk + bh * s.P * s.D, (size_t)(s.P * s.D) * sizeof(float));
-            memcpy(values + bh * s.sh, pv + bh * s.P * s.D, (size_t)(s.P * s.D) * sizeof(float));
-        }
+        const size_t run = (size_t)(s.P * s.D) * sizeof(float);
+        for (int64_t b = 0; b < s.B; ++b)
+            for (int64_t kv = 0; kv < s.Hkv; ++kv) {
+                const int64_t from = (b * s.Hkv + kv) * s.P * s.D, to = kv * s.sh + b * s.sr;
+                memcpy(keys + to, pk + from, run);
+                memcpy(values + to, pv + from, run);
+            }
     }
     rope_store_f32(s.T, s.H, s.Hkv, s.D, s.D, qkv, s.C, qkv + qo, s.C, qkv + qo + ko, s.C,
                    PTR(const float *, p[P_COS]), PTR(const float *, p[P_SIN]), keys, values,
@@ -136,16 +140,11 @@ static void layer_forward(const int64_t *p, const int64_t *L, const float *fl, f
                     vt[d] = bf16_widen(bf16_nearest(vt[d]));
                 }
             }
-    /* Attention in the rows' layout: the queries in (zeros at padding), its output out. */
-    if (s.T < s.B * s.TQ) memset(qpad, 0, (size_t)(s.B * s.TQ * s.HD) * sizeof(float));
-    for (int64_t t = 0; t < s.T; ++t)
-        memcpy(qpad + pad[t] * s.HD, qkv + t * s.C, (size_t)s.HD * sizeof(float));
-    span_attention_f32(s.B, s.TQ, s.H, s.Hkv, s.D, qpad, s.TQ * s.HD, s.D, s.HD, keys, values,
-                       s.sr, s.sh, s.ss, PTR(const int64_t *, L[L_START]),
-                       PTR(const int64_t *, L[L_END]), fl[FL_SCALING], 0.0f, attpad,
-                       PTR(float *, L[L_LSE]), PTR(float *, p[P_SCORES]), 0);
-    for (int64_t t = 0; t < s.T; ++t)
-        memcpy(att + t * s.HD, attpad + pad[t] * s.HD, (size_t)s.HD * sizeof(float));
+    /* The tokens' queries where the product left them, over their spans of columns. */
+    span_attention_f32(1, s.T, s.H, s.Hkv, s.D, qkv, 0, s.D, s.C, keys, values, 0, s.sh, s.ss,
+                       PTR(const int64_t *, L[L_START]), PTR(const int64_t *, L[L_END]),
+                       fl[FL_SCALING], 0.0f, att, PTR(float *, L[L_LSE]),
+                       PTR(float *, p[P_SCORES]), 0);
     half_linear_rows_f32(s.T, s.E, s.HD, att, PTR(const uint16_t *, L[L_O_W]),
                          PTR(const uint16_t *, L[L_O_B]), out, xb);
     lora(p, m + O * M_FIELDS, s.HD, s.E, att, out, s.E);
@@ -168,18 +167,16 @@ static void layer_backward(const int64_t *p, const int64_t *L, const float *fl, 
     const Shape s = shape_of(p, L);
     const int64_t *m = L + L_LORA;
     const int64_t qo = L[L_Q_OUT], ko = L[L_K_OUT];
-    const float *x1 = PTR(const float *, L[L_X1]), *qpad = PTR(const float *, L[L_QPAD]);
+    const float *x1 = PTR(const float *, L[L_X1]), *qkv = PTR(const float *, L[L_QKV]);
     const float *att = PTR(const float *, L[L_ATT]), *x2 = PTR(const float *, L[L_X2]);
     const float *gu = PTR(const float *, L[L_GU]), *gated = PTR(const float *, L[L_GATED]);
     const float *cos = PTR(const float *, p[P_COS]), *sin = PTR(const float *, p[P_SIN]);
     float *dk = PTR(float *, L[L_DK]), *dv = PTR(float *, L[L_DV]);
-    /* Scratch: wide [T, max(E, HD, C, 2I)], g2 [T, E], the output's gradient and the
-     * queries' in the rows' layout, gpad and dq [B * TQ, HD]. */
+    /* Scratch: wide [T, max(E, HD, C, 2I)], g2 [T, E], dq [T, HD]. */
     float *wide = PTR(float *, p[P_WIDE]), *g2 = PTR(float *, p[P_GRAD2]);
-    float *gpad = PTR(float *, p[P_GPAD]), *dq = PTR(float *, p[P_DQ]);
+    float *dq = PTR(float *, p[P_DQ]);
     uint16_t *xb = PTR(uint16_t *, p[P_XB]);
     const int64_t *row = PTR(const int64_t *, p[P_ROW]), *col = PTR(const int64_t *, p[P_COL]);
-    const int64_t *pad = PTR(const int64_t *, p[P_PAD]);
 
     /* The MLP: g of gated, of gate and up (into g2's room: wide holds gated's), of x2. */
     float *g_gated = PTR(float *, p[P_OUT]);  /* [T, I] */
@@ -194,23 +191,19 @@ static void layer_backward(const int64_t *p, const int64_t *L, const float *fl, 
     rms_norm_backward_f32(s.T, s.E, PTR(const float *, L[L_HMID]),
                           PTR(const float *, L[L_NORM2]), g2, fl[FL_EPS2], wide, 0);
     for (int64_t i = 0; i < s.T * s.E; ++i) g[i] += wide[i];
-    /* The attention's output projection, then the attention in the rows' layout. */
+    /* The attention's output projection, then the attention. */
     half_linear_rows_f32(s.T, s.HD, s.E, g, PTR(const uint16_t *, L[L_O_WT]), 0, wide, xb);
     lora_back(p, m + O * M_FIELDS, s.HD, s.E, att, g, s.E, wide);
-    if (s.T < s.B * s.TQ) memset(gpad, 0, (size_t)(s.B * s.TQ * s.HD) * sizeof(float));
-    for (int64_t t = 0; t < s.T; ++t)
-        memcpy(gpad + pad[t] * s.HD, wide + t * s.HD, (size_t)s.HD * sizeof(float));
-    span_attention_backward_f32(s.B, s.TQ, s.H, s.Hkv, s.D, qpad, s.TQ * s.HD, s.D, s.HD,
+    span_attention_backward_f32(1, s.T, s.H, s.Hkv, s.D, qkv, 0, s.D, s.C,
                                 PTR(const float *, L[L_KEYS]), PTR(const float *, L[L_VALUES]),
-                                s.sr, s.sh, s.ss, PTR(const int64_t *, L[L_START]),
-                                PTR(const int64_t *, L[L_END]), fl[FL_SCALING],
-                                PTR(const float *, L[L_ATTPAD]), gpad,
+                                0, s.sh, s.ss, PTR(const int64_t *, L[L_START]),
+                                PTR(const int64_t *, L[L_END]), fl[FL_SCALING], att, wide,
                                 PTR(const float *, L[L_LSE]), dq, dk, dv);
     /* Each token's q, k and v gradients side by side (the rotary transposed). */
     float *gqkv = wide;  /* [T, C] */
     for (int64_t t = 0; t < s.T; ++t) {
         float *gt = gqkv + t * s.C;
-        rotary_f32(1, s.H, s.D, dq + pad[t] * s.HD, cos + t * s.D, sin + t * s.D, gt, 1);
+        rotary_f32(1, s.H, s.D, dq + t * s.HD, cos + t * s.D, sin + t * s.D, gt, 1);
         float kt[s.Hkv * s.D];
         for (int64_t kv = 0; kv < s.Hkv; ++kv) {
             const int64_t at = row[t] * s.sr + kv * s.sh + col[t] * s.ss;
