@@ -9,7 +9,10 @@
   time (~1 ms each per layer at 256 rows and ~90 columns), and a prefill as SDPA's
   masked product over every column of the chunk (~8 ms a layer for 16 prompts of 192
   tokens). With the log-sum-exp of each query head kept (`span_attention_lse`), its
-  backward (`span_attention_backward`) is the trainer's attention.
+  backward (`span_attention_backward`) is the trainer's attention, both a tile of
+  sixteen query heads at a time where they apply (`span_tiles.c`: the same results;
+  float32 keys and values, head sizes a multiple of 16): the trainer's suffix pass of
+  1,911 tokens over 40 columns, forward 0.57 -> 0.22 ms, backward 0.79 -> 0.44 ms.
 - `lora_rows` adds the LoRA update of rows that each use their own adapter (a decode
   batch of many tenants) in place, reading every lane's weights where they lie
   (`lora_rows.c`). torch's way is a gather of the rows into per-lane pieces, two

@@ -1,4 +1,5 @@
-"""The span attention kernel's wrapper (`span_attention.c`; see `marlaas.model.kernels`)."""
+"""The span attention kernels' wrapper (`span_attention.c`, and for the trainer
+`span_tiles.c`; see `marlaas.model.kernels`)."""
 
 from __future__ import annotations
 
@@ -54,7 +55,9 @@ def _forward(
     lse: bool,
 ) -> tuple[Tensor, Tensor | None] | None:
     half = key.dtype == torch.bfloat16 and not lse
-    kernel = load("span_attention")
+    # The trainer's (with the log-sum-exp its backward needs): a tile of queries at a time
+    # (`span_tiles.c`, the same results), where it is built.
+    kernel = (load("span_tiles") if lse else None) or load("span_attention")
     R, H, N, D = query.shape
     if kernel is None or not _takes(query, key, value, spans, half):
         return None
@@ -97,7 +100,7 @@ def span_attention_backward(
     `span_attention_lse`'s output `out [R, N, H, D]` given its gradient `dout` (same
     shape, contiguous) and `lse_QH`, over the forward's spans; None where the kernel
     does not apply."""
-    kernel = load("span_attention_backward")
+    kernel = load("span_tiles_backward") or load("span_attention_backward")
     R, H, N, D = query.shape
     if (
         kernel is None

@@ -50,6 +50,28 @@ KERNELS: dict[str, tuple[str, str, list[type]]] = {
             *(_PTR, _PTR, _PTR, _PTR, _PTR, _PTR),
         ],
     ),
+    "span_tiles": (
+        "span_tiles",
+        "span_tiles_f32",
+        [
+            *(_I64, _I64, _I64, _I64, _I64),
+            *(_PTR, _I64, _I64, _I64, _PTR, _PTR),
+            *(_I64, _I64, _I64),
+            *(_PTR, _PTR, _F32, _F32, _PTR, _PTR, _PTR),
+            _I64,
+        ],
+    ),
+    "span_tiles_backward": (
+        "span_tiles",
+        "span_tiles_backward_f32",
+        [
+            *(_I64, _I64, _I64, _I64, _I64),
+            *(_PTR, _I64, _I64, _I64, _PTR, _PTR),
+            *(_I64, _I64, _I64),
+            *(_PTR, _PTR, _F32),
+            *(_PTR, _PTR, _PTR, _PTR, _PTR, _PTR),
+        ],
+    ),
     "lora_rows": (
         "lora_rows",
         "lora_rows_f32",
@@ -116,6 +138,7 @@ KERNELS: dict[str, tuple[str, str, list[type]]] = {
 #: Libraries that link other kernels' sources with their own (a stem's functions called
 #: from another's C): the stem -> the other stems.
 LINKED: dict[str, tuple[str, ...]] = {
+    "span_tiles": ("span_attention",),
     "decoder_layers": (
         "rms_norm",
         "half_linear",
@@ -130,6 +153,7 @@ LINKED: dict[str, tuple[str, ...]] = {
         "lora_rows",
         "rope_store",
         "span_attention",
+        "span_tiles",
         "fused",
     ),
 }

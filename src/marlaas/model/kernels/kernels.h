@@ -47,6 +47,19 @@ void span_attention_backward_f32(int64_t R, int64_t N, int64_t H, int64_t Hkv, i
                                  const int64_t *start, const int64_t *end, float scale,
                                  const float *out, const float *dout, const float *lse,
                                  float *dq, float *dk, float *dv);
+void span_tiles_f32(int64_t R, int64_t N, int64_t H, int64_t Hkv, int64_t D,
+                    const float *q, int64_t q_sr, int64_t q_sh, int64_t q_sn,
+                    const void *k, const void *v, int64_t kv_sr, int64_t kv_sh, int64_t kv_ss,
+                    const int64_t *start, const int64_t *end,
+                    float scale, float softcap, float *out, float *lse, float *scratch,
+                    int64_t kv_bf16);
+void span_tiles_backward_f32(int64_t R, int64_t N, int64_t H, int64_t Hkv, int64_t D,
+                             const float *q, int64_t q_sr, int64_t q_sh, int64_t q_sn,
+                             const float *k, const float *v,
+                             int64_t kv_sr, int64_t kv_sh, int64_t kv_ss,
+                             const int64_t *start, const int64_t *end, float scale,
+                             const float *out, const float *dout, const float *lse,
+                             float *dq, float *dk, float *dv);
 void swiglu_f32(int64_t n, const float *restrict g, const float *restrict u, float *restrict y);
 void swiglu_backward_f32(int64_t n, const float *restrict g, const float *restrict u,
                          const float *restrict dy, float *restrict dg, float *restrict du);
