@@ -4,9 +4,9 @@ every tenant, the same losses and gradients up to what bfloat16 products make of
 float32 ulp of difference (a product's input rounded one way or the other: ~1e-3 of
 a gradient), through plain micro-batches, packed ones and shared prompts (the prefix
 pass's keys and values, whose gradients come back from the suffix pass), adapters of
-mixed ranks on some modules only and the plain base's pass of a KL term; it declines
-what it does not cover (Qwen3's per-head norms, float32 weights), and the Python path
-runs."""
+mixed ranks on some modules only and the plain base's pass of a KL term, for Llama,
+Mistral's windows, Qwen2's biases and Qwen3's per-head norms; it declines what it does
+not cover (float32 weights), and the Python path runs."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[bool]]:
 
 @pytest.mark.parametrize("pack", [True, False])
 @pytest.mark.parametrize("shared", [True, False])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
 def test_trains_like_the_python_path(
     arch: str, shared: bool, pack: bool, calls: list[bool], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -122,7 +122,7 @@ def _prefix_then_suffix(
     return logits.detach() * valid[..., None], {k: g for k, g in grads.items() if g is not None}
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3"])
 def test_a_past_takes_its_gradients_from_the_suffix_pass(arch: str, calls: list[bool]) -> None:
     """Every lane weight of every module, one by one: the prefix pass's gradient comes
     back through its keys and values."""
@@ -133,7 +133,7 @@ def test_a_past_takes_its_gradients_from_the_suffix_pass(arch: str, calls: list[
     got, got_grads = _prefix_then_suffix(decoder_, lanes, native=True)
     assert calls == [True, True]
     want, want_grads = _prefix_then_suffix(decoder_, lanes, native=False)
-    assert torch.allclose(got, want, rtol=1e-2, atol=1e-3)
+    assert float((got - want).norm() / want.norm()) < 5e-3
     for name, grad in want_grads.items():
         rel = float((got_grads[name] - grad).norm() / grad.norm())
         assert rel < 1e-2, (name, rel)
@@ -159,7 +159,5 @@ def test_without_gradient_the_logits_are_the_python_paths() -> None:
 
 
 def test_it_declines_what_it_does_not_cover() -> None:
-    qwen3 = TrainDecoder.of(_half_model("qwen3"))  # per-head norms
-    assert qwen3 is not None and qwen3.native is None
     plain = TrainDecoder.of(LoRAModel(tiny_model("llama", VOCAB), max_rank=4))  # float32
     assert plain is not None and plain.native is None

@@ -12,7 +12,7 @@ as the Python path, in the same order, except that q, k and v (and gate and up) 
 product each way, as their half weights lie together: the same values up to float
 rounding (`tests/train/test_native_train_layers.py`).
 
-It covers what `marlaas.model.native` covers but Qwen3's per-head norms, for passes
+It covers what `marlaas.model.native` covers (Qwen3's per-head norms included), for passes
 whose every row's keys are one run of columns (`Spans`) and whose lanes the per-row
 kernels take; elsewhere (`TrainLayers.of` None, or `run` None) the Python path runs.
 """
@@ -37,7 +37,7 @@ from marlaas.model.native import covers, half_weights
 #: The C side's field counts (`train_layers.c`: P_FIELDS, L_FIELDS, M_FIELDS); the order
 #: of each list below is its enums'.
 _P_FIELDS, _M_FIELDS = 28, 10
-_L_STATIC, _L_PASS, _L_TAPE = 17, 8, 9
+_L_STATIC, _L_PASS, _L_TAPE = 19, 8, 10
 _L_FIELDS = _L_STATIC + _L_PASS + _L_TAPE + 7 * _M_FIELDS
 #: A layer's LoRA modules, in the C side's order.
 _MODULES = ("q", "k", "v", "o", "gate", "up", "down")
@@ -74,25 +74,16 @@ class TrainLayers:
         self.qkv_out = sum(first.qkv.sizes)
         self.inter = int(first.down.weight.shape[1])
         self.round = stack.kv_dtype == torch.bfloat16
-        self._floats = array.array(
-            "f",
-            [
-                v
-                for layer in stack.layers
-                for v in (layer.input_norm.eps, layer.post_norm.eps, layer.scaling)
-            ],
-        )
+        self._floats = array.array("f", [v for layer in stack.layers for v in _floats(layer)])
+        #: Qwen3's per-head norms of the queries and keys.
+        self.head_norms = first.q_norm is not None
         self._packed: list[Tensor] = []
         self._static: list[int] = []
 
     @staticmethod
     def of(stack: DecoderStack) -> TrainLayers | None:
         """The native pass of `stack`, or None where it does not cover it."""
-        if (
-            not native_kernels("train_layers", "train_layers_backward")
-            or not covers(stack)
-            or any(layer.q_norm is not None for layer in stack.layers)
-        ):
+        if not native_kernels("train_layers", "train_layers_backward") or not covers(stack):
             return None
         return TrainLayers(stack)
 
@@ -146,7 +137,7 @@ class TrainLayers:
         return h, list(zip(kv[0::2], kv[1::2], strict=True))
 
     def _static_fields(self) -> list[int] | None:
-        """Each layer's fields of its weights (up to L_DOWN_B), made again where a packed
+        """Each layer's fields of its weights (up to L_K_NORM), made again where a packed
         weight was (a weight written since: `mixed.packed`)."""
         current = [
             packed(w, transposed)
@@ -216,6 +207,7 @@ class _Tape:
             T * E,  # h_in
             T * E,  # x1
             T * C,  # qkv
+            T * (H + Hkv) * D if layers.head_norms else 0,  # q and k before their norms
             T * H,  # the attention's log-sum-exp
             T * HD,  # its output
             T * E,  # h_mid
@@ -365,9 +357,15 @@ class _Pass(torch.autograd.Function):
         return (g if ctx.needs_input_grad[0] else None, None, *g_past, *grads_w)
 
 
+def _floats(layer: Layer) -> tuple[float, ...]:
+    """A layer's floats, in the C side's order (FL_*)."""
+    q_eps, k_eps = (0.0 if n is None else n.eps for n in (layer.q_norm, layer.k_norm))
+    return (layer.input_norm.eps, layer.post_norm.eps, layer.scaling, q_eps, k_eps)
+
+
 def _layer_static(layer: Layer, packs: list[Tensor]) -> list[int]:
     """A layer's fields of its weights (`packs`: each of `half_weights` packed, then its
-    transpose packed), in the C side's order (L_NORM1 .. L_DOWN_B)."""
+    transpose packed), in the C side's order (L_NORM1 .. L_K_NORM)."""
     assert layer.qkv is not None and layer.gate_up is not None
     qkv, qkv_t, o, o_t, gate_up, gate_up_t, down, down_t = packs
 
@@ -390,4 +388,5 @@ def _layer_static(layer: Layer, packs: list[Tensor]) -> list[int]:
         down.data_ptr(),
         down_t.data_ptr(),
         ptr(layer.down.bias),
+        *(ptr(None if n is None else n.weight) for n in (layer.q_norm, layer.k_norm)),
     ]

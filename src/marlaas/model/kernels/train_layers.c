@@ -5,10 +5,11 @@
  *
  *     x1 = rms_norm(h)                               (h: the layer's input, kept)
  *     qkv = x1 [W_q; W_k; W_v]^T (+ b) + LoRA of q, k and v
+ *     [Qwen3: q, k = RMS norm of each head (q and k before it kept)]
  *     rotary on q (in place); k rotated and v into the pass's keys and values
  *       [Hkv, B, P + TQ, D] (zeros, the past's P columns first), rounded to bfloat16
  *       where the engine's cache holds that (`round`)
- *     att = attention of each token's query over its span of columns
+ *     att = attention of each token's query over its span of columns (`span_tiles.c`)
  *     h += att W_o^T (+ b) + LoRA;  x2 = rms_norm(h) (h kept)
  *     gu = x2 [W_gate; W_up]^T (+ b) + LoRA of each;  gated = silu(gate) * up
  *     h += gated W_down^T (+ b) + LoRA
@@ -44,12 +45,13 @@ enum { Q, K, V, O, GATE, UP, DOWN, MODULES };
 enum {
     L_NORM1, L_NORM2, L_QKV_W, L_QKV_WT, L_QKV_B, L_Q_OUT, L_K_OUT, L_V_OUT,
     L_O_W, L_O_WT, L_O_B, L_GU_W, L_GU_WT, L_GU_B, L_DOWN_W, L_DOWN_WT, L_DOWN_B,
+    L_Q_NORM, L_K_NORM, /* Qwen3's per-head norms' weights (null: none) */
     L_START, L_END, L_PAST_K, L_PAST_V, L_KEYS, L_VALUES, L_DK, L_DV,
     /* the tape */
-    L_HIN, L_X1, L_QKV, L_LSE, L_ATT, L_HMID, L_X2, L_GU, L_GATED,
+    L_HIN, L_X1, L_QKV, L_QK, L_LSE, L_ATT, L_HMID, L_X2, L_GU, L_GATED,
     L_LORA, L_FIELDS = L_LORA + MODULES * M_FIELDS
 };
-enum { FL_EPS1, FL_EPS2, FL_SCALING, FL_FIELDS };
+enum { FL_EPS1, FL_EPS2, FL_SCALING, FL_Q_EPS, FL_K_EPS, FL_FIELDS };
 
 #define PTR(type, v) ((type)(intptr_t)(v))
 
@@ -114,6 +116,16 @@ static void layer_forward(const int64_t *p, const int64_t *L, const float *fl, f
     lora(p, m + Q * M_FIELDS, s.E, qo, x1, qkv, s.C);
     lora(p, m + K * M_FIELDS, s.E, ko, x1, qkv + qo, s.C);
     lora(p, m + V * M_FIELDS, s.E, L[L_V_OUT], x1, qkv + qo + ko, s.C);
+    if (L[L_Q_NORM]) {  /* Qwen3: each head's RMS norm, in place; the queries and keys kept */
+        float *qk = PTR(float *, L[L_QK]);
+        for (int64_t t = 0; t < s.T; ++t) {
+            float *q = qkv + t * s.C;
+            memcpy(qk + t * (qo + ko), q, (size_t)(qo + ko) * sizeof(float));
+            add_rms_norm_f32(s.H, s.D, q, 0, PTR(const float *, L[L_Q_NORM]), fl[FL_Q_EPS], q);
+            add_rms_norm_f32(s.Hkv, s.D, q + qo, 0, PTR(const float *, L[L_K_NORM]),
+                             fl[FL_K_EPS], q + qo);
+        }
+    }
     /* The keys and values: zeros, the past's columns, the new tokens' (rounded). */
     memset(keys, 0, cells);
     memset(values, 0, cells);
@@ -141,10 +153,10 @@ static void layer_forward(const int64_t *p, const int64_t *L, const float *fl, f
                 }
             }
     /* The tokens' queries where the product left them, over their spans of columns. */
-    span_attention_f32(1, s.T, s.H, s.Hkv, s.D, qkv, 0, s.D, s.C, keys, values, 0, s.sh, s.ss,
-                       PTR(const int64_t *, L[L_START]), PTR(const int64_t *, L[L_END]),
-                       fl[FL_SCALING], 0.0f, att, PTR(float *, L[L_LSE]),
-                       PTR(float *, p[P_SCORES]), 0);
+    span_tiles_f32(1, s.T, s.H, s.Hkv, s.D, qkv, 0, s.D, s.C, keys, values, 0, s.sh, s.ss,
+                   PTR(const int64_t *, L[L_START]), PTR(const int64_t *, L[L_END]),
+                   fl[FL_SCALING], 0.0f, att, PTR(float *, L[L_LSE]),
+                   PTR(float *, p[P_SCORES]), 0);
     half_linear_rows_f32(s.T, s.E, s.HD, att, PTR(const uint16_t *, L[L_O_W]),
                          PTR(const uint16_t *, L[L_O_B]), out, xb);
     lora(p, m + O * M_FIELDS, s.HD, s.E, att, out, s.E);
@@ -194,11 +206,11 @@ static void layer_backward(const int64_t *p, const int64_t *L, const float *fl, 
     /* The attention's output projection, then the attention. */
     half_linear_rows_f32(s.T, s.HD, s.E, g, PTR(const uint16_t *, L[L_O_WT]), 0, wide, xb);
     lora_back(p, m + O * M_FIELDS, s.HD, s.E, att, g, s.E, wide);
-    span_attention_backward_f32(1, s.T, s.H, s.Hkv, s.D, qkv, 0, s.D, s.C,
-                                PTR(const float *, L[L_KEYS]), PTR(const float *, L[L_VALUES]),
-                                0, s.sh, s.ss, PTR(const int64_t *, L[L_START]),
-                                PTR(const int64_t *, L[L_END]), fl[FL_SCALING], att, wide,
-                                PTR(const float *, L[L_LSE]), dq, dk, dv);
+    span_tiles_backward_f32(1, s.T, s.H, s.Hkv, s.D, qkv, 0, s.D, s.C,
+                            PTR(const float *, L[L_KEYS]), PTR(const float *, L[L_VALUES]), 0,
+                            s.sh, s.ss, PTR(const int64_t *, L[L_START]),
+                            PTR(const int64_t *, L[L_END]), fl[FL_SCALING], att, wide,
+                            PTR(const float *, L[L_LSE]), dq, dk, dv);
     /* Each token's q, k and v gradients side by side (the rotary transposed). */
     float *gqkv = wide;  /* [T, C] */
     for (int64_t t = 0; t < s.T; ++t) {
@@ -211,6 +223,13 @@ static void layer_backward(const int64_t *p, const int64_t *L, const float *fl, 
             memcpy(gt + qo + ko + kv * s.D, dv + at, (size_t)s.D * sizeof(float));
         }
         rotary_f32(1, s.Hkv, s.D, kt, cos + t * s.D, sin + t * s.D, gt + qo, 1);
+        if (L[L_Q_NORM]) {  /* through each head's norm (in place: a head read, then written) */
+            const float *qk = PTR(const float *, L[L_QK]) + t * (qo + ko);
+            rms_norm_backward_f32(s.H, s.D, qk, PTR(const float *, L[L_Q_NORM]), gt,
+                                  fl[FL_Q_EPS], gt, 0);
+            rms_norm_backward_f32(s.Hkv, s.D, qk + qo, PTR(const float *, L[L_K_NORM]), gt + qo,
+                                  fl[FL_K_EPS], gt + qo, 0);
+        }
     }
     half_linear_rows_f32(s.T, s.E, s.C, gqkv, PTR(const uint16_t *, L[L_QKV_WT]), 0, g2, xb);
     lora_back(p, m + Q * M_FIELDS, s.E, qo, x1, gqkv, s.C, g2);
