@@ -18,6 +18,7 @@ from helpers.pipeline_support import MemoryRecorder, job
 from marlaas.backends import open_backend
 from marlaas.config.job import EngineSpec, JobSpec, RunSpec
 from marlaas.errors import ConfigError
+from marlaas.model.mixed import native_bfloat16
 from marlaas.obs.progress import EvalDone, StepDone
 from marlaas.pipeline import Orchestrator, PipelineContext, PipelineOptions, RunResult, run_jobs
 
@@ -129,9 +130,13 @@ async def test_tenants_together_train_as_each_alone(base_dir: Path, tmp_path: Pa
         # Up to float32 noise: when the two tenants happen to share a pass, its rows sum
         # in another order, and Adam's normalisation lifts that noise in an element whose
         # gradient is near zero; so the whole tensor is compared, as the trainer's own
-        # together-equals-alone test does.
+        # together-equals-alone test does. Where the base's linears are bfloat16 (a CPU
+        # with native bfloat16 loads the embedded base so), a float32 ulp of difference
+        # in a product's input may round to another bfloat16 (~4e-3 of that element):
+        # 8e-4 of a tensor seen, in runs where the two tenants shared passes.
+        tolerance = 5e-3 if native_bfloat16("cpu") else 1e-4
         for key in want:
-            assert float((got[key] - want[key]).norm() / want[key].norm()) < 1e-4, key
+            assert float((got[key] - want[key]).norm() / want[key].norm()) < tolerance, key
 
 
 async def test_a_supervised_and_an_rl_tenant_run_together(base_dir: Path, tmp_path: Path) -> None:

@@ -234,7 +234,11 @@ def test_a_restart_resumes_active_jobs_and_keeps_paused_ones_paused(
 ) -> None:
     client = servers.start()
     acme = Tenants(client).create("acme")
-    run = client.post("/v1/jobs", json=tiny_job("run", steps=6), headers=acme).json()["id"]
+    # Long enough not to finish before the stop (its steps take tens of ms each).
+    steps_wanted = 20
+    run = client.post("/v1/jobs", json=tiny_job("run", steps=steps_wanted), headers=acme).json()[
+        "id"
+    ]
     held = client.post("/v1/jobs", json=tiny_job("held", steps=2), headers=acme).json()["id"]
     assert client.post(f"/v1/jobs/{held}/pause", headers=acme).status_code == 200
     wait_for(client, acme, run, lambda j: j["steps_done"] >= 1)
@@ -257,15 +261,15 @@ def test_a_restart_resumes_active_jobs_and_keeps_paused_ones_paused(
     finally:
         db.close()
     assert status == "running"  # stopped by the server, not by the tenant
-    assert 1 <= done < 6 and steps[-1] == done  # the step it reached is checkpointed
+    assert 1 <= done < steps_wanted and steps[-1] == done  # the step reached is checkpointed
 
     with caplog.at_level(logging.INFO, logger="marlaas.service.pipeline_backend"):
         client = servers.start()
         job_out = wait_for(client, acme, run, lambda j: j["status"] == "done")
     assert f"job {run} resumed from its checkpoint at step {done}" in caplog.text
-    assert job_out["steps_done"] == 6
+    assert job_out["steps_done"] == steps_wanted
     ckpts = client.get(f"/v1/jobs/{run}/checkpoints", headers=acme).json()["checkpoints"]
-    assert [c["step"] for c in ckpts] == [1, 2, 3, 4, 5, 6]
+    assert [c["step"] for c in ckpts] == list(range(1, steps_wanted + 1))
     assert runtime_of(client).state(held).status == "queued"  # paused before admission
     assert client.get(f"/v1/jobs/{held}", headers=acme).json()["status"] == "paused"
     client.post(f"/v1/jobs/{held}/resume", headers=acme)
