@@ -140,7 +140,8 @@ def test_sigkill_mid_training_then_every_job_resumes_and_completes(
     data = tmp_path / "data"
     first = servers()
     acme = make_tenant(first)
-    specs = [("rev", "reverse", 6), ("arith", "arithmetic", 6), ("rev2", "reverse", 8)]
+    # Long enough that the kill lands mid-training (the steps take tens of ms each).
+    specs = [("rev", "reverse", 16), ("arith", "arithmetic", 16), ("rev2", "reverse", 20)]
     ids = [first.post("/v1/jobs", tiny_job(n, f, s), acme)["id"] for n, f, s in specs]
 
     def mid_training() -> bool:
