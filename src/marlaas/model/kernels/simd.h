@@ -1,6 +1,7 @@
 /* What the native kernels share: vectors of sixteen floats, the shuffle reduction that
  * sums several vectors at once, lane by lane (a few shuffles a vector instead of a
- * horizontal sum each), and bfloat16's conversions. Included by the kernels' sources;
+ * horizontal sum each), bfloat16's conversions, and the attention kernels' dispatch on
+ * their common shapes. Included by the kernels' sources;
  * their build cache keys on it too (`kernels.build`). */
 #ifndef MARLAAS_SIMD_H
 #define MARLAAS_SIMD_H
@@ -58,5 +59,25 @@ static inline uint16_t bf16_nearest(float f) {
     __builtin_memcpy(&u, &f, sizeof u);
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
+
+/* The head size D and the group size G (variables in scope) as compile-time constants
+ * for the attention kernels' common shapes: the inner loops unroll into a few vector
+ * instructions and a group's accumulators stay in registers. `SPECIALISED(CALL)` expands
+ * `CALL(D, G)` once per common shape and once with the runtime values. */
+#define BY_GROUP(CALL, DIM)                    \
+    switch (G) {                               \
+        case 1: CALL(DIM, 1); break;           \
+        case 2: CALL(DIM, 2); break;           \
+        case 4: CALL(DIM, 4); break;           \
+        case 8: CALL(DIM, 8); break;           \
+        default: CALL(DIM, G);                 \
+    }
+#define SPECIALISED(CALL)                      \
+    switch (D) {                               \
+        case 32: BY_GROUP(CALL, 32); break;    \
+        case 64: BY_GROUP(CALL, 64); break;    \
+        case 128: BY_GROUP(CALL, 128); break;  \
+        default: CALL(D, G);                   \
+    }
 
 #endif

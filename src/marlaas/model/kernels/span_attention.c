@@ -267,25 +267,8 @@ static inline __attribute__((always_inline)) void attend(
     }
 }
 
-/* The head size D and the group size G as compile-time constants for the common shapes:
- * the inner loops unroll into a few vector instructions and the group's accumulators
- * stay in registers. `SPECIALISED(CALL)` expands `CALL(D, G)` once per common shape and
- * once with the runtime values (the forward and the backward dispatch alike). */
-#define BY_GROUP(CALL, DIM)                    \
-    switch (G) {                               \
-        case 1: CALL(DIM, 1); break;           \
-        case 2: CALL(DIM, 2); break;           \
-        case 4: CALL(DIM, 4); break;           \
-        case 8: CALL(DIM, 8); break;           \
-        default: CALL(DIM, G);                 \
-    }
-#define SPECIALISED(CALL)                      \
-    switch (D) {                               \
-        case 32: BY_GROUP(CALL, 32); break;    \
-        case 64: BY_GROUP(CALL, 64); break;    \
-        case 128: BY_GROUP(CALL, 128); break;  \
-        default: CALL(D, G);                   \
-    }
+/* The head size D and the group size G as compile-time constants for the common shapes
+ * (`SPECIALISED`, simd.h). */
 #define ATTEND(DIM, GROUP) attend(R, N, H, Hkv, DIM, GROUP, q, q_sr, q_sh, q_sn, k, v, kv_sr, \
                                   kv_sh, kv_ss, start, end, scale, softcap, out, lse, scratch, \
                                   bf16)

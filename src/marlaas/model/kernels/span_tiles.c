@@ -775,24 +775,9 @@ static inline __attribute__((always_inline)) void tiles_backward(
               ARRAY(out, dout, dq), 3, ARRAY(k, v, dk, dv), 4)
 }
 
-/* D and G as compile-time constants for the common shapes (span_attention.c's
- * pattern): here the drivers (the lane setup divides by G), each calling the tile
- * functions of its head size. */
-#define BY_GROUP(CALL, DIM)                    \
-    switch (G) {                               \
-        case 1: CALL(DIM, 1); break;           \
-        case 2: CALL(DIM, 2); break;           \
-        case 4: CALL(DIM, 4); break;           \
-        case 8: CALL(DIM, 8); break;           \
-        default: CALL(DIM, G);                 \
-    }
-#define SPECIALISED(CALL)                      \
-    switch (D) {                               \
-        case 32: BY_GROUP(CALL, 32); break;    \
-        case 64: BY_GROUP(CALL, 64); break;    \
-        case 128: BY_GROUP(CALL, 128); break;  \
-        default: CALL(D, G);                   \
-    }
+/* D and G as compile-time constants for the common shapes (`SPECIALISED`, simd.h): here
+ * the drivers (the lane setup divides by G), each calling the tile functions of its head
+ * size. */
 
 /* Whether the tiles take the shape: a head size of whole vectors the stack buffers
  * hold, a group that fits the sixteen lanes, keys and values in rows of D (the
