@@ -7,6 +7,8 @@ weights lie together (`mixed.Together`), packed for `kernels.half_linear_rows`."
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -62,3 +64,46 @@ def half_weights(layer: Layer) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     gate/up's span, down's."""
     assert layer.qkv is not None and layer.gate_up is not None
     return layer.qkv.weight, layer.o.weight, layer.gate_up.weight, layer.down.weight
+
+
+class WeightFields:
+    """Each layer's fields of its half weights for a native call: the addresses of their
+    packed copies (`mixed.packed`; with `transposes`, each weight's transpose too, what
+    a backward multiplies by) as `fields(layer, packs)` lays them out, kept while those
+    copies are the current ones and made again where one is not (a weight written to
+    since)."""
+
+    def __init__(
+        self,
+        stack: DecoderStack,
+        fields: Callable[[Layer, list[Tensor]], list[int]],
+        transposes: bool = False,
+    ) -> None:
+        self.stack = stack
+        self.fields = fields
+        self.variants = (False, True) if transposes else (False,)
+        #: The packed copies the fields point at (kept: C reads them by address).
+        self._packed: list[Tensor] = []
+        self._fields: list[int] = []
+
+    def get(self) -> list[int] | None:
+        """Every layer's fields, in order; None where a weight cannot be packed."""
+        current = [
+            packed(w, transposed)
+            for layer in self.stack.layers
+            for w in half_weights(layer)
+            for transposed in self.variants
+        ]
+        if any(p is None for p in current):
+            return None
+        if len(current) != len(self._packed) or any(
+            a is not b for a, b in zip(current, self._packed, strict=True)
+        ):
+            self._packed = [p for p in current if p is not None]
+            per = len(self._packed) // len(self.stack.layers)
+            self._fields = [
+                v
+                for i, layer in enumerate(self.stack.layers)
+                for v in self.fields(layer, self._packed[per * i : per * (i + 1)])
+            ]
+        return self._fields

@@ -30,8 +30,7 @@ from marlaas.model.attention import AttentionPlan
 from marlaas.model.decoder import DecoderStack, Layer, Linear
 from marlaas.model.kernels import half_linear_takes, lane_weights_take, native_kernels
 from marlaas.model.kernels.build import kernel as load
-from marlaas.model.mixed import packed
-from marlaas.model.native import covers, half_weights
+from marlaas.model.native import WeightFields, covers
 from marlaas.rollout.kv import SlotKV, SlotWrites
 
 #: The C side's field counts (`decoder_layers.c`: F_FIELDS, a layer's fields up to
@@ -69,9 +68,7 @@ class NativeLayers:
         self.inter = int(first.down.weight.shape[1])
         self.kv_bf16 = stack.kv_dtype == torch.bfloat16
         self._floats = array.array("f", [v for layer in stack.layers for v in _layer_floats(layer)])
-        #: The packed weights the static fields point at (kept: C reads them by address).
-        self._packed: list[Tensor] = []
-        self._static: list[int] = []
+        self._static = WeightFields(stack, _layer_static)
         #: The lane batch's weights (`A`, `B` mappings) -> each layer's LoRA fields and
         #: the floats of scratch the kernel needs (0: every B rank-major, none).
         self._lora: tuple[Mapping[str, Tensor], Mapping[str, Tensor], list[list[int]], int]
@@ -102,7 +99,7 @@ class NativeLayers:
             return None
         batch, rows = lanes
         lora = self._lora_fields(batch.A, batch.B)
-        static = self._static_fields()
+        static = self._static.get()
         if lora is None or static is None:
             return None
         lora_fields, lora_floats = lora
@@ -150,23 +147,6 @@ class NativeLayers:
         kernel(program.buffer_info()[0], self._floats.buffer_info()[0])
         return delta
 
-    def _static_fields(self) -> list[int] | None:
-        """Each layer's fields of its weights (up to L_K_NORM), made again where a packed
-        weight was (a weight written since: `mixed.packed`)."""
-        current = [packed(w) for layer in self.stack.layers for w in half_weights(layer)]
-        if any(p is None for p in current):
-            return None
-        if len(current) != len(self._packed) or any(
-            a is not b for a, b in zip(current, self._packed, strict=True)
-        ):
-            self._packed = [p for p in current if p is not None]
-            self._static = [
-                v
-                for i, layer in enumerate(self.stack.layers)
-                for v in _layer_static(layer, self._packed[4 * i : 4 * i + 4])
-            ]
-        return self._static
-
     def _lora_fields(
         self, A: Mapping[str, Tensor], B: Mapping[str, Tensor]
     ) -> tuple[list[list[int]], int] | None:
@@ -208,7 +188,7 @@ def _layer_floats(layer: Layer) -> list[float]:
 
 
 def _layer_static(layer: Layer, packs: list[Tensor]) -> list[int]:
-    """A layer's fields of its weights (`packs`: `_weights`' packed), in the C side's
+    """A layer's fields of its weights (`packs`: `native.half_weights` packed), in the C side's
     order (L_NORM1 .. L_K_NORM)."""
     assert layer.qkv is not None and layer.gate_up is not None
     qkv, o, gate_up, down = packs

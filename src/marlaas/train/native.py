@@ -31,8 +31,7 @@ from marlaas.model.kernels import Spans, half_linear_takes, lane_weights_take, n
 from marlaas.model.kernels.build import kernel as load
 from marlaas.model.lane_plan import RowLanes
 from marlaas.model.lora import LaneBatch
-from marlaas.model.mixed import packed
-from marlaas.model.native import covers, half_weights
+from marlaas.model.native import WeightFields, covers
 
 #: The C side's field counts (`train_layers.c`: P_FIELDS, L_FIELDS, M_FIELDS); the order
 #: of each list below is its enums'.
@@ -77,8 +76,7 @@ class TrainLayers:
         self._floats = array.array("f", [v for layer in stack.layers for v in _floats(layer)])
         #: Qwen3's per-head norms of the queries and keys.
         self.head_norms = first.q_norm is not None
-        self._packed: list[Tensor] = []
-        self._static: list[int] = []
+        self._static = WeightFields(stack, _layer_static, transposes=True)
 
     @staticmethod
     def of(stack: DecoderStack) -> TrainLayers | None:
@@ -100,7 +98,7 @@ class TrainLayers:
             or any(s.widest < 1 for s in inputs.spans.values())
         ):
             return None
-        static = self._static_fields()
+        static = self._static.get()
         if static is None:
             return None
         if inputs.lanes:
@@ -135,28 +133,6 @@ class TrainLayers:
         outs = _Pass.apply(inputs.h_TE, call, *past, *weights)
         h, *kv = outs
         return h, list(zip(kv[0::2], kv[1::2], strict=True))
-
-    def _static_fields(self) -> list[int] | None:
-        """Each layer's fields of its weights (up to L_K_NORM), made again where a packed
-        weight was (a weight written since: `mixed.packed`)."""
-        current = [
-            packed(w, transposed)
-            for layer in self.stack.layers
-            for w in half_weights(layer)
-            for transposed in (False, True)
-        ]
-        if any(p is None for p in current):
-            return None
-        if len(current) != len(self._packed) or any(
-            a is not b for a, b in zip(current, self._packed, strict=True)
-        ):
-            self._packed = [p for p in current if p is not None]
-            self._static = [
-                v
-                for i, layer in enumerate(self.stack.layers)
-                for v in _layer_static(layer, self._packed[8 * i : 8 * i + 8])
-            ]
-        return self._static
 
     def _modules(self, batch: LaneBatch) -> dict[tuple[int, str], tuple[Tensor, Tensor]] | None:
         """Each (layer, module) with an update in the lane batch: its `A`, `B`; None where
