@@ -3,17 +3,30 @@
 (`marlaas.train.native`) run every layer in one C call over the same kernels, for the
 CPU's half dtype (`marlaas.model.mixed`: bfloat16 linear weights over float32
 activations, on a CPU with native bfloat16) and SwiGLU MLPs whose q/k/v and gate/up
-weights lie together (`mixed.Together`), packed for `kernels.half_linear_rows`."""
+weights lie together (`mixed.Together`), packed for `kernels.half_linear_rows`.
+
+What both calls read of a stack is here once (`NativeStack`: sizes, each layer's
+floats, its weights' fields kept while their packed copies are current, the lane
+batch's weights of each module and their fields)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import array
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor
 
-from marlaas.model.decoder import DecoderStack, Layer
+from marlaas.model.decoder import DecoderStack, Layer, Linear
+from marlaas.model.kernels import lane_weights_take
 from marlaas.model.mixed import native_bfloat16, packed
+
+#: A layer's LoRA modules, in the native calls' order (their C enums Q .. DOWN).
+MODULES = ("q", "k", "v", "o", "gate", "up", "down")
+#: A module's LoRA fields (`lora_fields`: A, its two strides, B, its three, the rank).
+LORA_FIELDS = 8
+#: A lane batch's weights of each layer's modules, in `MODULES` order (None: no update).
+LaneModules = list[list[tuple[Tensor, Tensor] | None]]
 
 
 def covers(stack: DecoderStack) -> bool:
@@ -107,3 +120,74 @@ class WeightFields:
                 for v in self.fields(layer, self._packed[per * i : per * (i + 1)])
             ]
         return self._fields
+
+
+class NativeStack:
+    """What both native calls read of one `DecoderStack` that `covers` takes: its sizes,
+    each layer's floats in the C sides' order (FL_*: the two norms' eps, the attention's
+    scaling, Qwen3's head norms' eps) and its weights' fields (`WeightFields`, laid out
+    by `fields`; with `transposes`, the backward's too)."""
+
+    def __init__(
+        self,
+        stack: DecoderStack,
+        fields: Callable[[Layer, list[Tensor]], list[int]],
+        transposes: bool = False,
+    ) -> None:
+        self.stack = stack
+        first = stack.layers[0]
+        assert first.qkv is not None  # `covers` checked every layer
+        self.qkv_out = sum(first.qkv.sizes)
+        self.inter = int(first.down.weight.shape[1])
+        self.kv_bf16 = stack.kv_dtype == torch.bfloat16
+        self.floats = array.array("f", [v for layer in stack.layers for v in _floats(layer)])
+        self.weights = WeightFields(stack, fields, transposes)
+
+    def lane_modules(self, A: Mapping[str, Tensor], B: Mapping[str, Tensor]) -> LaneModules | None:
+        """Each layer's modules' lane weights in the lane batch's `A` and `B`; None where
+        the per-row kernels do not take one of them."""
+        found: LaneModules = []
+        for layer in self.stack.layers:
+            modules: list[tuple[Tensor, Tensor] | None] = []
+            for name in MODULES:
+                lin: Linear = getattr(layer, name)
+                A_Lri = A.get(lin.path) if lin.path is not None else None
+                if A_Lri is None:
+                    modules.append(None)
+                    continue
+                B_Lor = B[lin.path]  # type: ignore[index]
+                out_features, in_features = (int(n) for n in lin.weight.shape)
+                if not lane_weights_take(A_Lri, B_Lor, in_features, out_features):
+                    return None
+                modules.append((A_Lri, B_Lor))
+            found.append(modules)
+        return found
+
+
+def lora_fields(A_Lri: Tensor, B_Lor: Tensor) -> list[int]:
+    """A module's LoRA fields in the C sides' order (M_A .. M_RANK)."""
+    return [
+        A_Lri.data_ptr(),
+        *A_Lri.stride()[:2],
+        B_Lor.data_ptr(),
+        *B_Lor.stride(),
+        int(A_Lri.shape[1]),
+    ]
+
+
+def lane_scratch(modules: LaneModules) -> int:
+    """The floats of scratch the per-row kernels need for `modules`: B in PEFT's layout
+    (`r` contiguous) is transposed into it a lane at a time; 0 where every B is
+    rank-major (the adapter bank's)."""
+    pairs = [pair for layer in modules for pair in layer if pair is not None]
+    return max((A.shape[1] * B.shape[1] for A, B in pairs if B.stride(1) != 1), default=0)
+
+
+def address(t: Tensor | None) -> int:
+    """A tensor's address for a native call's fields (0: none)."""
+    return 0 if t is None else t.data_ptr()
+
+
+def _floats(layer: Layer) -> list[float]:
+    q_eps, k_eps = (0.0 if n is None else n.eps for n in (layer.q_norm, layer.k_norm))
+    return [layer.input_norm.eps, layer.post_norm.eps, layer.scaling, q_eps, k_eps]

@@ -27,17 +27,22 @@ import torch
 from torch import Tensor
 
 from marlaas.model.attention import AttentionPlan
-from marlaas.model.decoder import DecoderStack, Layer, Linear
-from marlaas.model.kernels import half_linear_takes, lane_weights_take, native_kernels
+from marlaas.model.decoder import DecoderStack, Layer
+from marlaas.model.kernels import half_linear_takes, native_kernels
 from marlaas.model.kernels.build import kernel as load
-from marlaas.model.native import WeightFields, covers
+from marlaas.model.native import (
+    LORA_FIELDS,
+    NativeStack,
+    address,
+    covers,
+    lane_scratch,
+    lora_fields,
+)
 from marlaas.rollout.kv import SlotKV, SlotWrites
 
 #: The C side's field counts (`decoder_layers.c`: F_FIELDS, a layer's fields up to
-#: L_K_NORM, M_FIELDS); the order of each list below is its enums'.
-_F_FIELDS, _L_STATIC, _M_FIELDS = 31, 15, 8
-#: A layer's LoRA modules, in the C side's order.
-_MODULES = ("q", "k", "v", "o", "gate", "up", "down")
+#: L_K_NORM; M_FIELDS is `LORA_FIELDS`); the order of each list below is its enums'.
+_F_FIELDS, _L_STATIC = 31, 15
 
 
 @dataclass(frozen=True)
@@ -57,18 +62,11 @@ class LayerInputs:
     plan: AttentionPlan
 
 
-class NativeLayers:
+class NativeLayers(NativeStack):
     """The native call's view of one `DecoderStack` (see the module doc)."""
 
     def __init__(self, stack: DecoderStack) -> None:
-        self.stack = stack
-        first = stack.layers[0]
-        assert first.qkv is not None  # `of` checked every layer
-        self.qkv_out = sum(first.qkv.sizes)
-        self.inter = int(first.down.weight.shape[1])
-        self.kv_bf16 = stack.kv_dtype == torch.bfloat16
-        self._floats = array.array("f", [v for layer in stack.layers for v in _layer_floats(layer)])
-        self._static = WeightFields(stack, _layer_static)
+        super().__init__(stack, _layer_static)
         #: The lane batch's weights (`A`, `B` mappings) -> each layer's LoRA fields and
         #: the floats of scratch the kernel needs (0: every B rank-major, none).
         self._lora: tuple[Mapping[str, Tensor], Mapping[str, Tensor], list[list[int]], int]
@@ -99,10 +97,10 @@ class NativeLayers:
             return None
         batch, rows = lanes
         lora = self._lora_fields(batch.A, batch.B)
-        static = self._static.get()
+        static = self.weights.get()
         if lora is None or static is None:
             return None
-        lora_fields, lora_floats = lora
+        layer_lora, lora_floats = lora
         spans = {w: plan.span(w) for w in set(kv.geometry.windows)}
         columns = int(plan.columns)
         if any(s.widest < 1 or s.widest > columns for s in spans.values()):
@@ -130,10 +128,10 @@ class NativeLayers:
             writes.col_T.data_ptr(),
             rows.lane_N.data_ptr(),
             rows.order_N.data_ptr(),
-            0 if rows.scale_L is None else rows.scale_L.data_ptr(),
+            address(rows.scale_L),
             *(x.data_ptr(), qkv.data_ptr(), att.data_ptr(), out.data_ptr(), gu.data_ptr()),
             *(gated.data_ptr(), delta.data_ptr(), xb.data_ptr(), scores.data_ptr()),
-            0 if lora_scratch is None else lora_scratch.data_ptr(),
+            address(lora_scratch),
         ]
         assert len(fields) == _F_FIELDS
         for i, window in enumerate(kv.geometry.windows):
@@ -142,9 +140,9 @@ class NativeLayers:
             fields += static[i * _L_STATIC : (i + 1) * _L_STATIC]
             fields += (keys.data_ptr(), values.data_ptr(), *keys.stride()[:3])
             fields += (span.start_Q.data_ptr(), span.end_Q.data_ptr())
-            fields += lora_fields[i]
+            fields += layer_lora[i]
         program = array.array("q", fields)
-        kernel(program.buffer_info()[0], self._floats.buffer_info()[0])
+        kernel(program.buffer_info()[0], self.floats.buffer_info()[0])
         return delta
 
     def _lora_fields(
@@ -157,34 +155,20 @@ class NativeLayers:
         kept_A, kept_B, kept, floats = self._lora
         if kept_A is A and kept_B is B:
             return kept, floats
-        layers: list[list[int]] = []
-        floats = 0
-        for layer in self.stack.layers:
-            fields: list[int] = []
-            for name in _MODULES:
-                lin: Linear = getattr(layer, name)
-                A_Lri = A.get(lin.path) if lin.path is not None else None
-                if A_Lri is None:
-                    fields += [0] * _M_FIELDS
-                    continue
-                B_Lor = B[lin.path]  # type: ignore[index]
-                out_features, in_features = (int(n) for n in lin.weight.shape)
-                if not lane_weights_take(A_Lri, B_Lor, in_features, out_features):
-                    return None
-                r = int(A_Lri.shape[1])
-                if B_Lor.stride(1) != 1:  # transposed into scratch, a lane at a time
-                    floats = max(floats, r * out_features)
-                fields += (A_Lri.data_ptr(), *A_Lri.stride()[:2], B_Lor.data_ptr())
-                fields += (*B_Lor.stride(), r)
-            layers.append(fields)
+        modules = self.lane_modules(A, B)
+        if modules is None:
+            return None
+        layers = [
+            [
+                v
+                for pair in layer
+                for v in ([0] * LORA_FIELDS if pair is None else lora_fields(*pair))
+            ]
+            for layer in modules
+        ]
+        floats = lane_scratch(modules)
         self._lora = (A, B, layers, floats)
         return layers, floats
-
-
-def _layer_floats(layer: Layer) -> list[float]:
-    """A layer's floats, in the C side's order (FL_*)."""
-    q_eps, k_eps = (0.0 if n is None else n.eps for n in (layer.q_norm, layer.k_norm))
-    return [layer.input_norm.eps, layer.post_norm.eps, layer.scaling, q_eps, k_eps]
 
 
 def _layer_static(layer: Layer, packs: list[Tensor]) -> list[int]:
@@ -192,23 +176,19 @@ def _layer_static(layer: Layer, packs: list[Tensor]) -> list[int]:
     order (L_NORM1 .. L_K_NORM)."""
     assert layer.qkv is not None and layer.gate_up is not None
     qkv, o, gate_up, down = packs
-
-    def ptr(t: Tensor | None) -> int:
-        return 0 if t is None else t.data_ptr()
-
     return [
         layer.input_norm.weight.data_ptr(),
         layer.post_norm.weight.data_ptr(),
         qkv.data_ptr(),
-        ptr(layer.qkv.bias),
+        address(layer.qkv.bias),
         *layer.qkv.sizes,
         o.data_ptr(),
-        ptr(layer.o.bias),
+        address(layer.o.bias),
         gate_up.data_ptr(),
-        ptr(layer.gate_up.bias),
+        address(layer.gate_up.bias),
         down.data_ptr(),
-        ptr(layer.down.bias),
-        *(0 if n is None else n.weight.data_ptr() for n in (layer.q_norm, layer.k_norm)),
+        address(layer.down.bias),
+        *(address(None if n is None else n.weight) for n in (layer.q_norm, layer.k_norm)),
     ]
 
 

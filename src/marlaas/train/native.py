@@ -26,20 +26,32 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from marlaas.model.decoder import DecoderStack, Layer, Linear
-from marlaas.model.kernels import Spans, half_linear_takes, lane_weights_take, native_kernels
+from marlaas.model.decoder import DecoderStack, Layer
+from marlaas.model.kernels import Spans, half_linear_takes, native_kernels
 from marlaas.model.kernels.build import kernel as load
 from marlaas.model.lane_plan import RowLanes
-from marlaas.model.lora import LaneBatch
-from marlaas.model.native import WeightFields, covers
+from marlaas.model.native import (
+    LORA_FIELDS,
+    MODULES,
+    LaneModules,
+    NativeStack,
+    address,
+    covers,
+    lane_scratch,
+    lora_fields,
+)
 
-#: The C side's field counts (`train_layers.c`: P_FIELDS, L_FIELDS, M_FIELDS); the order
-#: of each list below is its enums'.
-_P_FIELDS, _M_FIELDS = 28, 10
+#: The C side's field counts and offsets (`train_layers.c`); the order of each list
+#: below is its enums'. A module: its `LORA_FIELDS`, then its gradients' (M_GA, M_GBT).
+_P_FIELDS, _M_FIELDS = 28, LORA_FIELDS + 2
 _L_STATIC, _L_PASS, _L_TAPE = 19, 8, 10
-_L_FIELDS = _L_STATIC + _L_PASS + _L_TAPE + 7 * _M_FIELDS
-#: A layer's LoRA modules, in the C side's order.
-_MODULES = ("q", "k", "v", "o", "gate", "up", "down")
+_L_FIELDS = _L_STATIC + _L_PASS + _L_TAPE + len(MODULES) * _M_FIELDS
+#: What the backward writes into the forward's fields: the hidden state's (now the
+#: gradient's, P_HIDDEN) and its scratch (P_WIDE, P_GRAD2, P_DQ); a layer's dK and dV
+#: (L_DK, L_DV, after its static and four pass fields); a module's gA and gBt.
+_P_HIDDEN, _P_SCRATCH = 13, 25
+_L_DK = _L_STATIC + 6
+_M_GA = LORA_FIELDS
 #: Per layer: keys and values `[B, Hkv, columns, D]`.
 LayerCache = list[tuple[Tensor, Tensor]]
 
@@ -62,21 +74,19 @@ class PassInputs:
     #: The pass runs under a lane batch (`LoRAModel.lanes`); else the plain base.
     lanes: bool
 
+    @property
+    def P(self) -> int:
+        """The past's columns."""
+        return 0 if self.past is None else int(self.past[0][0].shape[2])
 
-class TrainLayers:
+
+class TrainLayers(NativeStack):
     """The native pass over one `DecoderStack` (see the module doc)."""
 
     def __init__(self, stack: DecoderStack) -> None:
-        self.stack = stack
-        first = stack.layers[0]
-        assert first.qkv is not None  # `of` checked every layer
-        self.qkv_out = sum(first.qkv.sizes)
-        self.inter = int(first.down.weight.shape[1])
-        self.round = stack.kv_dtype == torch.bfloat16
-        self._floats = array.array("f", [v for layer in stack.layers for v in _floats(layer)])
+        super().__init__(stack, _layer_static, transposes=True)
         #: Qwen3's per-head norms of the queries and keys.
-        self.head_norms = first.q_norm is not None
-        self._static = WeightFields(stack, _layer_static, transposes=True)
+        self.head_norms = stack.layers[0].q_norm is not None
 
     @staticmethod
     def of(stack: DecoderStack) -> TrainLayers | None:
@@ -98,26 +108,30 @@ class TrainLayers:
             or any(s.widest < 1 for s in inputs.spans.values())
         ):
             return None
-        static = self._static.get()
+        static = self.weights.get()
         if static is None:
             return None
+        modules: LaneModules | None
         if inputs.lanes:
             lanes = stack.model.row_lanes(T)
             if lanes is None:
                 return None
             batch, rows = lanes
-            modules = self._modules(batch)
+            modules = self.lane_modules(batch.A, batch.B)
             if modules is None:
                 return None
         else:  # the plain base: no module has an update (the lanes are never read)
             none = torch.zeros(1, dtype=torch.long)
-            rows, modules = RowLanes(none, none, None), {}
-        weights = [w for pair in modules.values() for w in pair]
+            rows, modules = (
+                RowLanes(none, none, None),
+                [[None] * len(MODULES) for _ in stack.layers],
+            )
+        weights = [w for layer in modules for pair in layer if pair is not None for w in pair]
         # (a pass's own keys and values are views of the tape: contiguous copies)
         past = [t.contiguous() for kv in inputs.past for t in kv] if inputs.past else []
         if any(t.dtype != torch.float32 for t in past):
             return None
-        P = 0 if inputs.past is None else int(inputs.past[0][0].shape[2])
+        P = inputs.P
         row_T = torch.div(inputs.pad_T, inputs.TQ, rounding_mode="floor")
         col_T = inputs.pad_T - row_T * inputs.TQ + P
         first_T = row_T * (P + inputs.TQ)
@@ -134,23 +148,6 @@ class TrainLayers:
         h, *kv = outs
         return h, list(zip(kv[0::2], kv[1::2], strict=True))
 
-    def _modules(self, batch: LaneBatch) -> dict[tuple[int, str], tuple[Tensor, Tensor]] | None:
-        """Each (layer, module) with an update in the lane batch: its `A`, `B`; None where
-        the kernels do not take one."""
-        found: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}
-        for i, layer in enumerate(self.stack.layers):
-            for name in _MODULES:
-                lin: Linear = getattr(layer, name)
-                A_Lri = batch.A.get(lin.path) if lin.path is not None else None
-                if A_Lri is None:
-                    continue
-                B_Lor = batch.B[lin.path]  # type: ignore[index]
-                out_features, in_features = (int(n) for n in lin.weight.shape)
-                if not lane_weights_take(A_Lri, B_Lor, in_features, out_features):
-                    return None
-                found[(i, name)] = (A_Lri, B_Lor)
-        return found
-
 
 @dataclass(frozen=True)
 class _Call:
@@ -159,7 +156,7 @@ class _Call:
     layers: TrainLayers
     inputs: PassInputs
     rows: RowLanes
-    modules: dict[tuple[int, str], tuple[Tensor, Tensor]]
+    modules: LaneModules
     static: list[int]
     #: Each token's row and key column (after the past's).
     row_T: Tensor
@@ -172,8 +169,8 @@ class _Call:
 
 
 class _Tape:
-    """One pass's buffers: what the forward keeps for the backward, per layer, in one
-    allocation, and the keys and values."""
+    """One pass's buffers: what the forward keeps for the backward (a buffer per layer),
+    and the keys and values."""
 
     def __init__(self, layers: TrainLayers, T: int, B: int, TQ: int, P: int) -> None:
         stack = layers.stack
@@ -221,8 +218,7 @@ class _Pass(torch.autograd.Function):
         count = len(stack.layers)
         past = tensors[: 2 * count] if inputs.past is not None else ()
         T, E = (int(n) for n in h_TE.shape)
-        B, TQ = inputs.B, inputs.TQ
-        P = 0 if inputs.past is None else int(inputs.past[0][0].shape[2])
+        B, TQ, P = inputs.B, inputs.TQ, inputs.P
         H, Hkv, D = stack.heads, stack.kv_heads, stack.head_dim
         tape = _Tape(layers, T, B, TQ, P)
         h = h_TE.detach().clone(memory_format=torch.contiguous_format)
@@ -231,17 +227,9 @@ class _Pass(torch.autograd.Function):
         xb = torch.empty(T * max(E, HD, 2 * inter, C), dtype=torch.bfloat16)
         scores = torch.empty((H // Hkv) * call.widest)
         out = torch.empty(T * max(E, inter))
-        lora_floats = max(
-            (
-                int(A.shape[1]) * int(Bm.shape[1])
-                for A, Bm in call.modules.values()
-                if Bm.stride(1) != 1
-            ),
-            default=0,
-        )
-        lora_scratch = torch.empty(max(lora_floats, 1))
+        lora_scratch = torch.empty(max(lane_scratch(call.modules), 1))
         program = [
-            *(count, T, B, TQ, P, E, H, Hkv, D, inter, int(layers.round), units, T // units),
+            *(count, T, B, TQ, P, E, H, Hkv, D, inter, int(layers.kv_bf16), units, T // units),
             h.data_ptr(),
             inputs.cos_TD.data_ptr(),
             inputs.sin_TD.data_ptr(),
@@ -249,7 +237,7 @@ class _Pass(torch.autograd.Function):
             call.col_T.data_ptr(),
             rows.lane_N.data_ptr(),
             rows.order_N.data_ptr(),
-            0 if rows.scale_L is None else rows.scale_L.data_ptr(),
+            address(rows.scale_L),
             xb.data_ptr(),
             scores.data_ptr(),
             lora_scratch.data_ptr(),
@@ -265,20 +253,14 @@ class _Pass(torch.autograd.Function):
             program += (past[2 * i].data_ptr(), past[2 * i + 1].data_ptr()) if past else (0, 0)
             program += (keys.data_ptr(), values.data_ptr(), 0, 0)  # dK, dV: the backward's
             program += tape.fields[i]
-            for name in _MODULES:
-                pair = call.modules.get((i, name))
-                if pair is None:
-                    program += [0] * _M_FIELDS
-                    continue
-                A, Bm = pair
-                program += (A.data_ptr(), *A.stride()[:2], Bm.data_ptr(), *Bm.stride())
-                program += (int(A.shape[1]), 0, 0)  # the rank; gA, gBt: the backward's
+            for pair in call.modules[i]:  # gA, gBt: the backward's
+                program += [0] * _M_FIELDS if pair is None else [*lora_fields(*pair), 0, 0]
         assert len(program) == _P_FIELDS + count * _L_FIELDS
         fields = array.array("q", program)
-        load("train_layers")(fields.buffer_info()[0], layers._floats.buffer_info()[0])
+        load("train_layers")(fields.buffer_info()[0], layers.floats.buffer_info()[0])
         ctx.set_materialize_grads(False)
         ctx.call, ctx.fields, ctx.tape, ctx.kv = call, fields, tape.buffers, tape.kv
-        ctx.keep = (xb, scores, out, lora_scratch, *past, *tensors[2 * count if past else 0 :])
+        ctx.keep = (xb, scores, out, lora_scratch, *tensors)  # C reads them by address
         # Each layer's keys and values as the Python path's ([B, Hkv, columns, D]).
         return (h, *(t.transpose(0, 1) for t in tape.kv))
 
@@ -291,7 +273,7 @@ class _Pass(torch.autograd.Function):
         kv: list[Tensor] = ctx.kv
         g_h, g_kv = grads[0], grads[1:]
         fields = array.array("q", ctx.fields)
-        T, E = fields[1], fields[5]
+        T, E = (int(n) for n in inputs.h_TE.shape)
         H, D = stack.heads, stack.head_dim
         inter, C, HD = layers.inter, layers.qkv_out, H * D
         g = (
@@ -302,8 +284,9 @@ class _Pass(torch.autograd.Function):
         wide = torch.empty(T * max(E, HD, C, 2 * inter))
         g2 = torch.empty((T, E))
         dq = torch.empty((T, HD))
-        fields[13] = g.data_ptr()
-        fields[25:28] = array.array("q", [wide.data_ptr(), g2.data_ptr(), dq.data_ptr()])
+        fields[_P_HIDDEN] = g.data_ptr()
+        scratch = [wide.data_ptr(), g2.data_ptr(), dq.data_ptr()]
+        fields[_P_SCRATCH : _P_SCRATCH + 3] = array.array("q", scratch)
         dkv: list[Tensor] = []
         for i in range(2 * count):
             given = g_kv[i]
@@ -313,30 +296,23 @@ class _Pass(torch.autograd.Function):
         grads_w: list[Tensor] = []
         for i in range(count):
             at = _P_FIELDS + i * _L_FIELDS
-            fields[at + _L_STATIC + 6] = dkv[2 * i].data_ptr()
-            fields[at + _L_STATIC + 7] = dkv[2 * i + 1].data_ptr()
-            for j, name in enumerate(_MODULES):
-                pair = call.modules.get((i, name))
+            fields[at + _L_DK] = dkv[2 * i].data_ptr()
+            fields[at + _L_DK + 1] = dkv[2 * i + 1].data_ptr()
+            for j, pair in enumerate(call.modules[i]):
                 if pair is None:
                     continue
                 A, Bm = pair
                 L, r = int(A.shape[0]), int(A.shape[1])
                 gA = torch.zeros((L, r, int(A.shape[2])))
                 gBt = torch.zeros((L, r, int(Bm.shape[1])))
-                m = at + _L_STATIC + _L_PASS + _L_TAPE + j * _M_FIELDS
-                fields[m + 8] = gA.data_ptr()
-                fields[m + 9] = gBt.data_ptr()
+                m = at + _L_STATIC + _L_PASS + _L_TAPE + j * _M_FIELDS + _M_GA
+                fields[m] = gA.data_ptr()
+                fields[m + 1] = gBt.data_ptr()
                 grads_w += (gA, gBt.transpose(1, 2))
-        load("train_layers_backward")(fields.buffer_info()[0], layers._floats.buffer_info()[0])
-        P = 0 if inputs.past is None else int(inputs.past[0][0].shape[2])
+        load("train_layers_backward")(fields.buffer_info()[0], layers.floats.buffer_info()[0])
+        P = inputs.P
         g_past = [d[:, :, :P].transpose(0, 1) for d in dkv] if inputs.past is not None else []
         return (g if ctx.needs_input_grad[0] else None, None, *g_past, *grads_w)
-
-
-def _floats(layer: Layer) -> tuple[float, ...]:
-    """A layer's floats, in the C side's order (FL_*)."""
-    q_eps, k_eps = (0.0 if n is None else n.eps for n in (layer.q_norm, layer.k_norm))
-    return (layer.input_norm.eps, layer.post_norm.eps, layer.scaling, q_eps, k_eps)
 
 
 def _layer_static(layer: Layer, packs: list[Tensor]) -> list[int]:
@@ -344,25 +320,21 @@ def _layer_static(layer: Layer, packs: list[Tensor]) -> list[int]:
     transpose packed), in the C side's order (L_NORM1 .. L_K_NORM)."""
     assert layer.qkv is not None and layer.gate_up is not None
     qkv, qkv_t, o, o_t, gate_up, gate_up_t, down, down_t = packs
-
-    def ptr(t: Tensor | None) -> int:
-        return 0 if t is None else t.data_ptr()
-
     return [
         layer.input_norm.weight.data_ptr(),
         layer.post_norm.weight.data_ptr(),
         qkv.data_ptr(),
         qkv_t.data_ptr(),
-        ptr(layer.qkv.bias),
+        address(layer.qkv.bias),
         *layer.qkv.sizes,
         o.data_ptr(),
         o_t.data_ptr(),
-        ptr(layer.o.bias),
+        address(layer.o.bias),
         gate_up.data_ptr(),
         gate_up_t.data_ptr(),
-        ptr(layer.gate_up.bias),
+        address(layer.gate_up.bias),
         down.data_ptr(),
         down_t.data_ptr(),
-        ptr(layer.down.bias),
-        *(ptr(None if n is None else n.weight) for n in (layer.q_norm, layer.k_norm)),
+        address(layer.down.bias),
+        *(address(None if n is None else n.weight) for n in (layer.q_norm, layer.k_norm)),
     ]

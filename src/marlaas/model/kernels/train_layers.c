@@ -190,7 +190,8 @@ static void layer_backward(const int64_t *p, const int64_t *L, const float *fl, 
     uint16_t *xb = PTR(uint16_t *, p[P_XB]);
     const int64_t *row = PTR(const int64_t *, p[P_ROW]), *col = PTR(const int64_t *, p[P_COL]);
 
-    /* The MLP: g of gated, of gate and up (into g2's room: wide holds gated's), of x2. */
+    /* The MLP: g of gated (in the forward's `out` scratch), of gate and up (in wide), of
+     * x2 (g2). */
     float *g_gated = PTR(float *, p[P_OUT]);  /* [T, I] */
     half_linear_rows_f32(s.T, s.I, s.E, g, PTR(const uint16_t *, L[L_DOWN_WT]), 0, g_gated, xb);
     lora_back(p, m + DOWN * M_FIELDS, s.I, s.E, gated, g, s.E, g_gated);
