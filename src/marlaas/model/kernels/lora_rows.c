@@ -157,8 +157,8 @@ static inline const float *rank_major(const float *Bl, int64_t b_so, int64_t b_s
         *bt_sk = b_sr;
         return Bl;
     }
-    for (int64_t o = 0; o < out; ++o)
-        for (int64_t k = 0; k < r; ++k) scratch[k * out + o] = Bl[o * b_so + k * b_sr];
+    for (int64_t k = 0; k < r; ++k)  /* contiguous stores: the loads are the strided side */
+        for (int64_t o = 0; o < out; ++o) scratch[k * out + o] = Bl[o * b_so + k * b_sr];
     *bt_sk = out;
     return scratch;
 }
