@@ -24,7 +24,7 @@ from marlaas.pipeline.context import PipelineOptions
 from marlaas.pipeline.runtime import PipelineRuntime
 from marlaas.service.app import create_app, open_context
 from marlaas.service.db import Database
-from marlaas.service.models import Checkpoint, Job
+from marlaas.service.models import Checkpoint, Job, JobEvent, Metric
 from marlaas.service.pipeline_backend import PipelineBackend
 from marlaas.service.settings import ServiceSettings
 from marlaas.train.checkpoint import list_checkpoints
@@ -253,10 +253,21 @@ def test_a_restart_resumes_active_jobs_and_keeps_paused_ones_paused(
             steps = session.scalars(
                 select(Checkpoint.step).where(Checkpoint.job_id == run).order_by(Checkpoint.step)
             ).all()
-            # A crash between writing the last checkpoint and recording it: the next
-            # start records it from the disk (once) before the job goes on.
+            # A crash between writing the last checkpoint and recording it and its
+            # step's figures: the next start records both from the disk (once) before
+            # the job goes on from that step (which it does not train again).
             session.execute(
                 delete(Checkpoint).where(Checkpoint.job_id == run, Checkpoint.step == done)
+            )
+            lost = session.execute(
+                delete(Metric).where(Metric.job_id == run, Metric.step == done)
+            ).rowcount
+            session.execute(
+                delete(JobEvent).where(
+                    JobEvent.job_id == run,
+                    JobEvent.kind == "step",
+                    JobEvent.data["step"].as_integer() == done,
+                )
             )
     finally:
         db.close()
@@ -268,8 +279,15 @@ def test_a_restart_resumes_active_jobs_and_keeps_paused_ones_paused(
         job_out = wait_for(client, acme, run, lambda j: j["status"] == "done")
     assert f"job {run} resumed from its checkpoint at step {done}" in caplog.text
     assert job_out["steps_done"] == steps_wanted
+    assert lost > 0
     ckpts = client.get(f"/v1/jobs/{run}/checkpoints", headers=acme).json()["checkpoints"]
     assert [c["step"] for c in ckpts] == list(range(1, steps_wanted + 1))
+    assert {"reward_mean", "loss"} <= set(ckpts[done - 1]["metrics"])  # as reported at first
+    points = client.get(f"/v1/jobs/{run}/metrics", headers=acme).json()["points"]
+    for name in ("reward_mean", "loss", "grad_norm"):  # every step's figures, once
+        assert sorted(p["step"] for p in points if p["name"] == name) == list(
+            range(1, steps_wanted + 1)
+        ), name
     assert runtime_of(client).state(held).status == "queued"  # paused before admission
     assert client.get(f"/v1/jobs/{held}", headers=acme).json()["status"] == "paused"
     client.post(f"/v1/jobs/{held}/resume", headers=acme)

@@ -10,11 +10,12 @@ from safetensors.torch import load_file, save_file
 from train_data import make_batch
 
 from marlaas.config.specs import GRPOSpec, LoRASpec
-from marlaas.errors import ConfigError
+from marlaas.errors import ConfigError, ModelError
 from marlaas.model.lora import LoRAModel
 from marlaas.train import checkpoint as ckpt_mod
 from marlaas.train.batch import TrainBatch
 from marlaas.train.checkpoint import (
+    checkpoint_extra,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
@@ -133,6 +134,10 @@ def test_keep_last_and_validation(lora_model: LoRAModel, tmp_path: Path) -> None
     assert load_checkpoint(latest_checkpoint(tmp_path) or tmp_path, lora_model).extra == {
         "again": 2
     }
+    # The extra alone (recovery reads what a checkpoint reported without its tensors).
+    assert checkpoint_extra(latest_checkpoint(tmp_path) or tmp_path) == {"again": 2}
+    with pytest.raises(ModelError, match="not a readable tenant checkpoint"):
+        checkpoint_extra(tmp_path)
     with pytest.raises(ConfigError):
         save_checkpoint(tmp_path, trainer.snapshot("t"), extra={"x": object()})
     with pytest.raises(ConfigError):

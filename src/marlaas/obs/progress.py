@@ -180,26 +180,33 @@ class CheckpointWritten(_Record):
 
     @property
     def metrics(self) -> dict[str, float]:
-        """The figures a checkpoint's record keeps: reward, loss, entropy (RL), token
-        accuracy (supervised), eval."""
-        out: dict[str, float] = {}
-        if self.step is not None:
-            kept = {
-                "reward_mean": self.step.reward_mean,
-                "reward_std": self.step.reward_std,
-                "loss": self.step.loss,
-                "entropy": self.step.entropy,
-                "token_accuracy": self.step.token_accuracy,
-            }
-            out.update({k: v for k, v in kept.items() if v is not None})
-        if self.eval_accuracy is not None:
-            out[EVAL_ACCURACY] = self.eval_accuracy
-        if self.eval_loss is not None:
-            out[EVAL_LOSS] = self.eval_loss
-        return out
+        """The figures a checkpoint's record keeps (`checkpoint_metrics`)."""
+        return checkpoint_metrics(self.step, self.eval_accuracy, self.eval_loss)
 
     def log_fields(self) -> dict[str, object]:
         return {"version": self.version, "path": str(self.path)}
+
+
+def checkpoint_metrics(
+    step: StepMetrics | None, eval_accuracy: float | None, eval_loss: float | None
+) -> dict[str, float]:
+    """The figures a checkpoint's record keeps: reward, loss, entropy (RL), token
+    accuracy (supervised), eval."""
+    out: dict[str, float] = {}
+    if step is not None:
+        kept = {
+            "reward_mean": step.reward_mean,
+            "reward_std": step.reward_std,
+            "loss": step.loss,
+            "entropy": step.entropy,
+            "token_accuracy": step.token_accuracy,
+        }
+        out.update({k: v for k, v in kept.items() if v is not None})
+    if eval_accuracy is not None:
+        out[EVAL_ACCURACY] = eval_accuracy
+    if eval_loss is not None:
+        out[EVAL_LOSS] = eval_loss
+    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,9 @@ Invariants:
   (`train.grpo.GRPOTraining` makes both calls' arguments).
 - Disk writes (checkpoints, the final PEFT adapter) run in worker threads and are
   atomic (`save_checkpoint`, `save_peft`); a checkpoint's `extra` holds the data
-  cursor and the eval history, so a restore continues the same data stream.
+  cursor and the eval history, so a restore continues the same data stream, and what
+  the checkpoint reports (`reported`: its step's figures and its record's), so a crash
+  between the save and the reports' reaching the database loses neither.
 - Eval is greedy, on the held-out split, pinned to one adapter version.
 """
 
@@ -23,7 +25,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Coroutine, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from statistics import fmean
 from typing import Any, TypeVar
@@ -40,6 +42,7 @@ from marlaas.obs.progress import (
     StepDone,
     StepMetrics,
     TenantRestored,
+    checkpoint_metrics,
 )
 from marlaas.pipeline.context import PipelineContext
 from marlaas.pipeline.data import (
@@ -55,6 +58,7 @@ from marlaas.pipeline.tenant import PipelineError, TenantState
 from marlaas.train.batch import TenantStepResult, TrainBatch
 from marlaas.train.checkpoint import (
     ADAPTER_DIR,
+    checkpoint_extra,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
@@ -65,6 +69,33 @@ from marlaas.train.sft import SFTSnapshot
 from marlaas.types import SamplingParams, Trajectory
 
 T = TypeVar("T")
+#: A checkpoint's `extra` key for what it reported (`reported`).
+REPORTED = "reported"
+
+
+@dataclass(frozen=True)
+class Reported:
+    """What a checkpoint reported when it was written: the figures of the step that made
+    its version (None: not known then, e.g. a checkpoint of a restored version) and its
+    own record's (`checkpoint_metrics`)."""
+
+    step: dict[str, float] | None
+    checkpoint: dict[str, float]
+
+
+def reported(path: Path) -> Reported:
+    """What the checkpoint at `path` reported (nothing for one written before
+    checkpoints kept it, or one whose `extra` does not say)."""
+    kept = checkpoint_extra(path).get(REPORTED)
+    if not isinstance(kept, dict):
+        return Reported(None, {})
+
+    def figures(value: object) -> dict[str, float] | None:
+        if not isinstance(value, dict):
+            return None
+        return {str(k): float(v) for k, v in value.items() if isinstance(v, int | float)}
+
+    return Reported(figures(kept.get("step")), figures(kept.get("checkpoint")) or {})
 
 
 async def gather_all(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
@@ -297,7 +328,17 @@ class TenantRuntime:
         """Write the tenant's state at its current version, atomically."""
         t0 = time.perf_counter()
         snapshot = self._snapshot(await self.ctx.device.snapshot(self.name))
-        extra = self._extra()
+        version = snapshot.version
+        step = self._last_step[1] if self._last_step and self._last_step[0] == version else None
+        accuracy, loss = self.state.stats.eval_accuracy.get(version), self.eval_loss.get(version)
+        # What this checkpoint reports, kept with it: a crash after the save and before
+        # the reports reached the database leaves them to recovery (`reported`).
+        extra = self._extra() | {
+            REPORTED: {
+                "step": None if step is None else step.as_dict(),
+                "checkpoint": checkpoint_metrics(step, accuracy, loss),
+            }
+        }
         path = await asyncio.to_thread(
             save_checkpoint,
             self.ctx.checkpoint_dir(self.name),
@@ -306,9 +347,8 @@ class TenantRuntime:
             self.job.keep_checkpoints or self.ctx.options.keep_checkpoints,
             fan_in_fan_out=model_fan_in_fan_out(self.ctx.device.model, snapshot.state.tensors),
         )
-        self.last_checkpoint = version = snapshot.version
+        self.last_checkpoint = version
         self.ctx.recorder.span("checkpoint", "save", t0, time.perf_counter(), tenant=self.name)
-        step = self._last_step[1] if self._last_step and self._last_step[0] == version else None
         self.ctx.recorder.progress(
             CheckpointWritten(
                 self.name,
@@ -316,8 +356,8 @@ class TenantRuntime:
                 path,
                 path / ADAPTER_DIR,
                 step=step,
-                eval_accuracy=self.state.stats.eval_accuracy.get(version),
-                eval_loss=self.eval_loss.get(version),
+                eval_accuracy=accuracy,
+                eval_loss=loss,
             )
         )
 

@@ -60,6 +60,7 @@ from marlaas.obs.progress import (
 )
 from marlaas.pipeline.context import PipelineOptions
 from marlaas.pipeline.judges import JudgeFactory
+from marlaas.pipeline.lifecycle import Reported, reported
 from marlaas.pipeline.runtime import PipelineRuntime, RuntimeFailed, RuntimeProgress
 from marlaas.pipeline.tenant import PipelineError, describe_failure
 from marlaas.service import datasets
@@ -68,7 +69,7 @@ from marlaas.service.db import Database
 from marlaas.service.inference import DeviceProvider
 from marlaas.service.lifecycle import ACTIVE, JobStatus
 from marlaas.service.metrics import PipelineFigures
-from marlaas.service.models import Checkpoint, Job
+from marlaas.service.models import Checkpoint, Job, Metric
 from marlaas.service.reporter import JobReporter
 from marlaas.service.tinker.hub import SharedDevice
 from marlaas.service.usage import BusyBin
@@ -106,6 +107,8 @@ class _Stored:
     spec: JobSpec | None
     error: str | None
     checkpoints: frozenset[int]
+    #: The steps whose figures the database has.
+    stepped: frozenset[int]
 
 
 class PipelineBackend:
@@ -322,8 +325,18 @@ class PipelineBackend:
                 match = _CKPT.match(path.name)
                 step = int(match.group(1)) if match else None
                 if step is not None and step not in known.checkpoints:
+                    # Written, but its record not in the database: it and what it
+                    # reported (its step's figures, where the database lacks them).
                     known.checkpoints.add(step)
-                    self._report_checkpoint(job.job_id, step, path / ADAPTER_DIR, {})
+                    try:
+                        figures = reported(path)
+                    except MarlaasError:
+                        figures = Reported(None, {})
+                    if figures.step is not None and step not in job.stepped:
+                        self._report_step(job.job_id, step, figures.step)
+                    self._report_checkpoint(
+                        job.job_id, step, path / ADAPTER_DIR, figures.checkpoint
+                    )
             try:
                 self._run(runtime, job.job_id, job.spec, restore=True, known=known)
             except MarlaasError as e:  # e.g. a spec beyond this server's pipeline sizes
@@ -344,6 +357,11 @@ class PipelineBackend:
                 steps = frozenset(
                     session.scalars(select(Checkpoint.step).where(Checkpoint.job_id == job.id))
                 )
+                stepped = frozenset(  # every step's figures have its loss (evals do not)
+                    session.scalars(
+                        select(Metric.step).where(Metric.job_id == job.id, Metric.name == "loss")
+                    )
+                )
                 try:
                     spec: JobSpec | None = datasets.resolve_spec(
                         session,
@@ -354,7 +372,7 @@ class PipelineBackend:
                     error = None
                 except (ValidationError, MarlaasError) as e:
                     spec, error = None, describe_failure(e)
-                out.append(_Stored(job.id, JobStatus(job.status), spec, error, steps))
+                out.append(_Stored(job.id, JobStatus(job.status), spec, error, steps, stepped))
         return out
 
     def _run(
@@ -410,8 +428,7 @@ class PipelineBackend:
                 job.running = True
                 self._report(lambda: self._reporter.status(job_id, JobStatus.RUNNING))
         elif isinstance(progress, StepDone):
-            step, metrics = progress.step, progress.metrics.as_dict()
-            self._report(lambda: self._reporter.step(job_id, step, metrics))
+            self._report_step(job_id, progress.step, progress.metrics.as_dict())
         elif isinstance(progress, EvalDone):
             version, values = progress.version, progress.as_dict()
             self._report(lambda: self._reporter.step(job_id, version, values))
@@ -439,6 +456,9 @@ class PipelineBackend:
             self._report(lambda: self._reporter.status(job_id, JobStatus.DONE))
         elif status is JobStatus.FAILED:
             self._report(lambda: self._reporter.status(job_id, JobStatus.FAILED, reason))
+
+    def _report_step(self, job_id: str, step: int, metrics: dict[str, float]) -> None:
+        self._report(lambda: self._reporter.step(job_id, step, metrics))
 
     def _report_checkpoint(
         self, job_id: str, step: int, path: Path, metrics: dict[str, float]

@@ -209,6 +209,20 @@ def load_checkpoint(path: str | Path, model: LoRAModel) -> Checkpoint:
     return Checkpoint(path=root, snapshot=snapshot, extra=dict(state["extra"]))
 
 
+def checkpoint_extra(path: str | Path) -> dict[str, Any]:
+    """The `extra` of the checkpoint at `path` alone (no tensors read); `ModelError`
+    where it is not a readable checkpoint."""
+    root = Path(path)
+    try:
+        state = json.loads((root / STATE_NAME).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelError(f"{str(root)!r} is not a readable tenant checkpoint: {e}") from e
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise ModelError(f"{str(root)!r} is not a {FORMAT!r} checkpoint")
+    extra = state.get("extra")
+    return dict(extra) if isinstance(extra, dict) else {}
+
+
 def _remove_leftovers(base: Path) -> None:
     """Delete temporary and trash directories of earlier (possibly crashed) saves."""
     for p in base.iterdir():
