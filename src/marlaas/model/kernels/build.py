@@ -62,7 +62,7 @@ KERNELS: dict[str, tuple[str, str, list[type]]] = {
         ],
     ),
     "span_tiles_backward": (
-        "span_tiles",
+        "span_tiles_backward",
         "span_tiles_backward_f32",
         [
             *(_I64, _I64, _I64, _I64, _I64),
@@ -139,6 +139,7 @@ KERNELS: dict[str, tuple[str, str, list[type]]] = {
 #: from another's C): the stem -> the other stems.
 LINKED: dict[str, tuple[str, ...]] = {
     "span_tiles": ("span_attention",),
+    "span_tiles_backward": ("span_attention",),
     "decoder_layers": (
         "rms_norm",
         "half_linear",
@@ -154,6 +155,7 @@ LINKED: dict[str, tuple[str, ...]] = {
         "rope_store",
         "span_attention",
         "span_tiles",
+        "span_tiles_backward",
         "fused",
     ),
 }
