@@ -324,6 +324,24 @@ void lora_rows_backward_strided_f32(int64_t U, int64_t T, int64_t in, int64_t ou
         if (l != current) {
             Bt = rank_major(B + l * b_sl, b_so, b_sr, r, out, scratch, &bt_sk);
             current = l;
+            /* The next lane's weights and gradients into L2 while this lane's tokens run
+             * (each lane's are read, and its gradients written, once a call). */
+            int64_t nj = j + 1;
+            while (nj < U && lane[order[nj]] == l) ++nj;
+            if (nj < U) {
+                const int64_t n = lane[order[nj]];
+                const float *An = A + n * a_sl, *Bn = B + n * b_sl;
+                const float *gAn = gA + n * r * in, *gBn = gBt + n * r * out;
+                for (int64_t k = 0; k < r; ++k) {
+                    for (int64_t i = 0; i < in; i += W) {
+                        __builtin_prefetch(An + k * a_sr + i, 0, 2);
+                        __builtin_prefetch(gAn + k * in + i, 1, 2);
+                    }
+                    for (int64_t o = 0; o < out; o += W) __builtin_prefetch(gBn + k * out + o, 1, 2);
+                }
+                for (int64_t o = 0; o < out * r; o += W)  /* B's block, either layout */
+                    __builtin_prefetch(Bn + o, 0, 2);
+            }
         }
         const float *Al = A + l * a_sl;
         const float s = scale ? scale[l] : 1.0f;
