@@ -163,6 +163,20 @@ static inline const float *rank_major(const float *Bl, int64_t b_so, int64_t b_s
     return scratch;
 }
 
+/* A lane's A [r, in] (rows a_sr apart) and B [out, r] (strides b_so, b_sr) into L2, a
+ * prefetch per cache line (a vector), ahead of their first use: the per-row kernels
+ * visit lanes in turn, each lane's weights coming from L3 otherwise. */
+static inline void prefetch_weights(const float *A, int64_t a_sr, int64_t r, int64_t in,
+                                    const float *B, int64_t b_so, int64_t b_sr, int64_t out) {
+    for (int64_t k = 0; k < r; ++k)
+        for (int64_t i = 0; i < in; i += W) __builtin_prefetch(A + k * a_sr + i, 0, 2);
+    if (b_so == 1)  /* rank-major: each rank's row of B is contiguous */
+        for (int64_t k = 0; k < r; ++k)
+            for (int64_t o = 0; o < out; o += W) __builtin_prefetch(B + k * b_sr + o, 0, 2);
+    else if (b_sr == 1)  /* PEFT's: each output's r weights are contiguous */
+        for (int64_t o = 0; o < out; o += r < W ? W / r : 1) __builtin_prefetch(B + o * b_so, 0, 2);
+}
+
 /* The `T` tokens of unit `u`, two at a time (`down2`, `up2`: each load of the lane's
  * weights serves both; a prefill's rows of 64 tokens, rank 8, 128 -> 352: 124 -> 143
  * GFLOP/s): `r` as a compile-time constant for the common ranks (the loops over it
@@ -217,12 +231,8 @@ void lora_rows_strided_f32(int64_t U, int64_t T, int64_t in, int64_t out, int64_
             int64_t nj = j + 1;
             while (nj < U && lane[order[nj]] == l) ++nj;
             if (nj < U) {
-                const float *An = A + lane[order[nj]] * a_sl, *Bn = B + lane[order[nj]] * b_sl;
-                for (int64_t k = 0; k < r; ++k) {  /* a vector: a cache line */
-                    for (int64_t i = 0; i < in; i += W) __builtin_prefetch(An + k * a_sr + i, 0, 2);
-                    if (b_so == 1)  /* rank-major: each rank's row of B is contiguous */
-                        for (int64_t o = 0; o < out; o += W) __builtin_prefetch(Bn + k * b_sr + o, 0, 2);
-                }
+                const int64_t n = lane[order[nj]];
+                prefetch_weights(A + n * a_sl, a_sr, r, in, B + n * b_sl, b_so, b_sr, out);
             }
         }
         const float *Al = A + l * a_sl;
@@ -330,17 +340,10 @@ void lora_rows_backward_strided_f32(int64_t U, int64_t T, int64_t in, int64_t ou
             while (nj < U && lane[order[nj]] == l) ++nj;
             if (nj < U) {
                 const int64_t n = lane[order[nj]];
-                const float *An = A + n * a_sl, *Bn = B + n * b_sl;
+                prefetch_weights(A + n * a_sl, a_sr, r, in, B + n * b_sl, b_so, b_sr, out);
                 const float *gAn = gA + n * r * in, *gBn = gBt + n * r * out;
-                for (int64_t k = 0; k < r; ++k) {
-                    for (int64_t i = 0; i < in; i += W) {
-                        __builtin_prefetch(An + k * a_sr + i, 0, 2);
-                        __builtin_prefetch(gAn + k * in + i, 1, 2);
-                    }
-                    for (int64_t o = 0; o < out; o += W) __builtin_prefetch(gBn + k * out + o, 1, 2);
-                }
-                for (int64_t o = 0; o < out * r; o += W)  /* B's block, either layout */
-                    __builtin_prefetch(Bn + o, 0, 2);
+                for (int64_t i = 0; i < r * in; i += W) __builtin_prefetch(gAn + i, 1, 2);
+                for (int64_t o = 0; o < r * out; o += W) __builtin_prefetch(gBn + o, 1, 2);
             }
         }
         const float *Al = A + l * a_sl;
