@@ -13,6 +13,7 @@ import marlaas.train.prefix as prefix
 from helpers.tiny_archs import ARCHS, WINDOW, tiny_model
 from marlaas.model.lora import LoRAModel
 from marlaas.train.batch import TrainBatch, plan_microbatches, tensorise
+from marlaas.train.decoder import RowGather
 from marlaas.train.grpo import GRPOTrainer
 from marlaas.train.prefix import SharedPrefix
 
@@ -122,7 +123,8 @@ def test_sliding_windows_share_prompts_exactly(arch: str, monkeypatch: pytest.Mo
 
 
 def test_the_prefix_rows_gather_has_index_selects_gradient() -> None:
-    """The suffix pass reads each prefix's cache rows through `_RowGather`: its backward
+    """The Python layers' suffix pass reads each prefix's cache rows through `RowGather`:
+    its backward
     (one `index_add_` on a contiguous copy) must be `index_select`'s, for strided and
     transposed incoming gradients, repeated and unused source rows."""
     torch.manual_seed(0)
@@ -132,7 +134,7 @@ def test_the_prefix_rows_gather_has_index_selects_gradient() -> None:
         torch.randn(9, 2, 7, 8, dtype=torch.float64)[:, :, :5],  # a slice of a cat
         torch.randn(9, 5, 2, 8, dtype=torch.float64).transpose(1, 2),
     ):
-        got = prefix._RowGather.apply(x, index)
+        got = RowGather.apply(x, index)
         assert torch.equal(got, x.index_select(0, index))
         (g_got,) = torch.autograd.grad(got, x, grad)
         (g_want,) = torch.autograd.grad(x.index_select(0, index), x, grad)

@@ -5,7 +5,9 @@ a few dozen Python wrappers, autograd nodes and new tensors per layer each way
 (`bench trainer`'s 32 tenants: ~20 ms of a ~77 ms round were that glue).
 
 One autograd node per pass: its inputs are the embeddings, the past's keys and values
-(a shared prompt's, `marlaas.train.prefix`) and every LoRA module's lane weights; its
+(a shared prompt's, `marlaas.train.prefix`: one row per prompt, which the C side copies
+into each of its samples' rows, and whose gradient it sums back from them) and every
+LoRA module's lane weights; its
 outputs the last layer's residual stream and each layer's keys and values (the cache a
 later pass attends: their gradients come back into the backward's). The same kernels
 as the Python path, in the same order, except that q, k and v (and gate and up) are one
@@ -43,16 +45,17 @@ from marlaas.model.native import (
 
 #: The C side's field counts and offsets (`train_layers.c`); the order of each list
 #: below is its enums'. A module: its `LORA_FIELDS`, then its gradients' (M_GA, M_GBT).
-_P_FIELDS, _M_FIELDS = 28, LORA_FIELDS + 2
-_L_STATIC, _L_PASS, _L_TAPE = 19, 8, 10
+_P_FIELDS, _M_FIELDS = 30, LORA_FIELDS + 2
+_L_STATIC, _L_PASS, _L_TAPE = 19, 10, 10
 _L_FIELDS = _L_STATIC + _L_PASS + _L_TAPE + len(MODULES) * _M_FIELDS
 #: What the backward writes into the forward's fields: the hidden state's (now the
 #: gradient's, P_HIDDEN) and its scratch (P_WIDE, P_GRAD2, P_DQ); a layer's dK and dV
-#: (L_DK, L_DV, after its static and four pass fields); a module's gA and gBt.
+#: (L_DK, L_DV, after its static and four pass fields) and its past's (L_DPAST_K,
+#: L_DPAST_V); a module's gA and gBt.
 _P_HIDDEN, _P_SCRATCH = 13, 25
-_L_DK = _L_STATIC + 6
+_L_DK, _L_DPAST = _L_STATIC + 6, _L_STATIC + 8
 _M_GA = LORA_FIELDS
-#: Per layer: keys and values `[B, Hkv, columns, D]`.
+#: Per layer: keys and values `[B, Hkv, columns, D]` (a pass's past: `[Hkv, G, P, D]`).
 LayerCache = list[tuple[Tensor, Tensor]]
 
 
@@ -60,8 +63,9 @@ LayerCache = list[tuple[Tensor, Tensor]]
 class PassInputs:
     """One pass of the compact forward: `T` tokens (the embeddings `h_TE`, rotary tables
     `[T, D]`), each at `pad_T` of the `B x TQ` rows' layout (`b * TQ + column`), after
-    `P` past columns (`past`: each layer's keys and values
-    `[B, Hkv, P, D]`, or None); each layer's query spans by its window."""
+    `P` past columns (`past`: each layer's keys and values `[Hkv, G, P, D]`, row `b`'s
+    at `past_rows[b]`, every row its own where None; or no past); each layer's query
+    spans by its window."""
 
     h_TE: Tensor
     cos_TD: Tensor
@@ -73,6 +77,7 @@ class PassInputs:
     spans: dict[int | None, Spans]
     #: The pass runs under a lane batch (`LoRAModel.lanes`); else the plain base.
     lanes: bool
+    past_rows: Tensor | None = None
 
     @property
     def P(self) -> int:
@@ -127,10 +132,17 @@ class TrainLayers(NativeStack):
                 [[None] * len(MODULES) for _ in stack.layers],
             )
         weights = [w for layer in modules for pair in layer if pair is not None for w in pair]
-        # (a pass's own keys and values are views of the tape: contiguous copies)
+        # (a prefix pass's keys and values, seen as `[Hkv, G, P, D]`, are its tape's:
+        # contiguous already)
         past = [t.contiguous() for kv in inputs.past for t in kv] if inputs.past else []
         if any(t.dtype != torch.float32 for t in past):
             return None
+        groups = int(past[0].shape[1]) if past else 0
+        rows_B = (
+            inputs.past_rows.to(torch.long).contiguous()
+            if inputs.past_rows is not None
+            else torch.arange(inputs.B)
+        )
         P = inputs.P
         row_T = torch.div(inputs.pad_T, inputs.TQ, rounding_mode="floor")
         col_T = inputs.pad_T - row_T * inputs.TQ + P
@@ -143,7 +155,9 @@ class TrainLayers(NativeStack):
             for window, span in inputs.spans.items()
         }
         widest = max(span.widest for span in inputs.spans.values())
-        call = _Call(self, inputs, rows, modules, static, row_T, col_T, spans, widest)
+        call = _Call(
+            self, inputs, rows, modules, static, row_T, col_T, spans, widest, rows_B, groups
+        )
         outs = _Pass.apply(inputs.h_TE, call, *past, *weights)
         h, *kv = outs
         return h, list(zip(kv[0::2], kv[1::2], strict=True))
@@ -166,6 +180,9 @@ class _Call:
     #: the widest span.
     spans: dict[int | None, tuple[Tensor, Tensor]]
     widest: int
+    #: Each row's row of the past (`PassInputs.past_rows`), and the past's rows.
+    past_rows: Tensor
+    past_groups: int
 
 
 class _Tape:
@@ -243,6 +260,8 @@ class _Pass(torch.autograd.Function):
             lora_scratch.data_ptr(),
             out.data_ptr(),
             *(0, 0, 0),  # the backward's scratch
+            call.past_groups,
+            call.past_rows.data_ptr(),
         ]
         assert len(program) == _P_FIELDS
         for i, layer in enumerate(stack.layers):
@@ -251,7 +270,8 @@ class _Pass(torch.autograd.Function):
             program += call.static[i * _L_STATIC : (i + 1) * _L_STATIC]
             program += (start_T.data_ptr(), end_T.data_ptr())
             program += (past[2 * i].data_ptr(), past[2 * i + 1].data_ptr()) if past else (0, 0)
-            program += (keys.data_ptr(), values.data_ptr(), 0, 0)  # dK, dV: the backward's
+            program += (keys.data_ptr(), values.data_ptr(), 0, 0, 0, 0)  # dK, dV, the past's:
+            # the backward's
             program += tape.fields[i]
             for pair in call.modules[i]:  # gA, gBt: the backward's
                 program += [0] * _M_FIELDS if pair is None else [*lora_fields(*pair), 0, 0]
@@ -260,7 +280,8 @@ class _Pass(torch.autograd.Function):
         load("train_layers")(fields.buffer_info()[0], layers.floats.buffer_info()[0])
         ctx.set_materialize_grads(False)
         ctx.call, ctx.fields, ctx.tape, ctx.kv = call, fields, tape.buffers, tape.kv
-        ctx.keep = (xb, scores, out, lora_scratch, *tensors)  # C reads them by address
+        ctx.past = past
+        ctx.keep = (xb, scores, out, lora_scratch, call.past_rows, *tensors)  # C reads them
         # Each layer's keys and values as the Python path's ([B, Hkv, columns, D]).
         return (h, *(t.transpose(0, 1) for t in tape.kv))
 
@@ -293,11 +314,16 @@ class _Pass(torch.autograd.Function):
             # (in the tape's layout, `[Hkv, B, columns, D]`)
             d = torch.zeros_like(kv[i]) if given is None else given.transpose(0, 1).contiguous()
             dkv.append(d)
+        # The past's gradients `[Hkv, G, P, D]`: its rows' columns summed by the C side.
+        g_past = [torch.zeros_like(t) for t in ctx.past]
         grads_w: list[Tensor] = []
         for i in range(count):
             at = _P_FIELDS + i * _L_FIELDS
             fields[at + _L_DK] = dkv[2 * i].data_ptr()
             fields[at + _L_DK + 1] = dkv[2 * i + 1].data_ptr()
+            if g_past:
+                fields[at + _L_DPAST] = g_past[2 * i].data_ptr()
+                fields[at + _L_DPAST + 1] = g_past[2 * i + 1].data_ptr()
             for j, pair in enumerate(call.modules[i]):
                 if pair is None:
                     continue
@@ -310,8 +336,6 @@ class _Pass(torch.autograd.Function):
                 fields[m + 1] = gBt.data_ptr()
                 grads_w += (gA, gBt.transpose(1, 2))
         load("train_layers_backward")(fields.buffer_info()[0], layers.floats.buffer_info()[0])
-        P = inputs.P
-        g_past = [d[:, :, :P].transpose(0, 1) for d in dkv] if inputs.past is not None else []
         return (g if ctx.needs_input_grad[0] else None, None, *g_past, *grads_w)
 
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -43,7 +42,7 @@ from torch import Tensor
 from marlaas.model.cache import cache_tensors, empty_cache, wrap_cache
 from marlaas.model.lora import LaneBatch, LoRAModel
 from marlaas.train.batch import MicroBatch, Rows
-from marlaas.train.decoder import TokenLogits, TrainDecoder
+from marlaas.train.decoder import RowGather, TokenLogits, TrainDecoder
 
 #: Largest cost of the shared forward, relative to the plain one, for it to be used.
 MAX_COST = 0.85
@@ -143,11 +142,13 @@ class SharedPrefix:
                 )
                 prefix = list(zip(*cache_tensors(out.past_key_values), strict=True))
         group_B = self.group_B.to(dev)
-        past = [(_RowGather.apply(k, group_B), _RowGather.apply(v, group_B)) for k, v in prefix]
         attn_BPS = torch.cat([attn_GP[group_B], self.valid_BS.long().to(dev)], 1)
         pos_BS = self.start_B.to(dev)[:, None] + torch.arange(self.length, device=dev)
         if decoder is not None:
-            return decoder.forward(ids_BS, attn_BPS, pos_BS, past=past, lanes=lanes)[0]
+            return decoder.forward(
+                ids_BS, attn_BPS, pos_BS, past=prefix, lanes=lanes, past_rows=group_B
+            )[0]
+        past = [(RowGather.apply(k, group_B), RowGather.apply(v, group_B)) for k, v in prefix]
         with model.lanes(lanes):
             logits: Tensor = model.base(
                 input_ids=ids_BS,
@@ -157,25 +158,3 @@ class SharedPrefix:
                 use_cache=True,
             ).logits
             return TokenLogits(logits)
-
-
-class _RowGather(torch.autograd.Function):
-    """`x.index_select(0, index)` whose backward sums the rows' gradients into their
-    sources with `index_add_` on a contiguous copy of the incoming gradient. The
-    gradient of a prefix's cache rows arrives as slices of the suffix pass's
-    concatenated keys and values, and torch's own backward of `index_select` scatters
-    such strided gradients element by element: [40, 2, 31, 32] into 10 rows took
-    130-216 us, this 23-24 us (one thread, the embedded base's shapes)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, index: Tensor) -> Tensor:
-        ctx.save_for_backward(index)
-        ctx.rows = int(x.shape[0])
-        return x.index_select(0, index)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, None]:
-        (g,) = grads
-        (index,) = ctx.saved_tensors
-        out = g.new_zeros((ctx.rows, *g.shape[1:]))
-        return out.index_add_(0, index, g.contiguous()), None

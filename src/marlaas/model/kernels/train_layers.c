@@ -7,8 +7,9 @@
  *     qkv = x1 [W_q; W_k; W_v]^T (+ b) + LoRA of q, k and v
  *     [Qwen3: q, k = RMS norm of each head (q and k before it kept)]
  *     rotary on q (in place); k rotated and v into the pass's keys and values
- *       [Hkv, B, P + TQ, D] (zeros, the past's P columns first), rounded to bfloat16
- *       where the engine's cache holds that (`round`)
+ *       [Hkv, B, P + TQ, D] (zeros, the past's P columns first: row b's from row
+ *       rows[b] of the past's [Hkv, G, P, D], the G prompts a suffix pass's B samples
+ *       share), rounded to bfloat16 where the engine's cache holds that (`round`)
  *     att = attention of each token's query over its span of columns (`span_tiles.c`)
  *     h += att W_o^T (+ b) + LoRA;  x2 = rms_norm(h) (h kept)
  *     gu = x2 [W_gate; W_up]^T (+ b) + LoRA of each;  gated = silu(gate) * up
@@ -19,7 +20,8 @@
  * columns (start[t], end[t]: counted across the rows, see `Shape`). The backward runs the
  * same steps in reverse for the gradient of the last layer's h (and of each layer's keys
  * and values, where a later pass attended them: added into dK and dV before the call),
- * writing each LoRA module's gradients (`gA [L, r, in]`, `gBt [L, r, out]`, added to)
+ * writing each LoRA module's gradients (`gA [L, r, in]`, `gBt [L, r, out]`, added to),
+ * the past's (each sample row's past columns summed into its prompt's row, added to)
  * and the input's gradient (in place of the output's), the base frozen: the products' input gradients through the packed
  * transposes of the half weights, as `mixed.matmul`. The keys' and values' rounding
  * passes their gradient straight through, as `fused.round_to`.
@@ -38,6 +40,7 @@ enum {
     P_UNITS, P_UNIT_TOKENS,
     P_HIDDEN, P_COS, P_SIN, P_ROW, P_COL, P_LANE, P_ORDER, P_SCALE,
     P_XB, P_SCORES, P_LORA_SCRATCH, P_OUT, P_WIDE, P_GRAD2, P_DQ,
+    P_PAST_GROUPS, P_PAST_ROWS, /* the past's rows [Hkv, G, P, D]; each row's (B) */
     P_FIELDS
 };
 enum { M_A, M_A_SL, M_A_SR, M_B, M_B_SL, M_B_SO, M_B_SR, M_RANK, M_GA, M_GBT, M_FIELDS };
@@ -46,7 +49,7 @@ enum {
     L_NORM1, L_NORM2, L_QKV_W, L_QKV_WT, L_QKV_B, L_Q_OUT, L_K_OUT, L_V_OUT,
     L_O_W, L_O_WT, L_O_B, L_GU_W, L_GU_WT, L_GU_B, L_DOWN_W, L_DOWN_WT, L_DOWN_B,
     L_Q_NORM, L_K_NORM, /* Qwen3's per-head norms' weights (null: none) */
-    L_START, L_END, L_PAST_K, L_PAST_V, L_KEYS, L_VALUES, L_DK, L_DV,
+    L_START, L_END, L_PAST_K, L_PAST_V, L_KEYS, L_VALUES, L_DK, L_DV, L_DPAST_K, L_DPAST_V,
     /* the tape */
     L_HIN, L_X1, L_QKV, L_QK, L_LSE, L_ATT, L_HMID, L_X2, L_GU, L_GATED,
     L_LORA, L_FIELDS = L_LORA + MODULES * M_FIELDS
@@ -77,6 +80,11 @@ static void lora_back(const int64_t *p, const int64_t *m, int64_t in, int64_t ou
         m[M_B_SL], m[M_B_SO], m[M_B_SR], PTR(const int64_t *, p[P_LANE]),
         PTR(const int64_t *, p[P_ORDER]), PTR(const float *, p[P_SCALE]),
         PTR(float *, m[M_GA]), PTR(float *, m[M_GBT]), PTR(float *, p[P_LORA_SCRATCH]), 1);
+}
+
+/* y[i] += x[i] for i < n (separate arrays). */
+static inline void add_into(float *restrict y, const float *restrict x, int64_t n) {
+    for (int64_t i = 0; i < n; ++i) y[i] += x[i];
 }
 
 /* The pass's shapes, and a layer's keys' and values' strides: [Hkv, B, P + TQ, D], so
@@ -129,12 +137,13 @@ static void layer_forward(const int64_t *p, const int64_t *L, const float *fl, f
     /* The keys and values: zeros, the past's columns, the new tokens' (rounded). */
     memset(keys, 0, cells);
     memset(values, 0, cells);
-    if (s.P) {  /* the past: [B, Hkv, P, D] contiguous */
+    if (s.P) {  /* the past: [Hkv, G, P, D] contiguous, row b's at its row rows[b] */
         const float *pk = PTR(const float *, L[L_PAST_K]), *pv = PTR(const float *, L[L_PAST_V]);
+        const int64_t *rows = PTR(const int64_t *, p[P_PAST_ROWS]), G = p[P_PAST_GROUPS];
         const size_t run = (size_t)(s.P * s.D) * sizeof(float);
         for (int64_t b = 0; b < s.B; ++b)
             for (int64_t kv = 0; kv < s.Hkv; ++kv) {
-                const int64_t from = (b * s.Hkv + kv) * s.P * s.D, to = kv * s.sh + b * s.sr;
+                const int64_t from = (kv * G + rows[b]) * s.P * s.D, to = kv * s.sh + b * s.sr;
                 memcpy(keys + to, pk + from, run);
                 memcpy(values + to, pv + from, run);
             }
@@ -231,6 +240,17 @@ static void layer_backward(const int64_t *p, const int64_t *L, const float *fl, 
             rms_norm_backward_f32(s.Hkv, s.D, qk + qo, PTR(const float *, L[L_K_NORM]), gt + qo,
                                   fl[FL_K_EPS], gt + qo, 0);
         }
+    }
+    if (s.P && L[L_DPAST_K]) {  /* the past's columns' gradients, summed into its rows */
+        const int64_t *rows = PTR(const int64_t *, p[P_PAST_ROWS]), G = p[P_PAST_GROUPS];
+        float *gk = PTR(float *, L[L_DPAST_K]), *gv = PTR(float *, L[L_DPAST_V]);
+        const int64_t run = s.P * s.D;
+        for (int64_t b = 0; b < s.B; ++b)
+            for (int64_t kv = 0; kv < s.Hkv; ++kv) {
+                const int64_t to = (kv * G + rows[b]) * run, from = kv * s.sh + b * s.sr;
+                add_into(gk + to, dk + from, run);
+                add_into(gv + to, dv + from, run);
+            }
     }
     half_linear_rows_f32(s.T, s.E, s.C, gqkv, PTR(const uint16_t *, L[L_QKV_WT]), 0, g2, xb);
     lora_back(p, m + Q * M_FIELDS, s.E, qo, x1, gqkv, s.C, g2);
