@@ -88,6 +88,12 @@ class LaneBatch:
     #: `B` already holds `scale_L[lane] * B` (the adapter bank's slots): the layers
     #: skip the multiplication by the scale.
     prescaled: bool = False
+    #: Where a native backward adds the lanes' gradients of module `path` instead of
+    #: handing them to autograd: `A`'s `[L, r, in]` and `B`'s rank-major `[L, r, out]`,
+    #: one pair of buffers for all of a trainer micro-batch's passes, made by the first
+    #: (`marlaas.train.lanes.MicroLanes` reads them); None: autograd's, as every other
+    #: path.
+    grads: dict[str, tuple[Tensor, Tensor]] | None = None
 
     @property
     def num_lanes(self) -> int:

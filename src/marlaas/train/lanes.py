@@ -2,9 +2,12 @@
 
 Tenants of one `AdapterLayout` (the usual case: one LoRA spec) have their flat vectors
 stacked once per micro-batch, `[L, P]`, and every module's lanes are views of that stack
-made leaves of the micro-batch's graph: the backward writes one gradient per module and
-`accumulate` concatenates them, `[L, P]`, whose rows become the tenants' flat gradients
-(a row each, no copy) or are added into those they already have.
+made leaves of the micro-batch's graph: the Python layers' backward writes one gradient
+per module and pass into its leaves, the native passes add theirs into one buffer pair
+per module for the whole micro-batch (`LaneBatch.grads`: no zero-filled gradient per
+pass, no sum of the passes' by autograd), and `accumulate` lays both out as `[L, P]`,
+whose rows become the tenants' flat gradients (a row each, no copy) or are added into
+those they already have.
 Built through autograd instead (stack, then slices), every module's slice would
 materialise a zero-filled `[L, P]` gradient in the backward, and per-tenant views
 (`LoRAModel.lane_batch`) make one stack and `L` view nodes per module.
@@ -69,29 +72,41 @@ class MicroLanes:
         scale_L = torch.tensor(
             [t.lora.scaling for t in tenants], dtype=torch.float32, device=flat_LP.device
         )
-        batch = LaneBatch(lane_B=lane_B, A=A, B=B, scale_L=scale_L)
+        # A native backward adds into one buffer pair per module for all the passes.
+        batch = LaneBatch(lane_B=lane_B, A=A, B=B, scale_L=scale_L, grads={} if grad else None)
         leaves = tuple((A[p], B[p]) for p in layout.paths) if grad else None
         return MicroLanes(batch, tuple(tenants), leaves)
 
     def accumulate(self) -> None:
         """After the backward: add the stacked lanes' gradients into each tenant's flat
-        gradient (a module without gradient, e.g. one no token reached, adds zeros)."""
+        gradient: per module, what autograd left on its leaves (the Python layers') plus
+        what native passes added into the batch's buffers (`LaneBatch.grads`); zeros
+        for a module no pass reached."""
         if self.leaves is None:
             return
         lanes = len(self.tenants)
-        parts: list[Tensor] = []
-        for A, B in self.leaves:
-            for leaf in (A, B):
-                grad = leaf.grad
-                parts.append(
-                    grad.reshape(lanes, -1)
-                    if grad is not None
-                    else leaf.new_zeros(lanes, leaf[0].numel())
-                )
-        grad_LP = torch.cat(parts, dim=1)
+        sunk = self.batch.grads or {}
+        paths = self.tenants[0].layout.paths
+        sizes = [leaf[0].numel() for pair in self.leaves for leaf in pair]
+        grad_LP = torch.empty((lanes, sum(sizes)), device=self.leaves[0][0].device)
         with torch.no_grad():
+            at = 0
+            for path, (A, B) in zip(paths, self.leaves, strict=True):
+                gA_sink, gBt_sink = sunk.get(path, (None, None))
+                B_sink = None if gBt_sink is None else gBt_sink.transpose(1, 2)
+                for leaf, extra in ((A, gA_sink), (B, B_sink)):
+                    n = leaf[0].numel()
+                    part = grad_LP[:, at : at + n].view(leaf.shape)
+                    at += n
+                    given = [g for g in (leaf.grad, extra) if g is not None]
+                    if not given:
+                        part.zero_()
+                        continue
+                    part.copy_(given[0])
+                    for g in given[1:]:
+                        part.add_(g)
             for tenant, grad_P in zip(self.tenants, grad_LP, strict=True):
                 if tenant.flat_P.grad is None:
-                    tenant.flat_P.grad = grad_P  # a row of this micro-batch's own `cat`
+                    tenant.flat_P.grad = grad_P  # a row of this micro-batch's own buffer
                 else:
                     tenant.flat_P.grad.add_(grad_P)

@@ -92,6 +92,8 @@ class TrainLayers(NativeStack):
         super().__init__(stack, _layer_static, transposes=True)
         #: Qwen3's per-head norms of the queries and keys.
         self.head_norms = stack.layers[0].q_norm is not None
+        #: Each layer's modules' paths (`LaneBatch.grads`' keys), as `lane_modules`.
+        self.paths = [[getattr(layer, name).path for name in MODULES] for layer in stack.layers]
 
     @staticmethod
     def of(stack: DecoderStack) -> TrainLayers | None:
@@ -117,6 +119,7 @@ class TrainLayers(NativeStack):
         if static is None:
             return None
         modules: LaneModules | None
+        sink = None
         if inputs.lanes:
             lanes = stack.model.row_lanes(T)
             if lanes is None:
@@ -125,6 +128,7 @@ class TrainLayers(NativeStack):
             modules = self.lane_modules(batch.A, batch.B)
             if modules is None:
                 return None
+            sink = batch.grads
         else:  # the plain base: no module has an update (the lanes are never read)
             none = torch.zeros(1, dtype=torch.long)
             rows, modules = (
@@ -156,7 +160,7 @@ class TrainLayers(NativeStack):
         }
         widest = max(span.widest for span in inputs.spans.values())
         call = _Call(
-            self, inputs, rows, modules, static, row_T, col_T, spans, widest, rows_B, groups
+            self, inputs, rows, modules, static, row_T, col_T, spans, widest, rows_B, groups, sink
         )
         outs = _Pass.apply(inputs.h_TE, call, *past, *weights)
         h, *kv = outs
@@ -183,6 +187,8 @@ class _Call:
     #: Each row's row of the past (`PassInputs.past_rows`), and the past's rows.
     past_rows: Tensor
     past_groups: int
+    #: The lanes' gradient buffers (`LaneBatch.grads`), or None: autograd's.
+    sink: dict[str, tuple[Tensor, Tensor]] | None
 
 
 class _Tape:
@@ -316,7 +322,7 @@ class _Pass(torch.autograd.Function):
             dkv.append(d)
         # The past's gradients `[Hkv, G, P, D]`: its rows' columns summed by the C side.
         g_past = [torch.zeros_like(t) for t in ctx.past]
-        grads_w: list[Tensor] = []
+        grads_w: list[Tensor | None] = []
         for i in range(count):
             at = _P_FIELDS + i * _L_FIELDS
             fields[at + _L_DK] = dkv[2 * i].data_ptr()
@@ -327,16 +333,32 @@ class _Pass(torch.autograd.Function):
             for j, pair in enumerate(call.modules[i]):
                 if pair is None:
                     continue
-                A, Bm = pair
-                L, r = int(A.shape[0]), int(A.shape[1])
-                gA = torch.zeros((L, r, int(A.shape[2])))
-                gBt = torch.zeros((L, r, int(Bm.shape[1])))
+                path = layers.paths[i][j]
+                sink = call.sink if path is not None else None
+                gA, gBt = _gradients(pair, sink, path)
                 m = at + _L_STATIC + _L_PASS + _L_TAPE + j * _M_FIELDS + _M_GA
                 fields[m] = gA.data_ptr()
                 fields[m + 1] = gBt.data_ptr()
-                grads_w += (gA, gBt.transpose(1, 2))
+                # Into the micro-batch's buffers (the C side adds), or autograd's.
+                grads_w += (None, None) if sink is not None else (gA, gBt.transpose(1, 2))
         load("train_layers_backward")(fields.buffer_info()[0], layers.floats.buffer_info()[0])
         return (g if ctx.needs_input_grad[0] else None, None, *g_past, *grads_w)
+
+
+def _gradients(
+    pair: tuple[Tensor, Tensor], sink: dict[str, tuple[Tensor, Tensor]] | None, path: str | None
+) -> tuple[Tensor, Tensor]:
+    """Zeroed buffers for module `(A, B)`'s lane gradients, `[L, r, in]` and
+    `[L, r, out]`: the micro-batch's in `sink` (made at its first pass, added to by the
+    later ones), else this pass's own."""
+    A, B = pair
+    if sink is not None and path is not None and path in sink:
+        return sink[path]
+    L, r = int(A.shape[0]), int(A.shape[1])
+    made = torch.zeros((L, r, int(A.shape[2]))), torch.zeros((L, r, int(B.shape[1])))
+    if sink is not None and path is not None:
+        sink[path] = made
+    return made
 
 
 def _layer_static(layer: Layer, packs: list[Tensor]) -> list[int]:
