@@ -187,3 +187,21 @@ def test_backward_adds_into_a_given_input_gradient_or_skips_it() -> None:
         torch.testing.assert_close(got, gA)
     for got in (gB2, gB3):
         torch.testing.assert_close(got, gB)
+
+
+@pytest.mark.parametrize(("r", "fan_out"), [(8, 352), (8, 45), (4, 33), (16, 40)])
+def test_peft_layout_transposes_each_lane_exactly(r: int, fan_out: int) -> None:
+    """B's gradients rank-major -> PEFT's layout in the rows of a flat buffer (lanes a
+    row apart), exactly, nothing written past each lane's block; what it does not take
+    (bfloat16, a layout not dense along r) it declines without writing."""
+    g = torch.Generator().manual_seed(r + fan_out)
+    L = 3
+    src = torch.randn(L, r, fan_out, generator=g)
+    flat = torch.zeros(L, fan_out * r + 7)
+    dst = flat[:, : fan_out * r].view(L, fan_out, r)
+    assert kernels.peft_layout(src, dst)
+    assert torch.equal(dst, src.transpose(1, 2))
+    assert not flat[:, fan_out * r :].any()
+    assert not kernels.peft_layout(src.bfloat16(), dst)
+    wide = torch.zeros(L, fan_out, r + 1)[:, :, :r]
+    assert not kernels.peft_layout(src, wide) and not wide.any()

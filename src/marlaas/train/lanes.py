@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from marlaas.config.specs import LoRASpec
+from marlaas.model.kernels import peft_layout
 from marlaas.model.lora import LaneBatch, LoRAModel
 from marlaas.train.optim import AdapterLayout
 
@@ -93,18 +94,22 @@ class MicroLanes:
             at = 0
             for path, (A, B) in zip(paths, self.leaves, strict=True):
                 gA_sink, gBt_sink = sunk.get(path, (None, None))
-                B_sink = None if gBt_sink is None else gBt_sink.transpose(1, 2)
-                for leaf, extra in ((A, gA_sink), (B, B_sink)):
+                for leaf, sink in ((A, gA_sink), (B, gBt_sink)):
                     n = leaf[0].numel()
                     part = grad_LP[:, at : at + n].view(leaf.shape)
                     at += n
-                    given = [g for g in (leaf.grad, extra) if g is not None]
-                    if not given:
-                        part.zero_()
+                    if sink is None:
+                        if leaf.grad is None:
+                            part.zero_()
+                        else:
+                            part.copy_(leaf.grad)
                         continue
-                    part.copy_(given[0])
-                    for g in given[1:]:
-                        part.add_(g)
+                    if leaf is A:
+                        part.copy_(sink)
+                    elif not peft_layout(sink, part):  # B's: rank-major in the buffer
+                        part.copy_(sink.transpose(1, 2))
+                    if leaf.grad is not None:
+                        part.add_(leaf.grad)
             for tenant, grad_P in zip(self.tenants, grad_LP, strict=True):
                 if tenant.flat_P.grad is None:
                     tenant.flat_P.grad = grad_P  # a row of this micro-batch's own buffer

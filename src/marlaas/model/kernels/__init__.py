@@ -95,6 +95,7 @@ from marlaas.model.kernels.lora import (
     lora_rows,
     lora_rows_backward,
     lora_rows_trains,
+    peft_layout,
 )
 
 __all__ = [
@@ -114,6 +115,7 @@ __all__ = [
     "lora_rows_backward",
     "lora_rows_trains",
     "native_kernels",
+    "peft_layout",
     "rms_norm_backward",
     "rope_store",
     "rotary",

@@ -196,3 +196,25 @@ def _shape(
     ):
         return None
     return N, T, fan_in, fan_out, r
+
+
+def peft_layout(src_Lro: Tensor, dst_Lor: Tensor) -> bool:
+    """`dst_Lor.copy_(src_Lro.transpose(1, 2))`: lanes' gradients of B from the per-row
+    kernels' rank-major layout `[L, r, out]` (contiguous) into PEFT's `[L, out, r]`
+    (`r` and `out` dense in each lane, lanes any stride apart: a flat parameter
+    vector's rows); False (nothing written) where the kernel does not take them."""
+    kernel = load("lora_peft_layout")
+    L, r, out = (int(n) for n in src_Lro.shape)
+    if (
+        kernel is None
+        or tuple(dst_Lor.shape) != (L, out, r)
+        or src_Lro.dtype != torch.float32
+        or dst_Lor.dtype != torch.float32
+        or src_Lro.device.type != "cpu"
+        or dst_Lor.device.type != "cpu"
+        or not src_Lro.is_contiguous()
+        or dst_Lor.stride()[1:] != (r, 1)
+    ):
+        return False
+    kernel(L, r, out, src_Lro.data_ptr(), dst_Lor.data_ptr(), dst_Lor.stride(0))
+    return True
