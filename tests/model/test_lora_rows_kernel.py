@@ -205,3 +205,27 @@ def test_peft_layout_transposes_each_lane_exactly(r: int, fan_out: int) -> None:
     assert not kernels.peft_layout(src.bfloat16(), dst)
     wide = torch.zeros(L, fan_out, r + 1)[:, :, :r]
     assert not kernels.peft_layout(src, wide) and not wide.any()
+
+
+@pytest.mark.parametrize("fan_out", [352, 45])
+def test_dense_peft_lanes_equal_the_definition(fan_out: int) -> None:
+    """Rank 8 with each lane's B dense in PEFT's layout (the trainer's stacked lanes:
+    transposed sixteen outputs at a time, the rest one by one): forward and backward
+    equal the definition in float64."""
+    g = torch.Generator().manual_seed(fan_out)
+    L, N, r, fan_in = 4, 11, 8, 48
+    A = torch.randn(L, r, fan_in, generator=g)
+    B = torch.randn(L, fan_out * r + 5, generator=g)[:, : fan_out * r].view(L, fan_out, r)
+    lane = torch.tensor([1, 0, 3, 1, 1, 0, 3, 3, 1, 0, 0])  # lane 2 absent
+    order, scale = torch.argsort(lane, stable=True), torch.rand(L, generator=g) + 0.5
+    x, grad = torch.randn(N, 1, fan_in, generator=g), torch.randn(N, 1, fan_out, generator=g)
+    y = torch.zeros(N, 1, fan_out)
+    assert kernels.lora_rows(x, y, A, B, lane, order, scale)
+    xd, Ad, Bd = (t.double().requires_grad_(True) for t in (x, A, B))
+    want = reference(xd, torch.zeros(N, 1, fan_out), Ad, Bd, lane, scale)
+    torch.testing.assert_close(y.double(), want.detach(), rtol=1e-5, atol=1e-5)
+    want.backward(grad.double())
+    out = kernels.lora_rows_backward(x, grad, A, B, lane, order, scale)
+    assert out is not None
+    for got, expected in zip(out, (xd.grad, Ad.grad, Bd.grad), strict=True):
+        torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-4)

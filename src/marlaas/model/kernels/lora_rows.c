@@ -149,6 +149,54 @@ static inline void up2(const float *Bt, int64_t bt_sk, int64_t r, const float *h
     }
 }
 
+/* An 8 x 16 block of a lane's B or its gradient between its two layouts, in registers:
+ * rank-major a[k] (rank k's sixteen outputs) and PEFT's p[q] (outputs 2q and 2q + 1,
+ * their eight ranks each). Three rounds of two-source shuffles, each interleaving (or,
+ * back, separating) lanes by ones, twos and fours; a strided copy element by element
+ * costs ~10x more (the trainer's per-lane transposes of B, ~2.5 ms of a 32-tenant
+ * step). */
+static const vi I1_LO = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+static const vi I1_HI = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+static const vi I2_LO = {0, 1, 16, 17, 2, 3, 18, 19, 4, 5, 20, 21, 6, 7, 22, 23};
+static const vi I2_HI = {8, 9, 24, 25, 10, 11, 26, 27, 12, 13, 28, 29, 14, 15, 30, 31};
+static const vi I4_LO = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+static const vi I4_HI = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+
+static inline void ranks_to_outputs(const vf *a, vf *p) {
+    vf b[8], c[4][2];
+    for (int m = 0; m < 4; ++m) {  /* b[4h + m]: ranks 2m, 2m + 1 of outputs 8h .. 8h + 7 */
+        b[m] = __builtin_shuffle(a[2 * m], a[2 * m + 1], I1_LO);
+        b[m + 4] = __builtin_shuffle(a[2 * m], a[2 * m + 1], I1_HI);
+    }
+    for (int h = 0; h < 2; ++h)  /* c[q][g]: ranks 4g .. 4g + 3 of outputs 4q .. 4q + 3 */
+        for (int g = 0; g < 2; ++g) {
+            c[2 * h][g] = __builtin_shuffle(b[4 * h + 2 * g], b[4 * h + 2 * g + 1], I2_LO);
+            c[2 * h + 1][g] = __builtin_shuffle(b[4 * h + 2 * g], b[4 * h + 2 * g + 1], I2_HI);
+        }
+    for (int q = 0; q < 4; ++q) {
+        p[2 * q] = __builtin_shuffle(c[q][0], c[q][1], I4_LO);
+        p[2 * q + 1] = __builtin_shuffle(c[q][0], c[q][1], I4_HI);
+    }
+}
+
+/* The inverse of `ranks_to_outputs` (each round's inverse: simd.h's separating masks). */
+static inline void outputs_to_ranks(const vf *p, vf *a) {
+    vf b[8], c[4][2];
+    for (int q = 0; q < 4; ++q) {
+        c[q][0] = __builtin_shuffle(p[2 * q], p[2 * q + 1], LO8);
+        c[q][1] = __builtin_shuffle(p[2 * q], p[2 * q + 1], HI8);
+    }
+    for (int h = 0; h < 2; ++h)
+        for (int g = 0; g < 2; ++g) {
+            b[4 * h + 2 * g] = __builtin_shuffle(c[2 * h][g], c[2 * h + 1][g], LO4);
+            b[4 * h + 2 * g + 1] = __builtin_shuffle(c[2 * h][g], c[2 * h + 1][g], HI4);
+        }
+    for (int m = 0; m < 4; ++m) {
+        a[2 * m] = __builtin_shuffle(b[m], b[m + 4], LO2);
+        a[2 * m + 1] = __builtin_shuffle(b[m], b[m + 4], HI2);
+    }
+}
+
 /* A lane's B rank-major (`r` rows of `out`, row stride `*bt_sk`): in place where it
  * already is (b_so == 1), else transposed into `scratch`. */
 static inline const float *rank_major(const float *Bl, int64_t b_so, int64_t b_sr, int64_t r,
@@ -157,8 +205,16 @@ static inline const float *rank_major(const float *Bl, int64_t b_so, int64_t b_s
         *bt_sk = b_sr;
         return Bl;
     }
+    int64_t o0 = 0;
+    if (r == 8 && b_so == 8 && b_sr == 1)  /* PEFT's, dense: sixteen outputs at a time */
+        for (; o0 + W <= out; o0 += W) {
+            vf p[8], a[8];
+            for (int q = 0; q < 8; ++q) p[q] = *(const vf *)(Bl + (o0 + 2 * q) * 8);
+            outputs_to_ranks(p, a);
+            for (int k = 0; k < 8; ++k) *(vf *)(scratch + k * out + o0) = a[k];
+        }
     for (int64_t k = 0; k < r; ++k)  /* contiguous stores: the loads are the strided side */
-        for (int64_t o = 0; o < out; ++o) scratch[k * out + o] = Bl[o * b_so + k * b_sr];
+        for (int64_t o = o0; o < out; ++o) scratch[k * out + o] = Bl[o * b_so + k * b_sr];
     *bt_sk = out;
     return scratch;
 }
@@ -382,18 +438,8 @@ void lora_rows_backward_f32(int64_t U, int64_t T, int64_t in, int64_t out, int64
 }
 
 /* Each of `L` lanes' rank-major gradient of B, src [r, out] (lanes out * r apart), into
- * PEFT's layout dst [out, r] (lanes d_sl apart): y[o, k] = x[k, o]. For r = 8, sixteen
- * outputs at a time in registers: the eight rank rows' vectors interleaved by ones,
- * twos and fours (three rounds of two-source shuffles), each result two outputs' eight
- * ranks, stored whole (a strided copy element by element took ~1.7 ms of a 32-tenant
- * trainer step for the 5 MB of B's gradients). Other ranks one element at a time. */
-static const vi I1_LO = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
-static const vi I1_HI = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-static const vi I2_LO = {0, 1, 16, 17, 2, 3, 18, 19, 4, 5, 20, 21, 6, 7, 22, 23};
-static const vi I2_HI = {8, 9, 24, 25, 10, 11, 26, 27, 12, 13, 28, 29, 14, 15, 30, 31};
-static const vi I4_LO = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
-static const vi I4_HI = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
-
+ * PEFT's layout dst [out, r] (lanes d_sl apart): y[o, k] = x[k, o]; rank 8 sixteen
+ * outputs at a time (`ranks_to_outputs`), other ranks element by element. */
 void lora_peft_layout_f32(int64_t L, int64_t r, int64_t out, const float *src, float *dst,
                           int64_t d_sl) {
     for (int64_t l = 0; l < L; ++l) {
@@ -402,25 +448,10 @@ void lora_peft_layout_f32(int64_t L, int64_t r, int64_t out, const float *src, f
         int64_t o = 0;
         if (r == 8)
             for (; o + W <= out; o += W) {
-                vf a[8], b[8], c[4][2];
+                vf a[8], p[8];
                 for (int k = 0; k < 8; ++k) a[k] = *(const vf *)(x + k * out + o);
-                /* ones: b[4h + m] holds ranks 2m, 2m + 1 of outputs 8h .. 8h + 7 */
-                for (int m = 0; m < 4; ++m) {
-                    b[m] = __builtin_shuffle(a[2 * m], a[2 * m + 1], I1_LO);
-                    b[m + 4] = __builtin_shuffle(a[2 * m], a[2 * m + 1], I1_HI);
-                }
-                /* twos: c[q][g] holds ranks 4g .. 4g + 3 of outputs 4q .. 4q + 3 */
-                for (int h = 0; h < 2; ++h)
-                    for (int g = 0; g < 2; ++g) {
-                        const vf u = b[4 * h + 2 * g], v = b[4 * h + 2 * g + 1];
-                        c[2 * h][g] = __builtin_shuffle(u, v, I2_LO);
-                        c[2 * h + 1][g] = __builtin_shuffle(u, v, I2_HI);
-                    }
-                /* fours: the eight ranks of outputs 4q, 4q + 1 (lo) and 4q + 2, 4q + 3 */
-                for (int q = 0; q < 4; ++q) {
-                    *(vf *)(y + (o + 4 * q) * 8) = __builtin_shuffle(c[q][0], c[q][1], I4_LO);
-                    *(vf *)(y + (o + 4 * q + 2) * 8) = __builtin_shuffle(c[q][0], c[q][1], I4_HI);
-                }
+                ranks_to_outputs(a, p);
+                for (int q = 0; q < 8; ++q) *(vf *)(y + (o + 2 * q) * 8) = p[q];
             }
         for (; o < out; ++o)
             for (int64_t k = 0; k < r; ++k) y[o * r + k] = x[k * out + o];
