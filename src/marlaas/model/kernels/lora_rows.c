@@ -353,6 +353,8 @@ static inline void outer_add(float *acc, int64_t ld, int64_t r, const float *c,
 
 /* Tokens of one lane taken together by the backward (its scratch of h and e). */
 #define BLOCK 32
+/* How many tokens ahead the backward prefetches a token's rows. */
+#define AHEAD 4
 
 /* The backward of `lora_rows_f32` for the incoming gradient g [U * T, out] of y: per
  * token, with h = s A x and e = s B^T g (the lane's scale s),
@@ -412,6 +414,17 @@ void lora_rows_backward_strided_f32(int64_t U, int64_t T, int64_t in, int64_t ou
                 nt = 0;
             }
             const int64_t tok = u * T + t;
+            /* The rows of the token AHEAD further on into L1 (activations and gradients
+             * the layers wrote earlier, from L3 by now). */
+            const int64_t next = T == 1 ? (j + AHEAD < U ? order[j + AHEAD] : -1)
+                                        : (t + AHEAD < T ? tok + AHEAD : -1);
+            if (next >= 0) {
+                for (int64_t i = 0; i < in; i += W) {
+                    __builtin_prefetch(x + next * in + i, 0, 3);
+                    if (gx) __builtin_prefetch(gx + next * in + i, 1, 3);
+                }
+                for (int64_t o = 0; o < out; o += W) __builtin_prefetch(g + next * g_st + o, 0, 3);
+            }
             xs[nt] = x + tok * in;
             gs[nt] = g + tok * g_st;
             down(Al, a_sr, r, xs[nt], in, s, h + nt * r);
