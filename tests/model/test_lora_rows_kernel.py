@@ -189,22 +189,35 @@ def test_backward_adds_into_a_given_input_gradient_or_skips_it() -> None:
         torch.testing.assert_close(got, gB)
 
 
-@pytest.mark.parametrize(("r", "fan_out"), [(8, 352), (8, 45), (4, 33), (16, 40)])
-def test_peft_layout_transposes_each_lane_exactly(r: int, fan_out: int) -> None:
-    """B's gradients rank-major -> PEFT's layout in the rows of a flat buffer (lanes a
-    row apart), exactly, nothing written past each lane's block; what it does not take
-    (bfloat16, a layout not dense along r) it declines without writing."""
-    g = torch.Generator().manual_seed(r + fan_out)
+def test_gather_grads_lays_out_each_lanes_flat_gradient() -> None:
+    """Lanes' gradients from the kernels' layouts into their flat vectors' rows: A as it
+    is, B's rank-major gradient in PEFT's layout (rank 8 in registers, sixteen outputs
+    at a time, the rest one by one; other ranks element by element), zeros for a module
+    none reached; exactly. What it does not take (bfloat16, a row of another width) it
+    declines without writing."""
+    g = torch.Generator().manual_seed(0)
     L = 3
-    src = torch.randn(L, r, fan_out, generator=g)
-    flat = torch.zeros(L, fan_out * r + 7)
-    dst = flat[:, : fan_out * r].view(L, fan_out, r)
-    assert kernels.peft_layout(src, dst)
-    assert torch.equal(dst, src.transpose(1, 2))
-    assert not flat[:, fan_out * r :].any()
-    assert not kernels.peft_layout(src.bfloat16(), dst)
-    wide = torch.zeros(L, fan_out, r + 1)[:, :, :r]
-    assert not kernels.peft_layout(src, wide) and not wide.any()
+    shapes = [(8, 48, 352), (8, 16, 45), (4, 24, 33), (16, 8, 40), (8, 32, 16)]
+    modules = []
+    want = []
+    for k, (r, fan_in, fan_out) in enumerate(shapes):
+        gA, gBt = torch.randn(L, r, fan_in, generator=g), torch.randn(L, r, fan_out, generator=g)
+        if k == 2:  # no pass reached it
+            modules.append((None, None, r, fan_in, fan_out))
+            want += [torch.zeros(L, r * fan_in), torch.zeros(L, fan_out * r)]
+        else:
+            modules.append((gA, gBt, r, fan_in, fan_out))
+            want += [gA.reshape(L, -1), gBt.transpose(1, 2).reshape(L, -1)]
+    expected = torch.cat(want, dim=1)
+    flat = torch.full((L, expected.shape[1] + 5), 7.0)
+    assert kernels.gather_grads(modules, flat[:, : expected.shape[1]])
+    assert torch.equal(flat[:, : expected.shape[1]], expected)
+    assert (flat[:, expected.shape[1] :] == 7.0).all()
+    untouched = torch.full((L, expected.shape[1]), 7.0)
+    assert not kernels.gather_grads(modules, untouched.bfloat16())
+    assert not kernels.gather_grads(modules, torch.full((L, expected.shape[1] + 1), 7.0))
+    bf16 = [(None if a is None else a.bfloat16(), b, r, i, o) for a, b, r, i, o in modules]
+    assert not kernels.gather_grads(bf16, untouched) and (untouched == 7.0).all()
 
 
 @pytest.mark.parametrize("fan_out", [352, 45])

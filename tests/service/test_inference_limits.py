@@ -174,12 +174,12 @@ def test_requests_in_flight_are_bounded_per_tenant_and_freed_by_a_hang_up(
         # another tenant is not held back by ivy's quota
         other = stepped.tenant("jay")
         with ThreadPoolExecutor(1) as pool:
-            assert (
-                _step_until_done(
-                    engine, pool.submit(_complete, stepped.url, other, _body(2))
-                ).status_code
-                == 200
-            )
+            answer = pool.submit(_complete, stepped.url, other, _body(2))
+            # Step only once both wait in the engine: stepped while jay's request was on
+            # its way (slow under load), ivy's would run to its length and never be
+            # aborted.
+            _wait(lambda: engine.queued == 2, "the other tenant's request to reach the engine")
+            assert _step_until_done(engine, answer).status_code == 200
     finally:
         held.close()
     _wait(lambda: len(stepped.aborted) > 0, "the hung-up request to be aborted")

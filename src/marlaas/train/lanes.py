@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from marlaas.config.specs import LoRASpec
-from marlaas.model.kernels import peft_layout
+from marlaas.model.kernels import gather_grads
 from marlaas.model.lora import LaneBatch, LoRAModel
 from marlaas.train.optim import AdapterLayout
 
@@ -80,38 +80,48 @@ class MicroLanes:
 
     def accumulate(self) -> None:
         """After the backward: add the stacked lanes' gradients into each tenant's flat
-        gradient: per module, what autograd left on its leaves (the Python layers') plus
-        what native passes added into the batch's buffers (`LaneBatch.grads`); zeros
-        for a module no pass reached."""
+        gradient: per module, what native passes added into the batch's buffers
+        (`LaneBatch.grads`, laid out in one native call) plus what autograd left on its
+        leaves (the Python layers'); zeros for a module no pass reached."""
         if self.leaves is None:
             return
         lanes = len(self.tenants)
         sunk = self.batch.grads or {}
         paths = self.tenants[0].layout.paths
-        sizes = [leaf[0].numel() for pair in self.leaves for leaf in pair]
-        grad_LP = torch.empty((lanes, sum(sizes)), device=self.leaves[0][0].device)
+        modules: list[tuple[Tensor | None, Tensor | None, int, int, int]] = []
+        for path, (A, B) in zip(paths, self.leaves, strict=True):
+            gA, gBt = sunk.get(path, (None, None))
+            modules.append((gA, gBt, int(A.shape[1]), int(A.shape[2]), int(B.shape[1])))
+        width = sum(leaf[0].numel() for pair in self.leaves for leaf in pair)
+        grad_LP = torch.empty((lanes, width), device=self.leaves[0][0].device)
         with torch.no_grad():
+            if not gather_grads(modules, grad_LP):
+                self._lay_out(modules, grad_LP)
             at = 0
-            for path, (A, B) in zip(paths, self.leaves, strict=True):
-                gA_sink, gBt_sink = sunk.get(path, (None, None))
-                for leaf, sink in ((A, gA_sink), (B, gBt_sink)):
+            for A, B in self.leaves:  # the Python layers' gradients, where they ran
+                for leaf in (A, B):
                     n = leaf[0].numel()
-                    part = grad_LP[:, at : at + n].view(leaf.shape)
-                    at += n
-                    if sink is None:
-                        if leaf.grad is None:
-                            part.zero_()
-                        else:
-                            part.copy_(leaf.grad)
-                        continue
-                    if leaf is A:
-                        part.copy_(sink)
-                    elif not peft_layout(sink, part):  # B's: rank-major in the buffer
-                        part.copy_(sink.transpose(1, 2))
                     if leaf.grad is not None:
-                        part.add_(leaf.grad)
+                        grad_LP[:, at : at + n].view(leaf.shape).add_(leaf.grad)
+                    at += n
             for tenant, grad_P in zip(self.tenants, grad_LP, strict=True):
                 if tenant.flat_P.grad is None:
                     tenant.flat_P.grad = grad_P  # a row of this micro-batch's own buffer
                 else:
                     tenant.flat_P.grad.add_(grad_P)
+
+    def _lay_out(
+        self, modules: list[tuple[Tensor | None, Tensor | None, int, int, int]], grad_LP: Tensor
+    ) -> None:
+        """`kernels.gather_grads` through torch (where the kernel is not built)."""
+        assert self.leaves is not None
+        at = 0
+        for (A, B), (gA, gBt, *_) in zip(self.leaves, modules, strict=True):
+            for leaf, grad in ((A, gA), (B, None if gBt is None else gBt.transpose(1, 2))):
+                n = leaf[0].numel()
+                part = grad_LP[:, at : at + n].view(leaf.shape)
+                at += n
+                if grad is None:
+                    part.zero_()
+                else:
+                    part.copy_(grad)

@@ -91,11 +91,11 @@ from marlaas.model.kernels.fused import (
 )
 from marlaas.model.kernels.lora import (
     LORA_ROWS_MAX_RANK,
+    gather_grads,
     lane_weights_take,
     lora_rows,
     lora_rows_backward,
     lora_rows_trains,
-    peft_layout,
 )
 
 __all__ = [
@@ -107,6 +107,7 @@ __all__ = [
     "adamw_applies",
     "add_rms_norm",
     "copy_rows",
+    "gather_grads",
     "half_linear_rows",
     "half_linear_takes",
     "half_pack",
@@ -115,7 +116,6 @@ __all__ = [
     "lora_rows_backward",
     "lora_rows_trains",
     "native_kernels",
-    "peft_layout",
     "rms_norm_backward",
     "rope_store",
     "rotary",

@@ -95,10 +95,10 @@ KERNELS: dict[str, tuple[str, str, list[type]]] = {
             *(_PTR, _PTR, _PTR, _I64),
         ],
     ),
-    "lora_peft_layout": (
+    "lora_gather_grads": (
         "lora_rows",
-        "lora_peft_layout_f32",
-        [_I64, _I64, _I64, _PTR, _PTR, _I64],
+        "lora_gather_grads_f32",
+        [_I64, _PTR, _I64, _PTR, _I64],
     ),
     "add_rms_norm": ("rms_norm", "add_rms_norm_f32", [_I64, _I64, _PTR, _PTR, _PTR, _F32, _PTR]),
     "rms_norm_backward": (

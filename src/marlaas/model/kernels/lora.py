@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import array
+
 import torch
 from torch import Tensor
 
@@ -198,23 +200,39 @@ def _shape(
     return N, T, fan_in, fan_out, r
 
 
-def peft_layout(src_Lro: Tensor, dst_Lor: Tensor) -> bool:
-    """`dst_Lor.copy_(src_Lro.transpose(1, 2))`: lanes' gradients of B from the per-row
-    kernels' rank-major layout `[L, r, out]` (contiguous) into PEFT's `[L, out, r]`
-    (`r` and `out` dense in each lane, lanes any stride apart: a flat parameter
-    vector's rows); False (nothing written) where the kernel does not take them."""
-    kernel = load("lora_peft_layout")
-    L, r, out = (int(n) for n in src_Lro.shape)
+def gather_grads(
+    modules: list[tuple[Tensor | None, Tensor | None, int, int, int]], dst_LP: Tensor
+) -> bool:
+    """Lay out lanes' gradients as their flat vectors, one row of `dst_LP` per lane: per
+    module, in order, `(gA [L, r, in], gBt [L, r, out], r, in, out)` (the per-row
+    kernels' layouts, contiguous; None: zeros), each lane's A part then its B part in
+    PEFT's layout `[out, r]`; False (nothing written) where the kernel does not take
+    them (float32 CPU tensors, `dst_LP` rows dense, each exactly as wide as the parts)."""
+    kernel = load("lora_gather_grads")
+    L = int(dst_LP.shape[0])
+    parts = [t for gA, gBt, *_ in modules for t in (gA, gBt) if t is not None]
     if (
         kernel is None
-        or tuple(dst_Lor.shape) != (L, out, r)
-        or src_Lro.dtype != torch.float32
-        or dst_Lor.dtype != torch.float32
-        or src_Lro.device.type != "cpu"
-        or dst_Lor.device.type != "cpu"
-        or not src_Lro.is_contiguous()
-        or dst_Lor.stride()[1:] != (r, 1)
+        or dst_LP.dim() != 2
+        or dst_LP.dtype != torch.float32
+        or dst_LP.device.type != "cpu"
+        or dst_LP.stride(1) != 1
+        or int(dst_LP.shape[1]) != sum(r * (i + o) for _, _, r, i, o in modules)
+        or any(
+            t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
+            for t in parts
+        )
+        or any(
+            (gA is not None and tuple(gA.shape) != (L, r, i))
+            or (gBt is not None and tuple(gBt.shape) != (L, r, o))
+            for gA, gBt, r, i, o in modules
+        )
     ):
         return False
-    kernel(L, r, out, src_Lro.data_ptr(), dst_Lor.data_ptr(), dst_Lor.stride(0))
+    fields = array.array("q")
+    for gA, gBt, r, i, o in modules:
+        fields.extend(
+            (0 if gA is None else gA.data_ptr(), r, i, 0 if gBt is None else gBt.data_ptr(), o)
+        )
+    kernel(len(modules), fields.buffer_info()[0], L, dst_LP.data_ptr(), dst_LP.stride(0))
     return True

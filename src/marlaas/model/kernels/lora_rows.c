@@ -22,6 +22,8 @@
  * b_sr (one of b_so, b_sr is 1); lane and order [U]; scale [L], or NULL for weights
  * that carry their scale; r <= 64. `scratch` holds r * out floats (used when b_so != 1).
  */
+#include <string.h>
+
 #include "simd.h"
 #include "kernels.h"
 
@@ -468,5 +470,35 @@ void lora_peft_layout_f32(int64_t L, int64_t r, int64_t out, const float *src, f
             }
         for (; o < out; ++o)
             for (int64_t k = 0; k < r; ++k) y[o * r + k] = x[k * out + o];
+    }
+}
+
+/* A micro-batch's lanes' gradients laid out as their flat parameter vectors: for each of
+ * `count` modules (`fields`: gA's address, r, in, gBt's address, out; an address 0 for a
+ * module no pass reached), lane l's gA [r, in] and then its B's gradient in PEFT's
+ * layout [out, r] (from gBt [r, out], `lora_peft_layout_f32`'s way) go one after the
+ * other into row l of dst (rows d_sl apart), zeros where a module has none: one call
+ * for what was a copy per module and lane block. */
+void lora_gather_grads_f32(int64_t count, const int64_t *fields, int64_t L, float *dst,
+                           int64_t d_sl) {
+    int64_t at = 0;
+    for (int64_t m = 0; m < count; ++m) {
+        const int64_t *f = fields + 5 * m;
+        const float *gA = (const float *)(intptr_t)f[0], *gBt = (const float *)(intptr_t)f[3];
+        const int64_t r = f[1], in = f[2], out = f[4];
+        for (int64_t l = 0; l < L; ++l) {
+            float *row = dst + l * d_sl + at;
+            if (gA)
+                memcpy(row, gA + l * r * in, (size_t)(r * in) * sizeof(float));
+            else
+                memset(row, 0, (size_t)(r * in) * sizeof(float));
+        }
+        at += r * in;
+        if (gBt)
+            lora_peft_layout_f32(L, r, out, gBt, dst + at, d_sl);
+        else
+            for (int64_t l = 0; l < L; ++l)
+                memset(dst + l * d_sl + at, 0, (size_t)(r * out) * sizeof(float));
+        at += r * out;
     }
 }
