@@ -86,42 +86,36 @@ class MicroLanes:
         if self.leaves is None:
             return
         lanes = len(self.tenants)
-        sunk = self.batch.grads or {}
+        buffers = self.batch.grads or {}
         paths = self.tenants[0].layout.paths
         modules: list[tuple[Tensor | None, Tensor | None, int, int, int]] = []
         for path, (A, B) in zip(paths, self.leaves, strict=True):
-            gA, gBt = sunk.get(path, (None, None))
+            gA, gBt = buffers.get(path, (None, None))
             modules.append((gA, gBt, int(A.shape[1]), int(A.shape[2]), int(B.shape[1])))
         width = sum(leaf[0].numel() for pair in self.leaves for leaf in pair)
         grad_LP = torch.empty((lanes, width), device=self.leaves[0][0].device)
         with torch.no_grad():
-            if not gather_grads(modules, grad_LP):
-                self._lay_out(modules, grad_LP)
+            # The buffers in one native call; where it declines, zeros (then added below).
+            laid = gather_grads(modules, grad_LP)
+            if not laid:
+                grad_LP.zero_()
             at = 0
-            for A, B in self.leaves:  # the Python layers' gradients, where they ran
-                for leaf in (A, B):
+            for (A, B), (gA, gBt, *_) in zip(self.leaves, modules, strict=True):
+                # The buffers where the call declined (B's in PEFT's layout), and the
+                # Python layers' gradients where they ran.
+                unlaid: tuple[Tensor | None, Tensor | None] = (None, None)
+                if not laid:
+                    unlaid = (gA, None if gBt is None else gBt.transpose(1, 2))
+                for leaf, buffer in zip((A, B), unlaid, strict=True):
                     n = leaf[0].numel()
-                    if leaf.grad is not None:
-                        grad_LP[:, at : at + n].view(leaf.shape).add_(leaf.grad)
+                    adds = [g for g in (buffer, leaf.grad) if g is not None]
+                    if adds:  # (no slice per module otherwise: a one-tenant step pays for it)
+                        part = grad_LP[:, at : at + n].view(leaf.shape)
+                        for g in adds:
+                            part.add_(g)
                     at += n
             for tenant, grad_P in zip(self.tenants, grad_LP, strict=True):
                 if tenant.flat_P.grad is None:
                     tenant.flat_P.grad = grad_P  # a row of this micro-batch's own buffer
                 else:
                     tenant.flat_P.grad.add_(grad_P)
-
-    def _lay_out(
-        self, modules: list[tuple[Tensor | None, Tensor | None, int, int, int]], grad_LP: Tensor
-    ) -> None:
-        """`kernels.gather_grads` through torch (where the kernel is not built)."""
-        assert self.leaves is not None
-        at = 0
-        for (A, B), (gA, gBt, *_) in zip(self.leaves, modules, strict=True):
-            for leaf, grad in ((A, gA), (B, None if gBt is None else gBt.transpose(1, 2))):
-                n = leaf[0].numel()
-                part = grad_LP[:, at : at + n].view(leaf.shape)
-                at += n
-                if grad is None:
-                    part.zero_()
-                else:
-                    part.copy_(grad)

@@ -142,11 +142,10 @@ class TrainLayers(NativeStack):
         if any(t.dtype != torch.float32 for t in past):
             return None
         groups = int(past[0].shape[1]) if past else 0
-        rows_B = (
-            inputs.past_rows.to(torch.long).contiguous()
-            if inputs.past_rows is not None
-            else torch.arange(inputs.B)
-        )
+        rows_B = None  # each row's row of the past (the C side reads it with a past only)
+        if past:
+            given = inputs.past_rows
+            rows_B = torch.arange(inputs.B) if given is None else given.long().contiguous()
         P = inputs.P
         row_T = torch.div(inputs.pad_T, inputs.TQ, rounding_mode="floor")
         col_T = inputs.pad_T - row_T * inputs.TQ + P
@@ -184,8 +183,9 @@ class _Call:
     #: the widest span.
     spans: dict[int | None, tuple[Tensor, Tensor]]
     widest: int
-    #: Each row's row of the past (`PassInputs.past_rows`), and the past's rows.
-    past_rows: Tensor
+    #: Each row's row of the past (`PassInputs.past_rows`; None: no past), and the
+    #: past's rows.
+    past_rows: Tensor | None
     past_groups: int
     #: The lanes' gradient buffers (`LaneBatch.grads`), or None: autograd's.
     sink: dict[str, tuple[Tensor, Tensor]] | None
@@ -267,7 +267,7 @@ class _Pass(torch.autograd.Function):
             out.data_ptr(),
             *(0, 0, 0),  # the backward's scratch
             call.past_groups,
-            call.past_rows.data_ptr(),
+            address(call.past_rows),
         ]
         assert len(program) == _P_FIELDS
         for i, layer in enumerate(stack.layers):
@@ -287,7 +287,7 @@ class _Pass(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.call, ctx.fields, ctx.tape, ctx.kv = call, fields, tape.buffers, tape.kv
         ctx.past = past
-        ctx.keep = (xb, scores, out, lora_scratch, call.past_rows, *tensors)  # C reads them
+        ctx.keep = (xb, scores, out, lora_scratch, *tensors)  # C reads them by address
         # Each layer's keys and values as the Python path's ([B, Hkv, columns, D]).
         return (h, *(t.transpose(0, 1) for t in tape.kv))
 
@@ -334,31 +334,27 @@ class _Pass(torch.autograd.Function):
                 if pair is None:
                     continue
                 path = layers.paths[i][j]
-                sink = call.sink if path is not None else None
-                gA, gBt = _gradients(pair, sink, path)
+                if call.sink is None or path is None:  # this pass's own, for autograd
+                    gA, gBt = _zero_gradients(pair)
+                    grads_w += (gA, gBt.transpose(1, 2))
+                else:  # the micro-batch's (made at its first pass; the C side adds)
+                    if path not in call.sink:
+                        call.sink[path] = _zero_gradients(pair)
+                    gA, gBt = call.sink[path]
+                    grads_w += (None, None)
                 m = at + _L_STATIC + _L_PASS + _L_TAPE + j * _M_FIELDS + _M_GA
                 fields[m] = gA.data_ptr()
                 fields[m + 1] = gBt.data_ptr()
-                # Into the micro-batch's buffers (the C side adds), or autograd's.
-                grads_w += (None, None) if sink is not None else (gA, gBt.transpose(1, 2))
         load("train_layers_backward")(fields.buffer_info()[0], layers.floats.buffer_info()[0])
         return (g if ctx.needs_input_grad[0] else None, None, *g_past, *grads_w)
 
 
-def _gradients(
-    pair: tuple[Tensor, Tensor], sink: dict[str, tuple[Tensor, Tensor]] | None, path: str | None
-) -> tuple[Tensor, Tensor]:
-    """Zeroed buffers for module `(A, B)`'s lane gradients, `[L, r, in]` and
-    `[L, r, out]`: the micro-batch's in `sink` (made at its first pass, added to by the
-    later ones), else this pass's own."""
+def _zero_gradients(pair: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    """Zeroed buffers for module `(A, B)`'s lane gradients, `[L, r, in]` and the
+    rank-major `[L, r, out]` (the C side adds into them)."""
     A, B = pair
-    if sink is not None and path is not None and path in sink:
-        return sink[path]
     L, r = int(A.shape[0]), int(A.shape[1])
-    made = torch.zeros((L, r, int(A.shape[2]))), torch.zeros((L, r, int(B.shape[1])))
-    if sink is not None and path is not None:
-        sink[path] = made
-    return made
+    return torch.zeros((L, r, int(A.shape[2]))), torch.zeros((L, r, int(B.shape[1])))
 
 
 def _layer_static(layer: Layer, packs: list[Tensor]) -> list[int]:

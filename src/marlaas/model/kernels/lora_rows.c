@@ -154,16 +154,9 @@ static inline void up2(const float *Bt, int64_t bt_sk, int64_t r, const float *h
 /* An 8 x 16 block of a lane's B or its gradient between its two layouts, in registers:
  * rank-major a[k] (rank k's sixteen outputs) and PEFT's p[q] (outputs 2q and 2q + 1,
  * their eight ranks each). Three rounds of two-source shuffles, each interleaving (or,
- * back, separating) lanes by ones, twos and fours; a strided copy element by element
- * costs ~10x more (the trainer's per-lane transposes of B, ~2.5 ms of a 32-tenant
- * step). */
-static const vi I1_LO = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
-static const vi I1_HI = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-static const vi I2_LO = {0, 1, 16, 17, 2, 3, 18, 19, 4, 5, 20, 21, 6, 7, 22, 23};
-static const vi I2_HI = {8, 9, 24, 25, 10, 11, 26, 27, 12, 13, 28, 29, 14, 15, 30, 31};
-static const vi I4_LO = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
-static const vi I4_HI = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
-
+ * back, separating) lanes by ones, twos and fours (simd.h's masks); a strided copy
+ * element by element costs ~10x more (the trainer's per-lane transposes of B, ~2.5 ms
+ * of a 32-tenant step). */
 static inline void ranks_to_outputs(const vf *a, vf *p) {
     vf b[8], c[4][2];
     for (int m = 0; m < 4; ++m) {  /* b[4h + m]: ranks 2m, 2m + 1 of outputs 8h .. 8h + 7 */
@@ -181,7 +174,7 @@ static inline void ranks_to_outputs(const vf *a, vf *p) {
     }
 }
 
-/* The inverse of `ranks_to_outputs` (each round's inverse: simd.h's separating masks). */
+/* The inverse of `ranks_to_outputs` (each round's inverse: the separating masks, simd.h). */
 static inline void outputs_to_ranks(const vf *p, vf *a) {
     vf b[8], c[4][2];
     for (int q = 0; q < 4; ++q) {
@@ -235,6 +228,14 @@ static inline void prefetch_weights(const float *A, int64_t a_sr, int64_t r, int
         for (int64_t o = 0; o < out; o += r < W ? W / r : 1) __builtin_prefetch(B + o * b_so, 0, 2);
 }
 
+/* The lane of the first unit after the run of unit order[j]'s lane (-1: none). */
+static inline int64_t next_lane(int64_t U, const int64_t *lane, const int64_t *order, int64_t j) {
+    const int64_t l = lane[order[j]];
+    while (++j < U)
+        if (lane[order[j]] != l) return lane[order[j]];
+    return -1;
+}
+
 /* The `T` tokens of unit `u`, two at a time (`down2`, `up2`: each load of the lane's
  * weights serves both; a prefill's rows of 64 tokens, rank 8, 128 -> 352: 124 -> 143
  * GFLOP/s): `r` as a compile-time constant for the common ranks (the loops over it
@@ -286,12 +287,8 @@ void lora_rows_strided_f32(int64_t U, int64_t T, int64_t in, int64_t out, int64_
             /* The next lane's weights into L2 while this lane's rows run (they come from
              * L3 otherwise, at the first row of each lane): engine decode iteration at
              * 256 rows x 32 adapters, in-process A/B, 0.945-0.982. */
-            int64_t nj = j + 1;
-            while (nj < U && lane[order[nj]] == l) ++nj;
-            if (nj < U) {
-                const int64_t n = lane[order[nj]];
-                prefetch_weights(A + n * a_sl, a_sr, r, in, B + n * b_sl, b_so, b_sr, out);
-            }
+            const int64_t n = next_lane(U, lane, order, j);
+            if (n >= 0) prefetch_weights(A + n * a_sl, a_sr, r, in, B + n * b_sl, b_so, b_sr, out);
         }
         const float *Al = A + l * a_sl;
         const float s = scale ? scale[l] : 1.0f;
@@ -396,10 +393,8 @@ void lora_rows_backward_strided_f32(int64_t U, int64_t T, int64_t in, int64_t ou
             current = l;
             /* The next lane's weights and gradients into L2 while this lane's tokens run
              * (each lane's are read, and its gradients written, once a call). */
-            int64_t nj = j + 1;
-            while (nj < U && lane[order[nj]] == l) ++nj;
-            if (nj < U) {
-                const int64_t n = lane[order[nj]];
+            const int64_t n = next_lane(U, lane, order, j);
+            if (n >= 0) {
                 prefetch_weights(A + n * a_sl, a_sr, r, in, B + n * b_sl, b_so, b_sr, out);
                 const float *gAn = gA + n * r * in, *gBn = gBt + n * r * out;
                 for (int64_t i = 0; i < r * in; i += W) __builtin_prefetch(gAn + i, 1, 2);
@@ -455,8 +450,8 @@ void lora_rows_backward_f32(int64_t U, int64_t T, int64_t in, int64_t out, int64
 /* Each of `L` lanes' rank-major gradient of B, src [r, out] (lanes out * r apart), into
  * PEFT's layout dst [out, r] (lanes d_sl apart): y[o, k] = x[k, o]; rank 8 sixteen
  * outputs at a time (`ranks_to_outputs`), other ranks element by element. */
-void lora_peft_layout_f32(int64_t L, int64_t r, int64_t out, const float *src, float *dst,
-                          int64_t d_sl) {
+static void peft_layout(int64_t L, int64_t r, int64_t out, const float *src, float *dst,
+                        int64_t d_sl) {
     for (int64_t l = 0; l < L; ++l) {
         const float *x = src + l * r * out;
         float *y = dst + l * d_sl;
@@ -476,7 +471,7 @@ void lora_peft_layout_f32(int64_t L, int64_t r, int64_t out, const float *src, f
 /* A micro-batch's lanes' gradients laid out as their flat parameter vectors: for each of
  * `count` modules (`fields`: gA's address, r, in, gBt's address, out; an address 0 for a
  * module no pass reached), lane l's gA [r, in] and then its B's gradient in PEFT's
- * layout [out, r] (from gBt [r, out], `lora_peft_layout_f32`'s way) go one after the
+ * layout [out, r] (from gBt [r, out], `peft_layout`) go one after the
  * other into row l of dst (rows d_sl apart), zeros where a module has none: one call
  * for what was a copy per module and lane block. */
 void lora_gather_grads_f32(int64_t count, const int64_t *fields, int64_t L, float *dst,
@@ -495,7 +490,7 @@ void lora_gather_grads_f32(int64_t count, const int64_t *fields, int64_t L, floa
         }
         at += r * in;
         if (gBt)
-            lora_peft_layout_f32(L, r, out, gBt, dst + at, d_sl);
+            peft_layout(L, r, out, gBt, dst + at, d_sl);
         else
             for (int64_t l = 0; l < L; ++l)
                 memset(dst + l * d_sl + at, 0, (size_t)(r * out) * sizeof(float));
