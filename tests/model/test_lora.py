@@ -14,13 +14,8 @@ from torch import Tensor
 from marlaas.config.specs import LoRASpec
 from marlaas.errors import ConfigError, ModelError
 from marlaas.model.base import default_base_path, load_base
-from marlaas.model.lora import (
-    AdapterTensors,
-    LaneBatch,
-    LoRAModel,
-    MultiLoRALinear,
-    _LaneContext,
-)
+from marlaas.model.lane_layers import LaneBatch, LaneContext, MultiLoRALinear
+from marlaas.model.lora import AdapterTensors, LoRAModel
 
 MakeAdapter = Callable[[LoRAModel, LoRASpec, int], AdapterTensors]
 
@@ -71,7 +66,7 @@ def test_no_lanes_is_the_plain_base(tiny_dir: Path) -> None:
 def test_layer_matches_the_lora_formula() -> None:
     torch.manual_seed(0)
     linear = torch.nn.Linear(6, 5)
-    context = _LaneContext()
+    context = LaneContext()
     layer = MultiLoRALinear(linear, "m", context)
     A_Lri, B_Lor, scale_L = torch.randn(3, 2, 6), torch.randn(3, 5, 2), torch.tensor([0.0, 2, 0.5])
     lane_B = torch.tensor([2, 0, 1, 2])
@@ -109,7 +104,7 @@ def test_row_blocks_match_the_formula_with_gradients(
 ) -> None:
     torch.manual_seed(0)
     linear = torch.nn.Linear(6, 5).requires_grad_(False)
-    context = _LaneContext()
+    context = LaneContext()
     layer = MultiLoRALinear(linear, "m", context)
     A_Lri = torch.randn(3, 2, 6, requires_grad=True)
     B_Lor = torch.randn(3, 5, 2, requires_grad=True)
@@ -160,7 +155,7 @@ def test_interleaved_decode_rows_run_as_segments(
     regrouped by lane, and every row gets exactly its lane's update, gradients too."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(6, 5).requires_grad_(False)
-    context = _LaneContext()
+    context = LaneContext()
     q_layer = MultiLoRALinear(linear, "q", context)
     k_layer = MultiLoRALinear(torch.nn.Linear(6, 5).requires_grad_(False), "k", context)
     A = {m: torch.randn(num_lanes, 4, 6, requires_grad=True) for m in "qk"}
@@ -316,7 +311,7 @@ def test_flattened_token_inputs_keep_each_rows_lane() -> None:
     """`[B * T, in]` inputs (OPT's MLP, Qwen2-MoE's shared expert) get each row's lane,
     as `[B, T, in]` does; a count that fits no row layout is refused."""
     torch.manual_seed(0)
-    context = _LaneContext()
+    context = LaneContext()
     layer = MultiLoRALinear(torch.nn.Linear(6, 5), "m", context)
     A_Lri, B_Lor, scale_L = torch.randn(2, 2, 6), torch.randn(2, 5, 2), torch.tensor([1.0, 0.5])
     lane_B = torch.tensor([1, 0, 1])

@@ -9,7 +9,8 @@ import torch
 from torch import Tensor
 
 from marlaas.config.specs import LoRASpec
-from marlaas.model.lora import LaneBatch, LoRAModel
+from marlaas.model.lane_layers import LaneBatch
+from marlaas.model.lora import LoRAModel
 from marlaas.train.lanes import MicroLanes
 from marlaas.train.optim import AdapterLayout
 

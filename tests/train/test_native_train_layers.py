@@ -24,7 +24,8 @@ import marlaas.train.prefix as prefix
 from helpers.tiny_archs import tiny_model
 from marlaas.config.specs import ALL_LINEAR, GRPOSpec, LoRASpec
 from marlaas.model import kernels
-from marlaas.model.lora import LaneBatch, LoRAModel
+from marlaas.model.lane_layers import LaneBatch
+from marlaas.model.lora import LoRAModel
 from marlaas.model.mixed import half_linears, native_bfloat16
 from marlaas.train.decoder import TrainDecoder
 from marlaas.train.grpo import GRPOTrainer

@@ -28,7 +28,8 @@ from typing import Any
 from torch import nn
 from transformers import PreTrainedModel
 
-from marlaas.model.lora import LoRAModel, MultiLoRALinear
+from marlaas.model.lane_layers import MultiLoRALinear
+from marlaas.model.lora import LoRAModel
 
 
 @dataclass(frozen=True)

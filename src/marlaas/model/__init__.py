@@ -4,7 +4,8 @@ PEFT-format adapter I/O. The embedded default base lives in `marlaas/model/embed
 
 from marlaas.model.bank import AdapterBank, AdapterHandle, BankStats
 from marlaas.model.base import default_base_path, load_base
-from marlaas.model.lora import AdapterTensors, LaneBatch, LoRAModel, MultiLoRALinear
+from marlaas.model.lane_layers import LaneBatch, MultiLoRALinear
+from marlaas.model.lora import AdapterTensors, LoRAModel
 from marlaas.model.peft_io import load_peft, save_peft
 
 __all__ = [

@@ -40,7 +40,8 @@ from torch import Tensor
 from marlaas.config.specs import LoRASpec
 from marlaas.errors import CapacityError, ModelError, TenantNotFound
 from marlaas.fileio import atomic_write
-from marlaas.model.lora import AdapterTensors, LaneBatch, LoRAModel
+from marlaas.model.lane_layers import LaneBatch
+from marlaas.model.lora import AdapterTensors, LoRAModel
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from marlaas.model.fused import rms_norm
-from marlaas.model.lora import LoRAModel, MultiLoRALinear
+from marlaas.model.lane_layers import MultiLoRALinear
+from marlaas.model.lora import LoRAModel
 from marlaas.model.mixed import HalfLinear, Together, linear
 
 #: `config.model_type`s whose decoder layers the compact forwards reproduce (`_classes`;

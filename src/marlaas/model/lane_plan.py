@@ -1,7 +1,7 @@
 """How one lane batch applies its adapters: the rows as blocks or as segments.
 
 `LanePlan.of` looks at the lane of every row (on the host, once per `lanes()` context)
-and picks the cheapest exact layout for `marlaas.model.lora.MultiLoRALinear`:
+and picks the cheapest exact layout for `marlaas.model.lane_layers.MultiLoRALinear`:
 
 - blocks: consecutive rows that share a lane, `size` rows each (the greatest common
   divisor of the runs of equal lanes), so each block is a view of the rows and one

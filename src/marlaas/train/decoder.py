@@ -56,7 +56,7 @@ from torch import Tensor
 from marlaas.model.decoder import DecoderStack, StackForward
 from marlaas.model.fused import rotary, round_to, span_attention, swiglu
 from marlaas.model.kernels import Spans
-from marlaas.model.lora import LaneBatch
+from marlaas.model.lane_layers import LaneBatch
 from marlaas.train.native import LayerCache, PassInputs, TrainLayers
 
 

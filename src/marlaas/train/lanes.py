@@ -30,7 +30,8 @@ from torch import Tensor
 
 from marlaas.config.specs import LoRASpec
 from marlaas.model.kernels import gather_grads
-from marlaas.model.lora import LaneBatch, LoRAModel
+from marlaas.model.lane_layers import LaneBatch
+from marlaas.model.lora import LoRAModel
 from marlaas.train.optim import AdapterLayout
 
 

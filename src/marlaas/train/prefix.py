@@ -40,7 +40,8 @@ import torch
 from torch import Tensor
 
 from marlaas.model.cache import cache_tensors, empty_cache, wrap_cache
-from marlaas.model.lora import LaneBatch, LoRAModel
+from marlaas.model.lane_layers import LaneBatch
+from marlaas.model.lora import LoRAModel
 from marlaas.train.batch import MicroBatch, Rows
 from marlaas.train.decoder import RowGather, TokenLogits, TrainDecoder
 

@@ -54,7 +54,8 @@ from marlaas.config.specs import LoRASpec
 from marlaas.errors import ConfigError, ModelError, TenantNotFound
 from marlaas.model.attention import install_attention
 from marlaas.model.kernels import torch_path_on
-from marlaas.model.lora import AdapterTensors, LaneBatch, LoRAModel
+from marlaas.model.lane_layers import LaneBatch
+from marlaas.model.lora import AdapterTensors, LoRAModel
 from marlaas.packing import MIN_FILL
 from marlaas.train.batch import (
     MicroBatch,
