@@ -13,9 +13,9 @@ Invariants:
   (`train.grpo.GRPOTraining` makes both calls' arguments).
 - Disk writes (checkpoints, the final PEFT adapter) run in worker threads and are
   atomic (`save_checkpoint`, `save_peft`); a checkpoint's `extra` holds the data
-  cursor and the eval history, so a restore continues the same data stream, and what
-  the checkpoint reports (`reported`: its step's figures and its record's), so a crash
-  between the save and the reports' reaching the database loses neither.
+  cursor and the eval history, so a restore continues the same data stream, and its
+  step's figures, so that what it reports (`reported`) survives a crash between the
+  save and the reports' reaching the database.
 - Eval is greedy, on the held-out split, pinned to one adapter version.
 """
 
@@ -69,8 +69,8 @@ from marlaas.train.sft import SFTSnapshot
 from marlaas.types import SamplingParams, Trajectory
 
 T = TypeVar("T")
-#: A checkpoint's `extra` key for what it reported (`reported`).
-REPORTED = "reported"
+#: A checkpoint's `extra` key for the figures of the step that made its version.
+STEP_FIGURES = "step"
 
 
 @dataclass(frozen=True)
@@ -83,19 +83,25 @@ class Reported:
     checkpoint: dict[str, float]
 
 
-def reported(path: Path) -> Reported:
-    """What the checkpoint at `path` reported (nothing for one written before
-    checkpoints kept it, or one whose `extra` does not say)."""
-    kept = checkpoint_extra(path).get(REPORTED)
-    if not isinstance(kept, dict):
-        return Reported(None, {})
+def reported(path: Path, version: int) -> Reported:
+    """What the checkpoint of `version` at `path` reported, from its `extra`: its step's
+    figures (none for one written before checkpoints kept them) and its eval history."""
+    extra = checkpoint_extra(path)
+    kept = extra.get(STEP_FIGURES)
+    step = None
+    if isinstance(kept, dict):
+        with contextlib.suppress(TypeError, ValueError):  # not a step's figures: none
+            step = StepMetrics(**{str(k): float(v) for k, v in kept.items()})
+    accuracy, loss = (_of_version(extra.get(key), version) for key in ("eval", "eval_loss"))
+    return Reported(
+        None if step is None else step.as_dict(), checkpoint_metrics(step, accuracy, loss)
+    )
 
-    def figures(value: object) -> dict[str, float] | None:
-        if not isinstance(value, dict):
-            return None
-        return {str(k): float(v) for k, v in value.items() if isinstance(v, int | float)}
 
-    return Reported(figures(kept.get("step")), figures(kept.get("checkpoint")) or {})
+def _of_version(history: object, version: int) -> float | None:
+    """A version's figure in an eval history of `extra` (`{version: value}`), or None."""
+    value = history.get(str(version)) if isinstance(history, dict) else None
+    return float(value) if isinstance(value, int | float) else None
 
 
 async def gather_all(coros: Sequence[Coroutine[Any, Any, T]]) -> list[T]:
@@ -330,15 +336,11 @@ class TenantRuntime:
         snapshot = self._snapshot(await self.ctx.device.snapshot(self.name))
         version = snapshot.version
         step = self._last_step[1] if self._last_step and self._last_step[0] == version else None
-        accuracy, loss = self.state.stats.eval_accuracy.get(version), self.eval_loss.get(version)
-        # What this checkpoint reports, kept with it: a crash after the save and before
-        # the reports reached the database leaves them to recovery (`reported`).
-        extra = self._extra() | {
-            REPORTED: {
-                "step": None if step is None else step.as_dict(),
-                "checkpoint": checkpoint_metrics(step, accuracy, loss),
-            }
-        }
+        extra = self._extra()
+        if step is not None:  # with the eval history, what this checkpoint reports: a
+            # crash after the save and before the reports reached the database leaves
+            # them to recovery (`reported`)
+            extra[STEP_FIGURES] = step.as_dict()
         path = await asyncio.to_thread(
             save_checkpoint,
             self.ctx.checkpoint_dir(self.name),
@@ -356,8 +358,8 @@ class TenantRuntime:
                 path,
                 path / ADAPTER_DIR,
                 step=step,
-                eval_accuracy=accuracy,
-                eval_loss=loss,
+                eval_accuracy=self.state.stats.eval_accuracy.get(version),
+                eval_loss=self.eval_loss.get(version),
             )
         )
 

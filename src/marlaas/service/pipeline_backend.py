@@ -329,7 +329,7 @@ class PipelineBackend:
                     # reported (its step's figures, where the database lacks them).
                     known.checkpoints.add(step)
                     try:
-                        figures = reported(path)
+                        figures = reported(path, step)
                     except MarlaasError:
                         figures = Reported(None, {})
                     if figures.step is not None and step not in job.stepped:
