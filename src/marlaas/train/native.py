@@ -44,8 +44,9 @@ from marlaas.model.native import (
 )
 
 #: The C side's field counts and offsets (`train_layers.c`); the order of each list
-#: below is its enums'. A module: its `LORA_FIELDS`, then its gradients' (M_GA, M_GBT).
-_P_FIELDS, _M_FIELDS = 30, LORA_FIELDS + 2
+#: below is its enums'. A module: its `LORA_FIELDS`, its gradients' (M_GA, M_GBT) and the
+#: tape of its h = s A x (M_H).
+_P_FIELDS, _M_FIELDS = 30, LORA_FIELDS + 3
 _L_STATIC, _L_PASS, _L_TAPE = 19, 10, 10
 _L_FIELDS = _L_STATIC + _L_PASS + _L_TAPE + len(MODULES) * _M_FIELDS
 #: What the backward writes into the forward's fields: the hidden state's (now the
@@ -195,7 +196,9 @@ class _Tape:
     """One pass's buffers: what the forward keeps for the backward (a buffer per layer),
     and the keys and values."""
 
-    def __init__(self, layers: TrainLayers, T: int, B: int, TQ: int, P: int) -> None:
+    def __init__(
+        self, layers: TrainLayers, T: int, B: int, TQ: int, P: int, modules: LaneModules
+    ) -> None:
         stack = layers.stack
         E, H, Hkv, D = int(stack.embed.shape[1]), stack.heads, stack.kv_heads, stack.head_dim
         HD, C, inter = H * D, layers.qkv_out, layers.inter
@@ -211,21 +214,31 @@ class _Tape:
             T * 2 * inter,  # gate, up
             T * inter,  # gated
         ]
-        count = len(stack.layers)
         # A buffer per layer: each small enough for the heap (`cli.process`'s malloc
         # settings), where one for the pass came from fresh pages every step (a page
-        # fault each 4 KB: ~20% of `bench trainer`'s round).
-        self.buffers = [torch.empty(sum(self.sizes)) for _ in range(count)]
+        # fault each 4 KB: ~20% of `bench trainer`'s round). After its tape, each
+        # module's h = s A x `[T, r]` (its backward reads it: A x not computed again).
+        self.buffers: list[Tensor] = []
         self.fields: list[list[int]] = []
-        for buffer in self.buffers:
+        #: Each layer's modules' h (0: a module without an update).
+        self.h: list[list[int]] = []
+        for layer in modules:
+            ranks = [0 if pair is None else int(pair[0].shape[1]) for pair in layer]
+            buffer = torch.empty(sum(self.sizes) + T * sum(ranks))
             at = buffer.data_ptr()
             fields = []
             for size in self.sizes:
                 fields.append(at)
                 at += 4 * size
+            h = []
+            for r in ranks:
+                h.append(at if r else 0)
+                at += 4 * T * r
+            self.buffers.append(buffer)
             self.fields.append(fields)
+            self.h.append(h)
         # [Hkv, B, P + TQ, D]: the rows' columns of a kv head one run (`train_layers.c`).
-        self.kv = [torch.empty((Hkv, B, P + TQ, D)) for _ in range(2 * count)]
+        self.kv = [torch.empty((Hkv, B, P + TQ, D)) for _ in range(2 * len(modules))]
 
 
 class _Pass(torch.autograd.Function):
@@ -243,7 +256,7 @@ class _Pass(torch.autograd.Function):
         T, E = (int(n) for n in h_TE.shape)
         B, TQ, P = inputs.B, inputs.TQ, inputs.P
         H, Hkv, D = stack.heads, stack.kv_heads, stack.head_dim
-        tape = _Tape(layers, T, B, TQ, P)
+        tape = _Tape(layers, T, B, TQ, P, call.modules)
         h = h_TE.detach().clone(memory_format=torch.contiguous_format)
         units = int(rows.lane_N.shape[0])
         inter, C, HD = layers.inter, layers.qkv_out, H * D
@@ -279,8 +292,10 @@ class _Pass(torch.autograd.Function):
             program += (keys.data_ptr(), values.data_ptr(), 0, 0, 0, 0)  # dK, dV, the past's:
             # the backward's
             program += tape.fields[i]
-            for pair in call.modules[i]:  # gA, gBt: the backward's
-                program += [0] * _M_FIELDS if pair is None else [*lora_fields(*pair), 0, 0]
+            for j, pair in enumerate(call.modules[i]):  # gA, gBt: the backward's
+                program += (
+                    [0] * _M_FIELDS if pair is None else [*lora_fields(*pair), 0, 0, tape.h[i][j]]
+                )
         assert len(program) == _P_FIELDS + count * _L_FIELDS
         fields = array.array("q", program)
         load("train_layers")(fields.buffer_info()[0], layers.floats.buffer_info()[0])

@@ -67,7 +67,7 @@ static void lora(const int64_t *p, const int64_t *m, int64_t in, int64_t out, co
                           PTR(const float *, m[M_A]), m[M_A_SL], m[M_A_SR],
                           PTR(const float *, m[M_B]), m[M_B_SL], m[M_B_SO], m[M_B_SR],
                           PTR(const int64_t *, p[F_LANE]), PTR(const int64_t *, p[F_ORDER]),
-                          PTR(const float *, p[F_SCALE]), PTR(float *, p[F_LORA_SCRATCH]));
+                          PTR(const float *, p[F_SCALE]), PTR(float *, p[F_LORA_SCRATCH]), 0);
 }
 
 void decoder_layers_f32(const int64_t *p, const float *f) {

@@ -15,14 +15,14 @@ void lora_rows_strided_f32(int64_t U, int64_t T, int64_t in, int64_t out, int64_
                            const float *A, int64_t a_sl, int64_t a_sr,
                            const float *B, int64_t b_sl, int64_t b_so, int64_t b_sr,
                            const int64_t *lane, const int64_t *order, const float *scale,
-                           float *scratch);
+                           float *scratch, float *tape);
 void lora_rows_backward_strided_f32(int64_t U, int64_t T, int64_t in, int64_t out, int64_t r,
                                     const float *x, const float *g, int64_t g_st, float *gx,
                                     const float *A, int64_t a_sl, int64_t a_sr,
                                     const float *B, int64_t b_sl, int64_t b_so, int64_t b_sr,
                                     const int64_t *lane, const int64_t *order,
                                     const float *scale, float *gA, float *gBt, float *scratch,
-                                    int64_t add_gx);
+                                    int64_t add_gx, const float *tape);
 void rms_norm_backward_f32(int64_t T, int64_t E, const float *h, const float *weight,
                            const float *g, float eps, float *gh, float *gw);
 void rotary_f32(int64_t T, int64_t H, int64_t D, const float *restrict x,

@@ -236,23 +236,34 @@ static inline int64_t next_lane(int64_t U, const int64_t *lane, const int64_t *o
     return -1;
 }
 
+/* Token t's h = s A x (r floats) into row t of `tape` where there is one (the backward
+ * reads it there instead of computing it again). */
+static inline __attribute__((always_inline)) void keep(float *tape, int64_t t, const int64_t r,
+                                                       const float *h) {
+    if (tape) memcpy(tape + t * r, h, (size_t)r * sizeof(float));
+}
+
 /* The `T` tokens of unit `u`, two at a time (`down2`, `up2`: each load of the lane's
  * weights serves both; a prefill's rows of 64 tokens, rank 8, 128 -> 352: 124 -> 143
  * GFLOP/s): `r` as a compile-time constant for the common ranks (the loops over it
  * unroll); r <= 64 (the caller checks). */
 static inline __attribute__((always_inline)) void tokens(
     int64_t T, int64_t in, int64_t out, int64_t ys, const int64_t r, const float *x, float *y,
-    const float *Al, int64_t a_sr, const float *Bt, int64_t bt_sk, float s, int64_t u) {
+    const float *Al, int64_t a_sr, const float *Bt, int64_t bt_sk, float s, int64_t u,
+    float *tape) {
     float h0[64], h1[64];
     int64_t t = 0;
     for (; t + 2 <= T; t += 2) {
         const int64_t t0 = u * T + t;
         down2(Al, a_sr, r, x + t0 * in, x + (t0 + 1) * in, in, s, h0, h1);
         up2(Bt, bt_sk, r, h0, h1, y + t0 * ys, y + (t0 + 1) * ys, out);
+        keep(tape, t0, r, h0);
+        keep(tape, t0 + 1, r, h1);
     }
     if (t < T) {
         down(Al, a_sr, r, x + (u * T + t) * in, in, s, h0);
         up(Bt, bt_sk, r, h0, y + (u * T + t) * ys, out);
+        keep(tape, u * T + t, r, h0);
     }
 }
 
@@ -260,21 +271,24 @@ static inline __attribute__((always_inline)) void tokens(
 static inline __attribute__((always_inline)) void pair(
     int64_t in, int64_t out, int64_t ys, const int64_t r, const float *x, float *y,
     const float *Al, int64_t a_sr, const float *Bt, int64_t bt_sk, float s, int64_t u0,
-    int64_t u1) {
+    int64_t u1, float *tape) {
     float h0[64], h1[64];
     down2(Al, a_sr, r, x + u0 * in, x + u1 * in, in, s, h0, h1);
     up2(Bt, bt_sk, r, h0, h1, y + u0 * ys, y + u1 * ys, out);
+    keep(tape, u0, r, h0);
+    keep(tape, u1, r, h1);
 }
 
 /* `lora_rows_f32` into the tokens of a wider y: token t's `out` features at y + t * ys
  * (ys >= out: q, k and v, or gate and up, side by side in one product's output, as the
- * engine's decoder layers leave them: `decoder_layers.c`). */
+ * engine's decoder layers leave them: `decoder_layers.c`), each token's h = s A x kept
+ * in its row of `tape` [U * T, r] where given (the trainer's: `train_layers.c`). */
 void lora_rows_strided_f32(int64_t U, int64_t T, int64_t in, int64_t out, int64_t r,
                            const float *x, float *y, int64_t ys,
                            const float *A, int64_t a_sl, int64_t a_sr,
                            const float *B, int64_t b_sl, int64_t b_so, int64_t b_sr,
                            const int64_t *lane, const int64_t *order, const float *scale,
-                           float *scratch) {
+                           float *scratch, float *tape) {
     int64_t current = -1;
     const float *Bt = scratch;
     int64_t bt_sk = out;
@@ -297,16 +311,16 @@ void lora_rows_strided_f32(int64_t U, int64_t T, int64_t in, int64_t out, int64_
         if (T == 1 && j + 1 < U && lane[order[j + 1]] == l) {
             const int64_t u1 = order[++j];
             switch (r) {
-                case 8: pair(in, out, ys, 8, x, y, Al, a_sr, Bt, bt_sk, s, u, u1); break;
-                case 16: pair(in, out, ys, 16, x, y, Al, a_sr, Bt, bt_sk, s, u, u1); break;
-                default: pair(in, out, ys, r, x, y, Al, a_sr, Bt, bt_sk, s, u, u1);
+                case 8: pair(in, out, ys, 8, x, y, Al, a_sr, Bt, bt_sk, s, u, u1, tape); break;
+                case 16: pair(in, out, ys, 16, x, y, Al, a_sr, Bt, bt_sk, s, u, u1, tape); break;
+                default: pair(in, out, ys, r, x, y, Al, a_sr, Bt, bt_sk, s, u, u1, tape);
             }
             continue;
         }
         switch (r) {
-            case 8: tokens(T, in, out, ys, 8, x, y, Al, a_sr, Bt, bt_sk, s, u); break;
-            case 16: tokens(T, in, out, ys, 16, x, y, Al, a_sr, Bt, bt_sk, s, u); break;
-            default: tokens(T, in, out, ys, r, x, y, Al, a_sr, Bt, bt_sk, s, u);
+            case 8: tokens(T, in, out, ys, 8, x, y, Al, a_sr, Bt, bt_sk, s, u, tape); break;
+            case 16: tokens(T, in, out, ys, 16, x, y, Al, a_sr, Bt, bt_sk, s, u, tape); break;
+            default: tokens(T, in, out, ys, r, x, y, Al, a_sr, Bt, bt_sk, s, u, tape);
         }
     }
 }
@@ -318,7 +332,7 @@ void lora_rows_f32(int64_t U, int64_t T, int64_t in, int64_t out, int64_t r,
                    const int64_t *lane, const int64_t *order, const float *scale,
                    float *scratch) {
     lora_rows_strided_f32(U, T, in, out, r, x, y, out, A, a_sl, a_sr, B, b_sl, b_so, b_sr, lane,
-                          order, scale, scratch);
+                          order, scale, scratch, 0);
 }
 
 /* acc[k * ld + i] += sum_t c[t * r + k] * v_t[i] for k < r, i < n over the `nt` rows
@@ -360,7 +374,8 @@ static inline void outer_add(float *acc, int64_t ld, int64_t r, const float *c,
  *
  *     gx = A^T e (written),   gA[lane] += e x^T,   gBt[lane] += h g^T,
  *
- * gBt rank-major ([L, r, out], the transpose of B's gradient; the caller transposes it).
+ * gBt rank-major ([L, r, out], the transpose of B's gradient; the caller transposes it);
+ * h read from `tape` where given (`lora_rows_strided_f32`'s), else computed.
  * gA [L, r, in] and gBt contiguous, accumulated into; gx [U * T, in] contiguous, written
  * (`add_gx` 0), added into (`add_gx` 1: a base layer's input gradient already there) or
  * not computed (NULL: the input needs none). Units
@@ -374,7 +389,7 @@ void lora_rows_backward_strided_f32(int64_t U, int64_t T, int64_t in, int64_t ou
                                     const float *B, int64_t b_sl, int64_t b_so, int64_t b_sr,
                                     const int64_t *lane, const int64_t *order,
                                     const float *scale, float *gA, float *gBt, float *scratch,
-                                    int64_t add_gx) {
+                                    int64_t add_gx, const float *tape) {
     int64_t current = -1, nt = 0;
     const float *Bt = scratch;
     int64_t bt_sk = out;
@@ -421,10 +436,14 @@ void lora_rows_backward_strided_f32(int64_t U, int64_t T, int64_t in, int64_t ou
                     if (gx) __builtin_prefetch(gx + next * in + i, 1, 3);
                 }
                 for (int64_t o = 0; o < out; o += W) __builtin_prefetch(g + next * g_st + o, 0, 3);
+                if (tape) __builtin_prefetch(tape + next * r, 0, 3);
             }
             xs[nt] = x + tok * in;
             gs[nt] = g + tok * g_st;
-            down(Al, a_sr, r, xs[nt], in, s, h + nt * r);
+            if (tape)
+                memcpy(h + nt * r, tape + tok * r, (size_t)r * sizeof(float));
+            else
+                down(Al, a_sr, r, xs[nt], in, s, h + nt * r);
             down(Bt, bt_sk, r, gs[nt], out, s, e + nt * r);
             if (gx) {
                 float *gxt = gx + tok * in;
@@ -444,7 +463,7 @@ void lora_rows_backward_f32(int64_t U, int64_t T, int64_t in, int64_t out, int64
                             const int64_t *lane, const int64_t *order, const float *scale,
                             float *gA, float *gBt, float *scratch, int64_t add_gx) {
     lora_rows_backward_strided_f32(U, T, in, out, r, x, g, out, gx, A, a_sl, a_sr, B, b_sl, b_so,
-                                   b_sr, lane, order, scale, gA, gBt, scratch, add_gx);
+                                   b_sr, lane, order, scale, gA, gBt, scratch, add_gx, 0);
 }
 
 /* Each of `L` lanes' rank-major gradient of B, src [r, out] (lanes out * r apart), into

@@ -43,7 +43,10 @@ enum {
     P_PAST_GROUPS, P_PAST_ROWS, /* the past's rows [Hkv, G, P, D]; each row's (B) */
     P_FIELDS
 };
-enum { M_A, M_A_SL, M_A_SR, M_B, M_B_SL, M_B_SO, M_B_SR, M_RANK, M_GA, M_GBT, M_FIELDS };
+/* A module's fields: its lanes' weights and rank, its gradients (the backward's), and the
+ * tape of its tokens' h = s A x ([T, r]: the forward's LoRA keeps it, the backward's reads
+ * it; `lora_rows.c`). */
+enum { M_A, M_A_SL, M_A_SR, M_B, M_B_SL, M_B_SO, M_B_SR, M_RANK, M_GA, M_GBT, M_H, M_FIELDS };
 enum { Q, K, V, O, GATE, UP, DOWN, MODULES };
 enum {
     L_NORM1, L_NORM2, L_QKV_W, L_QKV_WT, L_QKV_B, L_Q_OUT, L_K_OUT, L_V_OUT,
@@ -66,7 +69,8 @@ static void lora(const int64_t *p, const int64_t *m, int64_t in, int64_t out, co
                           PTR(const float *, m[M_A]), m[M_A_SL], m[M_A_SR],
                           PTR(const float *, m[M_B]), m[M_B_SL], m[M_B_SO], m[M_B_SR],
                           PTR(const int64_t *, p[P_LANE]), PTR(const int64_t *, p[P_ORDER]),
-                          PTR(const float *, p[P_SCALE]), PTR(float *, p[P_LORA_SCRATCH]));
+                          PTR(const float *, p[P_SCALE]), PTR(float *, p[P_LORA_SCRATCH]),
+                          PTR(float *, m[M_H]));
 }
 
 /* Module m's gradients for the gradient g (row stride gs) of its output; its input's
@@ -79,7 +83,8 @@ static void lora_back(const int64_t *p, const int64_t *m, int64_t in, int64_t ou
         PTR(const float *, m[M_A]), m[M_A_SL], m[M_A_SR], PTR(const float *, m[M_B]),
         m[M_B_SL], m[M_B_SO], m[M_B_SR], PTR(const int64_t *, p[P_LANE]),
         PTR(const int64_t *, p[P_ORDER]), PTR(const float *, p[P_SCALE]),
-        PTR(float *, m[M_GA]), PTR(float *, m[M_GBT]), PTR(float *, p[P_LORA_SCRATCH]), 1);
+        PTR(float *, m[M_GA]), PTR(float *, m[M_GBT]), PTR(float *, p[P_LORA_SCRATCH]), 1,
+        PTR(const float *, m[M_H]));
 }
 
 /* y[i] += x[i] for i < n (separate arrays). */
