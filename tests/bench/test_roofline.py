@@ -124,6 +124,9 @@ def test_every_row_is_scored_against_the_machine(tmp_path: Path, dtype: ModelDTy
         # trainer's are not.
         if r["kind"] == "train":
             assert r["torch_seconds"] is None
+            # The host's part of a step (the tenants' inputs and results) timed beside
+            # the device's, not in it.
+            assert r["host_seconds"] > 0
         else:
             assert r["torch_seconds"] > 0
 

@@ -17,7 +17,11 @@ Rows:
   `bench trainer --mixed-lengths`), one GRPO group of 4 rows each, one optimizer step
   of every tenant per trainer call; the median of `steps` calls after a warm-up call,
   against the mean work of those calls, each group's prompt counted once (its samples
-  share it: `ModelCost.train_flops`).
+  share it: `ModelCost.train_flops`). A call's time is the device's part of it, the
+  forward-backward and the optimizer step; the host's part, each tenant's batch made
+  into the trainer's input and its step's result made from the outputs (which the
+  pipeline's tenant coroutines do on the event loop), is timed beside it (`host ms`,
+  JSON `host_seconds`) and not counted.
 
 Times are the least disturbed of several (fastest, or median for the trainer's longer
 calls), as for the machine's limits. Nothing is asserted about them.
@@ -185,10 +189,28 @@ def _decode_row(
     return row | {"half_flops": rig.cost.half_flops(batch)}
 
 
-def _train_step(trainer: GRPOTrainer, batches: Sequence[TrainBatch]) -> None:
-    """One optimizer step of every tenant in `batches`: the trainer's public step API
-    (kept in this one place so that the API can change under it)."""
-    trainer.step(batches)
+def _train_step(
+    trainer: GRPOTrainer, batches: Sequence[TrainBatch], device: torch.device
+) -> tuple[float, float]:
+    """One optimizer step of every tenant in `batches`, split as the pipeline splits it
+    (`pipeline.lifecycle`'s `train`): each batch made into the trainer's input and its
+    result made from the outputs by its tenant's coroutine, on the event loop (the host's
+    part), the forward-backward and the optimizer step on the device thread (the
+    device's). Seconds of `(device, host)`. Kept in this one place so that the trainer's
+    API can change under it."""
+    start = time.perf_counter()
+    trainings = [trainer.training(b.tenant) for b in batches]
+    inputs = [t.train_input(b) for t, b in zip(trainings, batches, strict=True)]
+    prepared = time.perf_counter()
+    outputs = trainer.trainer.forward_backward(inputs)
+    steps = trainer.trainer.optim_step(
+        [(b.tenant, t.adam) for t, b in zip(trainings, batches, strict=True)]
+    )
+    _sync(device)
+    trained = time.perf_counter()
+    for t, b in zip(trainings, batches, strict=True):
+        t.result(b, outputs[b.tenant], steps[b.tenant])
+    return trained - prepared, (prepared - start) + (time.perf_counter() - trained)
 
 
 def _trainer_row(rig: _Rig, tenants: int, steps: int) -> dict[str, Any]:
@@ -203,12 +225,12 @@ def _trainer_row(rig: _Rig, tenants: int, steps: int) -> dict[str, Any]:
         prompt_len, completion_len = tenant_lengths(i, 16, 16)
         data |= synthetic_batches([name], steps + 1, algo, vocab, prompt_len, completion_len, i)
     times: list[float] = []
+    host: list[float] = []
     for k in range(steps + 1):
-        start = time.perf_counter()
-        _train_step(trainer, [data[name][k] for name in data])
-        _sync(model.device)
+        device_s, host_s = _train_step(trainer, [data[name][k] for name in data], model.device)
         if k > 0:  # the first call warms up
-            times.append(time.perf_counter() - start)
+            times.append(device_s)
+            host.append(host_s)
     median = statistics.median(times)
     # The timed steps' mean work (each step its own random completion lengths).
     steps_groups = [
@@ -228,6 +250,8 @@ def _trainer_row(rig: _Rig, tenants: int, steps: int) -> dict[str, Any]:
     )
     row["tokens"] = round(tokens)
     row["half_flops"] = cost.half_flops(2 * tokens)  # forward and backward
+    #: The host's part of a step (`_train_step`), not in `seconds`.
+    row["host_seconds"] = statistics.median(host)
     return row
 
 
@@ -389,6 +413,7 @@ def print_roofline(result: dict[str, Any]) -> None:
         "efficiency",
         "torch ms",
         "torch / this",
+        "host ms",
     ):
         table.add_column(name, justify="left" if name in ("kind", "bound") else "right")
     for r in result["rows"]:
@@ -406,6 +431,7 @@ def print_roofline(result: dict[str, Any]) -> None:
             f"{r['efficiency']:.3f}",
             "-" if r["torch_seconds"] is None else f"{r['torch_seconds'] * 1e3:.2f}",
             "-" if r["torch_seconds"] is None else f"{r['torch_seconds'] / r['seconds']:.2f}x",
+            f"{r['host_seconds'] * 1e3:.2f}" if "host_seconds" in r else "-",
         )
     console.print(table)
 
