@@ -11,6 +11,8 @@ import torch
 from torch import Tensor
 
 from marlaas.model import kernels
+from marlaas.model.kernels.build import kernel as load
+from marlaas.model.lane_layers import LaneGrads
 from marlaas.model.lane_plan import LanePlan
 
 
@@ -193,21 +195,26 @@ def test_gather_grads_lays_out_each_lanes_flat_gradient() -> None:
     """Lanes' gradients from the kernels' layouts into their flat vectors' rows: A as it
     is, B's rank-major gradient in PEFT's layout (rank 8 in registers, sixteen outputs
     at a time, the rest one by one; other ranks element by element), zeros for a module
-    none reached; exactly. What it does not take (bfloat16, a row of another width) it
-    declines without writing."""
+    none reached and for a lane no pass reached (fresh: its rows hold anything); exactly.
+    What it does not take (bfloat16, a row of another width) it declines without
+    writing."""
     g = torch.Generator().manual_seed(0)
     L = 3
     shapes = [(8, 48, 352), (8, 16, 45), (4, 24, 33), (16, 8, 40), (8, 32, 16)]
-    modules = []
+    modules: list[tuple[LaneGrads | None, int, int, int]] = []
     want = []
     for k, (r, fan_in, fan_out) in enumerate(shapes):
         gA, gBt = torch.randn(L, r, fan_in, generator=g), torch.randn(L, r, fan_out, generator=g)
+        fresh = torch.zeros(L, dtype=torch.uint8)
         if k == 2:  # no pass reached it
-            modules.append((None, None, r, fan_in, fan_out))
+            modules.append((None, r, fan_in, fan_out))
             want += [torch.zeros(L, r * fan_in), torch.zeros(L, fan_out * r)]
-        else:
-            modules.append((gA, gBt, r, fan_in, fan_out))
-            want += [gA.reshape(L, -1), gBt.transpose(1, 2).reshape(L, -1)]
+            continue
+        if k == 3:  # no pass reached lane 1 (its rows: leftovers)
+            fresh[1] = 1
+        keep = (1 - fresh).float()[:, None]
+        modules.append((LaneGrads(gA, gBt, fresh), r, fan_in, fan_out))
+        want += [gA.reshape(L, -1) * keep, gBt.transpose(1, 2).reshape(L, -1) * keep]
     expected = torch.cat(want, dim=1)
     flat = torch.full((L, expected.shape[1] + 5), 7.0)
     assert kernels.gather_grads(modules, flat[:, : expected.shape[1]])
@@ -216,8 +223,47 @@ def test_gather_grads_lays_out_each_lanes_flat_gradient() -> None:
     untouched = torch.full((L, expected.shape[1]), 7.0)
     assert not kernels.gather_grads(modules, untouched.bfloat16())
     assert not kernels.gather_grads(modules, torch.full((L, expected.shape[1] + 1), 7.0))
-    bf16 = [(None if a is None else a.bfloat16(), b, r, i, o) for a, b, r, i, o in modules]
+    bf16 = [
+        (None if m is None else LaneGrads(m.gA.bfloat16(), m.gBt, m.fresh_L), r, i, o)
+        for m, r, i, o in modules
+    ]
     assert not kernels.gather_grads(bf16, untouched) and (untouched == 7.0).all()
+
+
+def test_a_fresh_lanes_first_block_writes_its_gradients() -> None:
+    """The backward writes a fresh lane's gradients at its first block (the buffers'
+    leftovers never read), adds at the blocks after it and in later calls, and leaves a
+    lane it never reaches fresh: the same gradients as zeroed buffers added into."""
+    g = torch.Generator().manual_seed(1)
+    L, N, T, r, fan_in, fan_out = 4, 9, 9, 8, 48, 40
+    A, B = torch.randn(L, r, fan_in, generator=g), torch.randn(L, fan_out, r, generator=g)
+    lane = torch.tensor([1, 0, 3, 1, 1, 0, 3, 3, 1])  # lane 2 absent; lane 1 past a block
+    order, scale = torch.argsort(lane, stable=True), torch.rand(L, generator=g) + 0.5
+    kernel = load("lora_rows_backward_strided")
+    assert kernel is not None
+    scratch = torch.empty(r * fan_out)
+    grads = LaneGrads(
+        torch.full((L, r, fan_in), float("nan")),
+        torch.full((L, r, fan_out), float("nan")),
+        torch.ones(L, dtype=torch.uint8),
+    )
+    zero_A, zero_Bt = torch.zeros(L, r, fan_in), torch.zeros(L, r, fan_out)
+    for _ in range(2):  # two passes into the same buffers
+        x = torch.randn(N, T, fan_in, generator=g)
+        dy = torch.randn(N, T, fan_out, generator=g)
+        for gA, gBt, fresh in ((grads.gA, grads.gBt, grads.fresh_L), (zero_A, zero_Bt, None)):
+            kernel(
+                N, T, fan_in, fan_out, r, x.data_ptr(), dy.data_ptr(), fan_out, 0,
+                A.data_ptr(), *A.stride()[:2], B.data_ptr(), *B.stride(),
+                lane.data_ptr(), order.data_ptr(), scale.data_ptr(),
+                gA.data_ptr(), gBt.data_ptr(), scratch.data_ptr(), 0,
+                0, 0 if fresh is None else fresh.data_ptr(),
+            )  # fmt: skip
+    assert grads.fresh_L.tolist() == [0, 0, 1, 0]
+    gA, gBt = grads.settled()
+    assert grads.fresh_L.tolist() == [0, 0, 0, 0]
+    torch.testing.assert_close(gA, zero_A, rtol=0, atol=0)
+    torch.testing.assert_close(gBt, zero_Bt, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("fan_out", [352, 45])

@@ -13,6 +13,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 from transformers.pytorch_utils import Conv1D
 
@@ -40,15 +41,46 @@ class LaneBatch:
     #: skip the multiplication by the scale.
     prescaled: bool = False
     #: Where a native backward adds the lanes' gradients of module `path` instead of
-    #: handing them to autograd: `A`'s `[L, r, in]` and `B`'s rank-major `[L, r, out]`,
-    #: one pair of buffers for all of a trainer micro-batch's passes, made by the first
-    #: (`marlaas.train.lanes.MicroLanes` reads them); None: autograd's, as every other
-    #: path.
-    grads: dict[str, tuple[Tensor, Tensor]] | None = None
+    #: handing them to autograd (`LaneGrads`): one set of buffers for all of a trainer
+    #: micro-batch's passes, made by the first (`marlaas.train.lanes.MicroLanes` reads
+    #: them); None: autograd's, as every other path.
+    grads: dict[str, LaneGrads] | None = None
 
     @property
     def num_lanes(self) -> int:
         return int(self.scale_L.shape[0])
+
+
+@dataclass(frozen=True)
+class LaneGrads:
+    """One module's lanes' gradients from a native backward (`LaneBatch.grads`): `A`'s
+    `[L, r, in]`, `B`'s rank-major `[L, r, out]`, and `fresh_L` (uint8) marking the lanes
+    no pass has reached yet, whose rows hold no values: the first pass to reach a lane
+    writes its rows and clears its mark, the later ones add (no zeros written first)."""
+
+    gA: Tensor
+    gBt: Tensor
+    fresh_L: Tensor
+
+    @staticmethod
+    def of(A_Lri: Tensor, B_Lor: Tensor) -> LaneGrads:
+        """Buffers for module `(A, B)`'s lanes, every lane fresh."""
+        L, r = int(A_Lri.shape[0]), int(A_Lri.shape[1])
+        return LaneGrads(
+            torch.empty((L, r, int(A_Lri.shape[2]))),
+            torch.empty((L, r, int(B_Lor.shape[1]))),
+            torch.ones(L, dtype=torch.uint8),
+        )
+
+    def settled(self) -> tuple[Tensor, Tensor]:
+        """`(gA, gBt)` with every lane's rows holding its gradient: a fresh lane's
+        zeroed (in place; no pass reached it)."""
+        fresh = self.fresh_L.bool()
+        if bool(fresh.any()):
+            self.gA[fresh] = 0.0
+            self.gBt[fresh] = 0.0
+            self.fresh_L.zero_()
+        return self.gA, self.gBt
 
 
 class LaneContext:

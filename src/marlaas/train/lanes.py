@@ -89,10 +89,11 @@ class MicroLanes:
         lanes = len(self.tenants)
         buffers = self.batch.grads or {}
         paths = self.tenants[0].layout.paths
-        modules: list[tuple[Tensor | None, Tensor | None, int, int, int]] = []
-        for path, (A, B) in zip(paths, self.leaves, strict=True):
-            gA, gBt = buffers.get(path, (None, None))
-            modules.append((gA, gBt, int(A.shape[1]), int(A.shape[2]), int(B.shape[1])))
+        sunk = [buffers.get(path) for path in paths]
+        modules = [
+            (s, int(A.shape[1]), int(A.shape[2]), int(B.shape[1]))
+            for s, (A, B) in zip(sunk, self.leaves, strict=True)
+        ]
         width = sum(leaf[0].numel() for pair in self.leaves for leaf in pair)
         grad_LP = torch.empty((lanes, width), device=self.leaves[0][0].device)
         with torch.no_grad():
@@ -101,12 +102,13 @@ class MicroLanes:
             if not laid:
                 grad_LP.zero_()
             at = 0
-            for (A, B), (gA, gBt, *_) in zip(self.leaves, modules, strict=True):
+            for (A, B), grads in zip(self.leaves, sunk, strict=True):
                 # The buffers where the call declined (B's in PEFT's layout), and the
                 # Python layers' gradients where they ran.
                 unlaid: tuple[Tensor | None, Tensor | None] = (None, None)
-                if not laid:
-                    unlaid = (gA, None if gBt is None else gBt.transpose(1, 2))
+                if not laid and grads is not None:
+                    gA, gBt = grads.settled()
+                    unlaid = (gA, gBt.transpose(1, 2))
                 for leaf, buffer in zip((A, B), unlaid, strict=True):
                     n = leaf[0].numel()
                     adds = [g for g in (buffer, leaf.grad) if g is not None]

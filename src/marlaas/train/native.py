@@ -31,6 +31,7 @@ from torch import Tensor
 from marlaas.model.decoder import DecoderStack, Layer
 from marlaas.model.kernels import Spans, half_linear_takes, native_kernels
 from marlaas.model.kernels.build import kernel as load
+from marlaas.model.lane_layers import LaneGrads
 from marlaas.model.lane_plan import RowLanes
 from marlaas.model.native import (
     LORA_FIELDS,
@@ -44,18 +45,18 @@ from marlaas.model.native import (
 )
 
 #: The C side's field counts and offsets (`train_layers.c`); the order of each list
-#: below is its enums'. A module: its `LORA_FIELDS`, its gradients' (M_GA, M_GBT) and the
-#: tape of its h = s A x (M_H).
-_P_FIELDS, _M_FIELDS = 30, LORA_FIELDS + 3
+#: below is its enums'. A module: its `LORA_FIELDS`, its gradients' (M_GA, M_GBT), the
+#: tape of its h = s A x (M_H) and its gradients' lanes' fresh flags (M_FRESH).
+_P_FIELDS, _M_FIELDS = 30, LORA_FIELDS + 4
 _L_STATIC, _L_PASS, _L_TAPE = 19, 10, 10
 _L_FIELDS = _L_STATIC + _L_PASS + _L_TAPE + len(MODULES) * _M_FIELDS
 #: What the backward writes into the forward's fields: the hidden state's (now the
 #: gradient's, P_HIDDEN) and its scratch (P_WIDE, P_GRAD2, P_DQ); a layer's dK and dV
 #: (L_DK, L_DV, after its static and four pass fields) and its past's (L_DPAST_K,
-#: L_DPAST_V); a module's gA and gBt.
+#: L_DPAST_V); a module's gA, gBt and fresh flags.
 _P_HIDDEN, _P_SCRATCH = 13, 25
 _L_DK, _L_DPAST = _L_STATIC + 6, _L_STATIC + 8
-_M_GA = LORA_FIELDS
+_M_GA, _M_FRESH = LORA_FIELDS, LORA_FIELDS + 3
 #: Per layer: keys and values `[B, Hkv, columns, D]` (a pass's past: `[Hkv, G, P, D]`).
 LayerCache = list[tuple[Tensor, Tensor]]
 
@@ -189,7 +190,7 @@ class _Call:
     past_rows: Tensor | None
     past_groups: int
     #: The lanes' gradient buffers (`LaneBatch.grads`), or None: autograd's.
-    sink: dict[str, tuple[Tensor, Tensor]] | None
+    sink: dict[str, LaneGrads] | None
 
 
 class _Tape:
@@ -294,7 +295,9 @@ class _Pass(torch.autograd.Function):
             program += tape.fields[i]
             for j, pair in enumerate(call.modules[i]):  # gA, gBt: the backward's
                 program += (
-                    [0] * _M_FIELDS if pair is None else [*lora_fields(*pair), 0, 0, tape.h[i][j]]
+                    [0] * _M_FIELDS
+                    if pair is None
+                    else [*lora_fields(*pair), 0, 0, tape.h[i][j], 0]
                 )
         assert len(program) == _P_FIELDS + count * _L_FIELDS
         fields = array.array("q", program)
@@ -349,17 +352,20 @@ class _Pass(torch.autograd.Function):
                 if pair is None:
                     continue
                 path = layers.paths[i][j]
+                m = at + _L_STATIC + _L_PASS + _L_TAPE + j * _M_FIELDS
                 if call.sink is None or path is None:  # this pass's own, for autograd
                     gA, gBt = _zero_gradients(pair)
                     grads_w += (gA, gBt.transpose(1, 2))
-                else:  # the micro-batch's (made at its first pass; the C side adds)
-                    if path not in call.sink:
-                        call.sink[path] = _zero_gradients(pair)
-                    gA, gBt = call.sink[path]
+                else:  # the micro-batch's (made at its first pass; the C side writes a
+                    # lane's at its first block, then adds)
+                    sunk = call.sink.get(path)
+                    if sunk is None:
+                        sunk = call.sink[path] = LaneGrads.of(*pair)
+                    gA, gBt = sunk.gA, sunk.gBt
+                    fields[m + _M_FRESH] = sunk.fresh_L.data_ptr()
                     grads_w += (None, None)
-                m = at + _L_STATIC + _L_PASS + _L_TAPE + j * _M_FIELDS + _M_GA
-                fields[m] = gA.data_ptr()
-                fields[m + 1] = gBt.data_ptr()
+                fields[m + _M_GA] = gA.data_ptr()
+                fields[m + _M_GA + 1] = gBt.data_ptr()
         load("train_layers_backward")(fields.buffer_info()[0], layers.floats.buffer_info()[0])
         return (g if ctx.needs_input_grad[0] else None, None, *g_past, *grads_w)
 

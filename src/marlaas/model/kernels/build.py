@@ -95,6 +95,19 @@ KERNELS: dict[str, tuple[str, str, list[type]]] = {
             *(_PTR, _PTR, _PTR, _I64),
         ],
     ),
+    # (the trainer's layers call it from C; exported for its tests)
+    "lora_rows_backward_strided": (
+        "lora_rows",
+        "lora_rows_backward_strided_f32",
+        [
+            *(_I64, _I64, _I64, _I64, _I64),
+            *(_PTR, _PTR, _I64, _PTR),
+            *(_PTR, _I64, _I64),
+            *(_PTR, _I64, _I64, _I64),
+            *(_PTR, _PTR, _PTR),
+            *(_PTR, _PTR, _PTR, _I64, _PTR, _PTR),
+        ],
+    ),
     "lora_gather_grads": (
         "lora_rows",
         "lora_gather_grads_f32",

@@ -22,7 +22,7 @@ void lora_rows_backward_strided_f32(int64_t U, int64_t T, int64_t in, int64_t ou
                                     const float *B, int64_t b_sl, int64_t b_so, int64_t b_sr,
                                     const int64_t *lane, const int64_t *order,
                                     const float *scale, float *gA, float *gBt, float *scratch,
-                                    int64_t add_gx, const float *tape);
+                                    int64_t add_gx, const float *tape, uint8_t *fresh);
 void rms_norm_backward_f32(int64_t T, int64_t E, const float *h, const float *weight,
                            const float *g, float eps, float *gh, float *gw);
 void rotary_f32(int64_t T, int64_t H, int64_t D, const float *restrict x,

@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import array
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from marlaas.model.kernels.build import kernel as load
+
+if TYPE_CHECKING:  # (lane_layers imports the kernels)
+    from marlaas.model.lane_layers import LaneGrads
 
 #: The largest rank `lora_rows` takes (its per-token buffer in `lora_rows.c`).
 LORA_ROWS_MAX_RANK = 64
@@ -200,39 +205,46 @@ def _shape(
     return N, T, fan_in, fan_out, r
 
 
-def gather_grads(
-    modules: list[tuple[Tensor | None, Tensor | None, int, int, int]], dst_LP: Tensor
-) -> bool:
+def gather_grads(modules: Sequence[tuple[LaneGrads | None, int, int, int]], dst_LP: Tensor) -> bool:
     """Lay out lanes' gradients as their flat vectors, one row of `dst_LP` per lane: per
-    module, in order, `(gA [L, r, in], gBt [L, r, out], r, in, out)` (the per-row
-    kernels' layouts, contiguous; None: zeros), each lane's A part then its B part in
-    PEFT's layout `[out, r]`; False (nothing written) where the kernel does not take
+    module, in order, `(grads, r, in, out)` (`LaneGrads`: the per-row kernels' layouts,
+    contiguous; None: zeros, as for its fresh lanes), each lane's A part then its B part
+    in PEFT's layout `[out, r]`; False (nothing written) where the kernel does not take
     them (float32 CPU tensors, `dst_LP` rows dense, each exactly as wide as the parts)."""
     kernel = load("lora_gather_grads")
     L = int(dst_LP.shape[0])
-    parts = [t for gA, gBt, *_ in modules for t in (gA, gBt) if t is not None]
+    parts = [t for grads, *_ in modules if grads is not None for t in (grads.gA, grads.gBt)]
     if (
         kernel is None
         or dst_LP.dim() != 2
         or dst_LP.dtype != torch.float32
         or dst_LP.device.type != "cpu"
         or dst_LP.stride(1) != 1
-        or int(dst_LP.shape[1]) != sum(r * (i + o) for _, _, r, i, o in modules)
+        or int(dst_LP.shape[1]) != sum(r * (i + o) for _, r, i, o in modules)
         or any(
             t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
             for t in parts
         )
         or any(
-            (gA is not None and tuple(gA.shape) != (L, r, i))
-            or (gBt is not None and tuple(gBt.shape) != (L, r, o))
-            for gA, gBt, r, i, o in modules
+            grads is not None
+            and (
+                tuple(grads.gA.shape) != (L, r, i)
+                or tuple(grads.gBt.shape) != (L, r, o)
+                or tuple(grads.fresh_L.shape) != (L,)
+                or grads.fresh_L.dtype != torch.uint8
+                or not grads.fresh_L.is_contiguous()
+            )
+            for grads, r, i, o in modules
         )
     ):
         return False
     fields = array.array("q")
-    for gA, gBt, r, i, o in modules:
-        fields.extend(
-            (0 if gA is None else gA.data_ptr(), r, i, 0 if gBt is None else gBt.data_ptr(), o)
-        )
+    for grads, r, i, o in modules:
+        if grads is None:
+            fields.extend((0, r, i, 0, o, 0))
+        else:
+            fields.extend(
+                (grads.gA.data_ptr(), r, i, grads.gBt.data_ptr(), o, grads.fresh_L.data_ptr())
+            )
     kernel(len(modules), fields.buffer_info()[0], L, dst_LP.data_ptr(), dst_LP.stride(0))
     return True

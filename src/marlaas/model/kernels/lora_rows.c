@@ -336,18 +336,20 @@ void lora_rows_f32(int64_t U, int64_t T, int64_t in, int64_t out, int64_t r,
 }
 
 /* acc[k * ld + i] += sum_t c[t * r + k] * v_t[i] for k < r, i < n over the `nt` rows
- * v_t: a rank-by-features product added into a lane's gradient (rank-major, `n`
- * contiguous), eight ranks of one vector of features held in registers while every row
- * adds into them (one load of v_t per eight multiply-adds, one load and store of the
- * gradient per block of rows, not per row). */
+ * v_t (written instead where `init`: acc's values are none yet): a rank-by-features
+ * product added into a lane's gradient (rank-major, `n` contiguous), eight ranks of one
+ * vector of features held in registers while every row adds into them (one load of v_t
+ * per eight multiply-adds, one load and store of the gradient per block of rows, not per
+ * row). */
 static inline void outer_add(float *acc, int64_t ld, int64_t r, const float *c,
-                             const float *const *v, int64_t nt, int64_t n) {
+                             const float *const *v, int64_t nt, int64_t n, int init) {
     for (int64_t k0 = 0; k0 < r; k0 += GROUP) {
         const int64_t kn = r - k0 < GROUP ? r - k0 : GROUP;
         int64_t i = 0;
         for (; i + W <= n; i += W) {
             vf a[GROUP];
-            for (int g = 0; g < GROUP; ++g) a[g] = g < kn ? *(vf *)(acc + (k0 + g) * ld + i) : (vf){0};
+            for (int g = 0; g < GROUP; ++g)
+                a[g] = g < kn && !init ? *(vf *)(acc + (k0 + g) * ld + i) : (vf){0};
             for (int64_t t = 0; t < nt; ++t) {
                 const vf vt = *(const vf *)(v[t] + i);
                 const float *ct = c + t * r + k0;
@@ -357,11 +359,22 @@ static inline void outer_add(float *acc, int64_t ld, int64_t r, const float *c,
         }
         for (; i < n; ++i)
             for (int64_t g = 0; g < kn; ++g) {
-                float s = acc[(k0 + g) * ld + i];
+                float s = init ? 0.0f : acc[(k0 + g) * ld + i];
                 for (int64_t t = 0; t < nt; ++t) s += c[t * r + k0 + g] * v[t][i];
                 acc[(k0 + g) * ld + i] = s;
             }
     }
+}
+
+/* The block of `nt` tokens of lane l (their e and h, rows xs and gs) added into the
+ * lane's gradients, written where the lane is `fresh` (then no longer). */
+static inline void add_block(int64_t l, int64_t r, int64_t in, int64_t out, const float *e,
+                             const float *h, const float *const *xs, const float *const *gs,
+                             int64_t nt, float *gA, float *gBt, uint8_t *fresh) {
+    const int init = fresh && fresh[l];
+    outer_add(gA + l * r * in, in, r, e, xs, nt, in, init);
+    outer_add(gBt + l * r * out, out, r, h, gs, nt, out, init);
+    if (init) fresh[l] = 0;
 }
 
 /* Tokens of one lane taken together by the backward (its scratch of h and e). */
@@ -375,7 +388,9 @@ static inline void outer_add(float *acc, int64_t ld, int64_t r, const float *c,
  *     gx = A^T e (written),   gA[lane] += e x^T,   gBt[lane] += h g^T,
  *
  * gBt rank-major ([L, r, out], the transpose of B's gradient; the caller transposes it);
- * h read from `tape` where given (`lora_rows_strided_f32`'s), else computed.
+ * h read from `tape` where given (`lora_rows_strided_f32`'s), else computed. A lane l
+ * with fresh[l] set (`fresh` given) has no gradient yet: its first block writes its
+ * gradients' rows (no zeros made for them beforehand) and clears the flag.
  * gA [L, r, in] and gBt contiguous, accumulated into; gx [U * T, in] contiguous, written
  * (`add_gx` 0), added into (`add_gx` 1: a base layer's input gradient already there) or
  * not computed (NULL: the input needs none). Units
@@ -389,7 +404,7 @@ void lora_rows_backward_strided_f32(int64_t U, int64_t T, int64_t in, int64_t ou
                                     const float *B, int64_t b_sl, int64_t b_so, int64_t b_sr,
                                     const int64_t *lane, const int64_t *order,
                                     const float *scale, float *gA, float *gBt, float *scratch,
-                                    int64_t add_gx, const float *tape) {
+                                    int64_t add_gx, const float *tape, uint8_t *fresh) {
     int64_t current = -1, nt = 0;
     const float *Bt = scratch;
     int64_t bt_sk = out;
@@ -398,8 +413,7 @@ void lora_rows_backward_strided_f32(int64_t U, int64_t T, int64_t in, int64_t ou
     for (int64_t j = 0; j <= U; ++j) {
         const int64_t l = j < U ? lane[order[j]] : -1;
         if (l != current && nt > 0) { /* the block of the lane before: its gradients */
-            outer_add(gA + current * r * in, in, r, e, xs, nt, in);
-            outer_add(gBt + current * r * out, out, r, h, gs, nt, out);
+            add_block(current, r, in, out, e, h, xs, gs, nt, gA, gBt, fresh);
             nt = 0;
         }
         if (j == U) break;
@@ -421,8 +435,7 @@ void lora_rows_backward_strided_f32(int64_t U, int64_t T, int64_t in, int64_t ou
         const int64_t u = order[j];
         for (int64_t t = 0; t < T; ++t) {
             if (nt == BLOCK) {
-                outer_add(gA + l * r * in, in, r, e, xs, nt, in);
-                outer_add(gBt + l * r * out, out, r, h, gs, nt, out);
+                add_block(l, r, in, out, e, h, xs, gs, nt, gA, gBt, fresh);
                 nt = 0;
             }
             const int64_t tok = u * T + t;
@@ -463,7 +476,7 @@ void lora_rows_backward_f32(int64_t U, int64_t T, int64_t in, int64_t out, int64
                             const int64_t *lane, const int64_t *order, const float *scale,
                             float *gA, float *gBt, float *scratch, int64_t add_gx) {
     lora_rows_backward_strided_f32(U, T, in, out, r, x, g, out, gx, A, a_sl, a_sr, B, b_sl, b_so,
-                                   b_sr, lane, order, scale, gA, gBt, scratch, add_gx, 0);
+                                   b_sr, lane, order, scale, gA, gBt, scratch, add_gx, 0, 0);
 }
 
 /* Each of `L` lanes' rank-major gradient of B, src [r, out] (lanes out * r apart), into
@@ -488,31 +501,32 @@ static void peft_layout(int64_t L, int64_t r, int64_t out, const float *src, flo
 }
 
 /* A micro-batch's lanes' gradients laid out as their flat parameter vectors: for each of
- * `count` modules (`fields`: gA's address, r, in, gBt's address, out; an address 0 for a
- * module no pass reached), lane l's gA [r, in] and then its B's gradient in PEFT's
- * layout [out, r] (from gBt [r, out], `peft_layout`) go one after the
- * other into row l of dst (rows d_sl apart), zeros where a module has none: one call
- * for what was a copy per module and lane block. */
+ * `count` modules (`fields`: gA's address, r, in, gBt's address, out, the address of its
+ * lanes' `fresh` flags or 0; an address 0 for a module no pass reached), lane l's gA
+ * [r, in] and then its B's gradient in PEFT's layout [out, r] (from gBt [r, out],
+ * `peft_layout`) go one after the other into row l of dst (rows d_sl apart), zeros
+ * where a module has none or the lane none yet (fresh): one call for what was a copy
+ * per module and lane block. */
 void lora_gather_grads_f32(int64_t count, const int64_t *fields, int64_t L, float *dst,
                            int64_t d_sl) {
     int64_t at = 0;
     for (int64_t m = 0; m < count; ++m) {
-        const int64_t *f = fields + 5 * m;
+        const int64_t *f = fields + 6 * m;
         const float *gA = (const float *)(intptr_t)f[0], *gBt = (const float *)(intptr_t)f[3];
+        const uint8_t *fresh = (const uint8_t *)(intptr_t)f[5];
         const int64_t r = f[1], in = f[2], out = f[4];
         for (int64_t l = 0; l < L; ++l) {
             float *row = dst + l * d_sl + at;
-            if (gA)
+            const int none = fresh && fresh[l];
+            if (gA && !none)
                 memcpy(row, gA + l * r * in, (size_t)(r * in) * sizeof(float));
             else
                 memset(row, 0, (size_t)(r * in) * sizeof(float));
+            if (gBt && !none)
+                peft_layout(1, r, out, gBt + l * r * out, row + r * in, d_sl);
+            else
+                memset(row + r * in, 0, (size_t)(r * out) * sizeof(float));
         }
-        at += r * in;
-        if (gBt)
-            peft_layout(L, r, out, gBt, dst + at, d_sl);
-        else
-            for (int64_t l = 0; l < L; ++l)
-                memset(dst + l * d_sl + at, 0, (size_t)(r * out) * sizeof(float));
-        at += r * out;
+        at += r * (in + out);
     }
 }

@@ -43,10 +43,13 @@ enum {
     P_PAST_GROUPS, P_PAST_ROWS, /* the past's rows [Hkv, G, P, D]; each row's (B) */
     P_FIELDS
 };
-/* A module's fields: its lanes' weights and rank, its gradients (the backward's), and the
- * tape of its tokens' h = s A x ([T, r]: the forward's LoRA keeps it, the backward's reads
- * it; `lora_rows.c`). */
-enum { M_A, M_A_SL, M_A_SR, M_B, M_B_SL, M_B_SO, M_B_SR, M_RANK, M_GA, M_GBT, M_H, M_FIELDS };
+/* A module's fields: its lanes' weights and rank, its gradients (the backward's) and
+ * their lanes' `fresh` flags (none: added into), and the tape of its tokens' h = s A x
+ * ([T, r]: the forward's LoRA keeps it, the backward's reads it; `lora_rows.c`). */
+enum {
+    M_A, M_A_SL, M_A_SR, M_B, M_B_SL, M_B_SO, M_B_SR, M_RANK, M_GA, M_GBT, M_H, M_FRESH,
+    M_FIELDS
+};
 enum { Q, K, V, O, GATE, UP, DOWN, MODULES };
 enum {
     L_NORM1, L_NORM2, L_QKV_W, L_QKV_WT, L_QKV_B, L_Q_OUT, L_K_OUT, L_V_OUT,
@@ -84,7 +87,7 @@ static void lora_back(const int64_t *p, const int64_t *m, int64_t in, int64_t ou
         m[M_B_SL], m[M_B_SO], m[M_B_SR], PTR(const int64_t *, p[P_LANE]),
         PTR(const int64_t *, p[P_ORDER]), PTR(const float *, p[P_SCALE]),
         PTR(float *, m[M_GA]), PTR(float *, m[M_GBT]), PTR(float *, p[P_LORA_SCRATCH]), 1,
-        PTR(const float *, m[M_H]));
+        PTR(const float *, m[M_H]), PTR(uint8_t *, m[M_FRESH]));
 }
 
 /* y[i] += x[i] for i < n (separate arrays). */
