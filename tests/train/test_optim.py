@@ -18,6 +18,7 @@ from marlaas.train.optim import (
     AdapterLayout,
     adamw_step_,
     clip_grad_norms_,
+    clipped_adamw_step_,
 )
 
 CONFIGS = [
@@ -91,6 +92,45 @@ def test_clipping_uses_each_tenants_own_norm() -> None:
         assert norm == pytest.approx(float(ref), rel=1e-6)
         torch.testing.assert_close(x, p.grad)
     assert norms[0] < limits[0] < norms[1]  # one tenant untouched, the others clipped
+
+
+def test_the_clipped_step_is_clipping_then_adamw(kernel_or_torch: str) -> None:
+    """`clipped_adamw_step_` (every tenant in one native call, each gradient read as it
+    goes; or torch's ops) equals `clip_grad_norms_` then `adamw_step_`: the same norms,
+    learning rates and updates, a tenant clipped, one not, one without a limit, over
+    several steps; and each tenant's update is the one it gets alone, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    sizes = [7, 130, 33]
+    configs = [
+        AdamParams(lr=1e-2, max_grad_norm=0.5),
+        AdamParams(lr=3e-3, betas=(0.8, 0.95), weight_decay=0.1, max_grad_norm=100.0),
+        AdamParams(lr=5e-2, weight_decay=0.01, warmup_steps=2, max_grad_norm=None),
+    ]
+    fused = [torch.randn(n, generator=g) for n in sizes]
+    split = [p.clone() for p in fused]
+    fused_states = [AdamState.zeros_like(p) for p in fused]
+    split_states = [AdamState.zeros_like(p) for p in fused]
+    for _ in range(4):
+        grads = [torch.randn(n, generator=g) * 3 for n in sizes]
+        norms, lrs = clipped_adamw_step_(fused, [x.clone() for x in grads], fused_states, configs)
+        clipped = [x.clone() for x in grads]
+        want_norms = clip_grad_norms_(clipped, [c.max_grad_norm for c in configs])
+        want_lrs = adamw_step_(split, clipped, split_states, configs)
+        assert norms == pytest.approx(want_norms.tolist(), rel=1e-6)
+        assert lrs == want_lrs
+        for a, b in zip(fused, split, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        assert norms[0] > 0.5 and norms[1] < 100.0  # one clipped, one not
+    assert [s.step for s in fused_states] == [4, 4, 4]
+    alone = [p.clone() for p in fused]
+    alone_states = [
+        AdamState(s.step, s.exp_avg_P.clone(), s.exp_avg_sq_P.clone()) for s in fused_states
+    ]
+    grads = [torch.randn(n, generator=g) for n in sizes]
+    clipped_adamw_step_(fused, [x.clone() for x in grads], fused_states, configs)
+    for k in range(3):
+        clipped_adamw_step_([alone[k]], [grads[k].clone()], [alone_states[k]], [configs[k]])
+        assert torch.equal(fused[k], alone[k])
 
 
 def test_warmup_schedule_and_validation() -> None:

@@ -74,8 +74,7 @@ from marlaas.train.optim import (
     AdamState,
     AdapterLayout,
     TenantSnapshot,
-    adamw_step_,
-    clip_grad_norms_,
+    clipped_adamw_step_,
 )
 from marlaas.train.prefix import SharedPrefix
 from marlaas.train.records import OptimResult, TrainInput, TrainOutput, tenants_of
@@ -248,8 +247,9 @@ class MultiLaneTrainer:
                 s.flat_P.grad if s.flat_P.grad is not None else torch.zeros_like(s.flat_P)
                 for s in states
             ]
-            norms_K = clip_grad_norms_(grads, [p.max_grad_norm for p in params])
-            lrs = adamw_step_([s.flat_P for s in states], grads, [s.adam for s in states], params)
+            norms, lrs = clipped_adamw_step_(
+                [s.flat_P for s in states], grads, [s.adam for s in states], params
+            )
         finally:
             for s in states:
                 s.flat_P.grad = None
@@ -258,7 +258,7 @@ class MultiLaneTrainer:
         self.stats.optim_steps += 1
         return {
             s.name: OptimResult(s.name, s.version, norm, lr)
-            for s, norm, lr in zip(states, norms_K.tolist(), lrs, strict=True)
+            for s, norm, lr in zip(states, norms, lrs, strict=True)
         }
 
     def _get(self, tenant: str) -> _Tenant:

@@ -28,7 +28,8 @@
   oneDNN, whose ~15 us per call is more than the product up to ~32 rows, at every row
   count on one thread (on more, oneDNN keeps more than `HALF_LINEAR_MAX_ROWS` rows).
 - `adamw` is the trainer's AdamW update of a tenant's flat vector in one pass
-  (`adamw.c`) where torch's multi-tensor ops make eight.
+  (`adamw.c`) where torch's multi-tensor ops make eight; `adamw_clipped` every tenant
+  of a step, each gradient clipped by its own norm, in one call.
 - `copy_rows` moves slot-cache rows (a finished row's place taken by a live one, a
   prompt's cache copied to the rows that share it) in one pass with no temporary.
 - `sample_rows` samples a decode batch's tokens (without top-k / top-p) and their
@@ -80,6 +81,8 @@ from marlaas.model.kernels.fused import (
     HALF_LINEAR_MAX_ROWS,
     adamw,
     adamw_applies,
+    adamw_clipped,
+    adamw_clipped_applies,
     half_linear_rows,
     half_linear_takes,
     half_pack,
@@ -105,6 +108,8 @@ __all__ = [
     "_library",
     "adamw",
     "adamw_applies",
+    "adamw_clipped",
+    "adamw_clipped_applies",
     "add_rms_norm",
     "copy_rows",
     "gather_grads",

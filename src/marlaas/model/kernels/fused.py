@@ -5,6 +5,9 @@ tensors, contiguous, of matching shapes."""
 
 from __future__ import annotations
 
+import array
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -83,6 +86,30 @@ def adamw_applies(p: Tensor, g: Tensor, m: Tensor, v: Tensor) -> bool:
         and p.numel() == g.numel() == m.numel() == v.numel()
         and _ok(p, g, m, v)
     )
+
+
+def adamw_clipped_applies(tensors: Sequence[tuple[Tensor, Tensor, Tensor, Tensor]]) -> bool:
+    """Whether `adamw_clipped` takes these tenants' `(p, g, m, v)` (each as `adamw`)."""
+    return load("adamw_clipped") is not None and all(adamw_applies(*t) for t in tensors)
+
+
+def adamw_clipped(
+    tensors: Sequence[tuple[Tensor, Tensor, Tensor, Tensor]], scalars: Sequence[Sequence[float]]
+) -> list[float]:
+    """Every tenant's AdamW update, its gradient clipped by its own norm first, in one
+    call (`adamw.c`): tenant k's `(p, g, m, v)` (p, m and v updated in place, g read) and
+    `(max_norm (<= 0: no clipping), decay, lerp, beta2, bias2_sqrt, eps, step,
+    clip_eps)`; the gradients' norms before clipping. The caller checks
+    `adamw_clipped_applies`."""
+    kernel = load("adamw_clipped")
+    assert kernel is not None
+    fields = array.array("q")
+    for p, g, m, v in tensors:
+        fields.extend((p.numel(), p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr()))
+    floats = array.array("f", [x for row in scalars for x in row])
+    norms = array.array("f", bytes(4 * len(tensors)))
+    kernel(len(tensors), fields.buffer_info()[0], floats.buffer_info()[0], norms.buffer_info()[0])
+    return norms.tolist()
 
 
 def adamw(
