@@ -15,6 +15,10 @@
 #include <stdint.h>
 #include "kernels.h"
 
+/* How many tokens ahead the backward prefetches a token's rows (a cache line is sixteen
+ * floats). */
+#define AHEAD 4
+
 void add_rms_norm_f32(int64_t T, int64_t E, float *h, const float *delta, const float *weight,
                       float eps, float *out) {
     for (int64_t t = 0; t < T; ++t) {
@@ -49,6 +53,11 @@ void rms_norm_backward_f32(int64_t T, int64_t E, const float *h, const float *we
     for (int64_t t = 0; t < T; ++t) {
         const float *ht = h + t * E, *gt = g + t * E;
         float *ot = gh + t * E;
+        if (t + AHEAD < T)  /* h: a tape's rows, from memory by the backward's turn */
+            for (int64_t i = 0; i < E; i += 16) {
+                __builtin_prefetch(ht + AHEAD * E + i, 0, 3);
+                __builtin_prefetch(gt + AHEAD * E + i, 0, 3);
+            }
         float sum = 0.0f, dot = 0.0f;
         for (int64_t i = 0; i < E; ++i) {
             sum += ht[i] * ht[i];

@@ -63,6 +63,8 @@ enum {
 enum { FL_EPS1, FL_EPS2, FL_SCALING, FL_Q_EPS, FL_K_EPS, FL_FIELDS };
 
 #define PTR(type, v) ((type)(intptr_t)(v))
+/* How many tokens ahead an element-wise loop over the tape prefetches a token's rows. */
+#define AHEAD 2
 
 /* y (row stride ys) += the LoRA update of module m over x [T, in]. */
 static void lora(const int64_t *p, const int64_t *m, int64_t in, int64_t out, const float *x,
@@ -183,8 +185,12 @@ static void layer_forward(const int64_t *p, const int64_t *L, const float *fl, f
                          PTR(const uint16_t *, L[L_GU_B]), gu, xb);
     lora(p, m + GATE * M_FIELDS, s.E, s.I, x2, gu, 2 * s.I);
     lora(p, m + UP * M_FIELDS, s.E, s.I, x2, gu + s.I, 2 * s.I);
-    for (int64_t t = 0; t < s.T; ++t)
+    for (int64_t t = 0; t < s.T; ++t) {
+        if (t + AHEAD < s.T)
+            for (int64_t i = 0; i < 2 * s.I; i += W)
+                __builtin_prefetch(gu + (t + AHEAD) * 2 * s.I + i, 0, 3);
         swiglu_f32(s.I, gu + t * 2 * s.I, gu + t * 2 * s.I + s.I, gated + t * s.I);
+    }
     half_linear_rows_f32(s.T, s.E, s.I, gated, PTR(const uint16_t *, L[L_DOWN_W]),
                          PTR(const uint16_t *, L[L_DOWN_B]), out, xb);
     lora(p, m + DOWN * M_FIELDS, s.I, s.E, gated, out, s.E);
@@ -212,9 +218,16 @@ static void layer_backward(const int64_t *p, const int64_t *L, const float *fl, 
     float *g_gated = PTR(float *, p[P_OUT]);  /* [T, I] */
     half_linear_rows_f32(s.T, s.I, s.E, g, PTR(const uint16_t *, L[L_DOWN_WT]), 0, g_gated, xb);
     lora_back(p, m + DOWN * M_FIELDS, s.I, s.E, gated, g, s.E, g_gated);
-    for (int64_t t = 0; t < s.T; ++t)
+    for (int64_t t = 0; t < s.T; ++t) {
+        if (t + AHEAD < s.T) {  /* the tape's rows from memory ahead (the forward's, evicted) */
+            const float *next = gu + (t + AHEAD) * 2 * s.I;
+            for (int64_t i = 0; i < 2 * s.I; i += W) __builtin_prefetch(next + i, 0, 3);
+            for (int64_t i = 0; i < s.I; i += W)
+                __builtin_prefetch(g_gated + (t + AHEAD) * s.I + i, 0, 3);
+        }
         swiglu_backward_f32(s.I, gu + t * 2 * s.I, gu + t * 2 * s.I + s.I, g_gated + t * s.I,
                             wide + t * 2 * s.I, wide + t * 2 * s.I + s.I);
+    }
     half_linear_rows_f32(s.T, s.E, 2 * s.I, wide, PTR(const uint16_t *, L[L_GU_WT]), 0, g2, xb);
     lora_back(p, m + GATE * M_FIELDS, s.E, s.I, x2, wide, 2 * s.I, g2);
     lora_back(p, m + UP * M_FIELDS, s.E, s.I, x2, wide + s.I, 2 * s.I, g2);
