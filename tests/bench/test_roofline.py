@@ -99,6 +99,9 @@ def test_every_row_is_scored_against_the_machine(tmp_path: Path, dtype: ModelDTy
     assert json.loads(out.read_text()) == result
     machine = result["machine"]
     assert machine["peak_flops"] >= machine["model_shape_flops"] > 0 and machine["bandwidth"] > 0
+    # The cores' multiply-add rates (the kernels build here; bfloat16 where native).
+    assert machine["fma_flops"] > 0
+    assert (machine["bf16_fma_flops"] > 0) == bool(machine["bf16_hardware"])
     half_peak = machine["weights_flops"]
     assert (half_peak > 0) == (dtype == "bfloat16")
     assert machine["weights_dtype"] == (None if dtype == "float32" else dtype)
@@ -119,6 +122,9 @@ def test_every_row_is_scored_against_the_machine(tmp_path: Path, dtype: ModelDTy
         memory = r["bytes"] / machine["bandwidth"]
         assert r["roofline_s"] == pytest.approx(max(compute, memory))
         assert r["efficiency"] == pytest.approx(r["roofline_s"] / r["seconds"])
+        fma_peak = machine["bf16_fma_flops"] if half else machine["fma_flops"]
+        fma_compute = (r["flops"] - half) / machine["fma_flops"] + (half / fma_peak if half else 0)
+        assert r["fma_efficiency"] == pytest.approx(max(fma_compute, memory) / r["seconds"])
         assert r["bound"] == ("compute" if compute >= memory else "memory")
         # Engine rows are timed on torch's path too (the kernels build here), the
         # trainer's are not.

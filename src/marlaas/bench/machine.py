@@ -15,6 +15,11 @@
   on the CPU, `marlaas.model.mixed`): the matmul peak at the model's shapes in the
   weights' dtype, the ceiling of the FLOPs of those weights (`roofline_s`'s
   `half_flops`); the attention, the LoRA updates and the head stay at the activations'.
+- On a CPU, the cores' own ceiling beside the matmul peaks (`fma_roofline_s`):
+  multiply-adds in registers (`kernels/fma_peak.c`), float32 and, with AVX512-BF16,
+  bfloat16, on as many threads as the run's. A library's matmul can stay well under it
+  (MKL's float32 kernels run 256-bit on AMD CPUs: on this project's Zen 5 machine
+  ~120 GFLOP/s of the core's ~290), so the roofline reports both.
 
 Every figure is the best of several timed repeats after a warm-up (the least disturbed
 by other processes), in the thread count and dtype of the run.
@@ -23,12 +28,14 @@ by other processes), in the thread count and dtype of the run.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import os
 import platform
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -37,6 +44,7 @@ import torch.nn.functional as F
 
 from marlaas import __version__
 from marlaas.bench.cost import weight_matrices
+from marlaas.model.kernels.build import kernel as load
 from marlaas.model.lora import LoRAModel
 from marlaas.model.mixed import native_bfloat16
 
@@ -61,6 +69,10 @@ class Machine:
     #: not the activations' `dtype` (a half dtype on the CPU); else 0.
     weights_flops: float = 0.0
     weights_dtype: str | None = None
+    #: The cores' multiply-add rate in registers (float32; bfloat16 where native): 0
+    #: where not measured (a GPU, or kernels not built).
+    fma_flops: float = 0.0
+    bf16_fma_flops: float = 0.0
 
     @property
     def peak_flops(self) -> float:
@@ -77,6 +89,18 @@ class Machine:
     def roofline_s(self, flops: float, nbytes: float, half_flops: float = 0.0) -> float:
         """The time the work needs at this machine's limits: max(compute, memory)."""
         return max(self.compute_s(flops, half_flops), nbytes / self.bandwidth)
+
+    def fma_roofline_s(self, flops: float, nbytes: float, half_flops: float = 0.0) -> float | None:
+        """`roofline_s` with the cores' multiply-add rates for the matmul peaks (the
+        half weights' FLOPs at the bfloat16 rate where they are bfloat16); None where
+        they were not measured."""
+        half_rate = self.bf16_fma_flops if self.weights_dtype == "bfloat16" else self.fma_flops
+        if not self.fma_flops or (half_flops and not half_rate):
+            return None
+        compute = (flops - half_flops) / self.fma_flops + (
+            half_flops / half_rate if half_flops else 0.0
+        )
+        return max(compute, nbytes / self.bandwidth)
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self) | {"peak_flops": self.peak_flops}
@@ -97,6 +121,8 @@ class Machine:
             bf16_model_shape_flops=max(a.bf16_model_shape_flops, b.bf16_model_shape_flops),
             weights_flops=max(a.weights_flops, b.weights_flops),
             weights_dtype=a.weights_dtype,
+            fma_flops=max(a.fma_flops, b.fma_flops),
+            bf16_fma_flops=max(a.bf16_fma_flops, b.bf16_fma_flops),
         )
 
 
@@ -151,7 +177,43 @@ def measure_machine(
         bf16_model_shape_flops=bf16,
         weights_flops=weights_flops,
         weights_dtype=None if half is None else str(half).removeprefix("torch."),
+        fma_flops=0.0 if gpu else fma_flops("fma_peak_f32", 32),
+        bf16_fma_flops=0.0 if gpu else fma_flops("fma_peak_bf16", 64),
     )
+
+
+def fma_flops(name: str, per_instruction: int, iterations: int = 2_000_000) -> float:
+    """FLOP/s of kernel `name` (`fma_peak.c`: `iterations` of twelve vector instructions
+    of `per_instruction` FLOPs each) on as many threads at once as torch's (the kernel
+    runs in the calling thread, outside the GIL), the best of three; 0 where the kernel
+    is not built or the CPU lacks the instruction."""
+    kernel = load(name)
+    if kernel is None:
+        return 0.0
+    threads = torch.get_num_threads()
+
+    def run() -> None:
+        out = ctypes.c_float(1.0)
+        kernel(iterations, ctypes.addressof(out))
+        if out.value < 0:
+            raise _Unsupported
+
+    best = float("inf")
+    try:
+        run()  # warm-up (and the check)
+        with ThreadPoolExecutor(threads) as pool:
+            for _ in range(3):
+                start = time.perf_counter()
+                for f in [pool.submit(run) for _ in range(threads)]:
+                    f.result()
+                best = min(best, time.perf_counter() - start)
+    except _Unsupported:
+        return 0.0
+    return threads * iterations * 12.0 * per_instruction / best
+
+
+class _Unsupported(Exception):
+    """The CPU lacks the kernel's instruction (`fma_peak_bf16` without AVX512-BF16)."""
 
 
 def _shape_flops(

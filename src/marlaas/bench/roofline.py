@@ -5,7 +5,10 @@ the engine and the trainer on the same model, each row with its measured time pe
 iteration, its model FLOPs and bytes (`marlaas.bench.cost`, counted from the shapes and
 the real context lengths, never from padding), its **roofline time**
 `max(FLOPs / peak FLOP/s, bytes / bandwidth)` and its **efficiency** = roofline time /
-measured time (1.0 would be the machine's limit).
+measured time (1.0 would be the machine's limit). The peaks are matmuls' (torch's, at the
+model's shapes and at a large square); on a CPU the `vs FMA` column puts the cores' own
+multiply-add rates in their place (`Machine.fma_roofline_s`: what the silicon issues in
+registers, which a library's matmul may not reach), the stricter ceiling.
 
 Rows:
 - engine prefill: 16 prompts of about `context` tokens (spread +-25%) admitted in one
@@ -370,6 +373,9 @@ def _score(row: dict[str, Any], machine: Machine) -> None:
         else "memory"
     )
     row["efficiency"] = row["roofline_s"] / row["seconds"]
+    #: The same against the cores' multiply-add rates (`Machine.fma_roofline_s`).
+    fma = machine.fma_roofline_s(row["flops"], row["bytes"], half)
+    row["fma_efficiency"] = None if fma is None else fma / row["seconds"]
     row["us_per_row"] = row["seconds"] / row["rows"] * 1e6
 
 
@@ -387,6 +393,13 @@ def print_roofline(result: dict[str, Any]) -> None:
         f"{b['model_shape_flops'] / 1e9:.1f} / {a['model_shape_flops'] / 1e9:.1f} GFLOP/s, "
         f"{b['bandwidth'] / 1e9:.1f} / {a['bandwidth'] / 1e9:.1f} GB/s)"
     )
+    if m.get("fma_flops"):
+        bf16 = m.get("bf16_fma_flops") or 0.0
+        console.print(
+            f"the cores' multiply-adds in registers: {m['fma_flops'] / 1e9:.1f} GFLOP/s float32"
+            + (f", {bf16 / 1e9:.1f} bfloat16" if bf16 else "")
+            + " (the `vs FMA` column's ceilings; the efficiency column's are the matmuls')"
+        )
     if m["bf16_model_shape_flops"]:
         console.print(
             f"bfloat16 at the model's shapes: {m['bf16_model_shape_flops'] / 1e9:.1f} GFLOP/s "
@@ -411,6 +424,7 @@ def print_roofline(result: dict[str, Any]) -> None:
         "roofline ms",
         "bound",
         "efficiency",
+        "vs FMA",
         "torch ms",
         "torch / this",
         "host ms",
@@ -429,6 +443,7 @@ def print_roofline(result: dict[str, Any]) -> None:
             f"{r['roofline_s'] * 1e3:.2f}",
             r["bound"],
             f"{r['efficiency']:.3f}",
+            "-" if r.get("fma_efficiency") is None else f"{r['fma_efficiency']:.3f}",
             "-" if r["torch_seconds"] is None else f"{r['torch_seconds'] * 1e3:.2f}",
             "-" if r["torch_seconds"] is None else f"{r['torch_seconds'] / r['seconds']:.2f}x",
             f"{r['host_seconds'] * 1e3:.2f}" if "host_seconds" in r else "-",
