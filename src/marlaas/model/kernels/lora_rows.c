@@ -50,32 +50,26 @@ static inline void down(const float *A, int64_t a_sr, int64_t r, const float *x,
     }
 }
 
-/* y[o] += sum_k h[k] * Bt[k * bt_sk + o], four vectors of y at a time (independent
- * chains of `r` multiply-adds, so they overlap). */
+/* y[o] += sum_k h[k] * Bt[k * bt_sk + o], `V` vectors of y at a time: V independent
+ * chains of `r` multiply-adds, which overlap (a multiply-add's latency is several of its
+ * issue slots: four chains kept the units half idle). */
+#define UP_BLOCK(V)                                                                   \
+    for (; o + V * W <= out; o += V * W) {                                            \
+        vf a[V];                                                                      \
+        for (int v = 0; v < V; ++v) a[v] = *(vf *)(y + o + v * W);                   \
+        for (int64_t k = 0; k < r; ++k) {                                             \
+            const float hk = h[k];                                                    \
+            const float *b = Bt + k * bt_sk + o;                                      \
+            for (int v = 0; v < V; ++v) a[v] += hk * *(const vf *)(b + v * W);        \
+        }                                                                             \
+        for (int v = 0; v < V; ++v) *(vf *)(y + o + v * W) = a[v];                   \
+    }
 static inline void up(const float *Bt, int64_t bt_sk, int64_t r, const float *h, float *y,
                       int64_t out) {
     int64_t o = 0;
-    for (; o + 4 * W <= out; o += 4 * W) {
-        vf a0 = *(vf *)(y + o), a1 = *(vf *)(y + o + W);
-        vf a2 = *(vf *)(y + o + 2 * W), a3 = *(vf *)(y + o + 3 * W);
-        for (int64_t k = 0; k < r; ++k) {
-            const float hk = h[k];
-            const float *b = Bt + k * bt_sk + o;
-            a0 += hk * *(const vf *)b;
-            a1 += hk * *(const vf *)(b + W);
-            a2 += hk * *(const vf *)(b + 2 * W);
-            a3 += hk * *(const vf *)(b + 3 * W);
-        }
-        *(vf *)(y + o) = a0;
-        *(vf *)(y + o + W) = a1;
-        *(vf *)(y + o + 2 * W) = a2;
-        *(vf *)(y + o + 3 * W) = a3;
-    }
-    for (; o + W <= out; o += W) {
-        vf acc = *(vf *)(y + o);
-        for (int64_t k = 0; k < r; ++k) acc += h[k] * *(const vf *)(Bt + k * bt_sk + o);
-        *(vf *)(y + o) = acc;
-    }
+    UP_BLOCK(8)
+    UP_BLOCK(4)
+    UP_BLOCK(1)
     for (; o < out; ++o) {
         float acc = y[o];
         for (int64_t k = 0; k < r; ++k) acc += h[k] * Bt[k * bt_sk + o];
