@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 from arch_support import CONFIGS, char_tokenizer, save_model
 from torch import Tensor, nn
 from transformers import AutoConfig, PreTrainedModel
@@ -18,10 +19,11 @@ from transformers import AutoConfig, PreTrainedModel
 import marlaas.model.base as base_module
 from marlaas.config.specs import check_dtype, parse_target_modules
 from marlaas.errors import ConfigError
+from marlaas.model import kernels
 from marlaas.model.bank import AdapterBank
 from marlaas.model.base import load_base, resolve_dtype
 from marlaas.model.lora import LoRAModel
-from marlaas.model.mixed import HalfLinear
+from marlaas.model.mixed import HalfLinear, linear
 
 
 def _split_dtypes(base: PreTrainedModel) -> tuple[set[torch.dtype], set[torch.dtype]]:
@@ -278,3 +280,50 @@ def test_projections_of_one_input_are_stored_together_and_multiply_as_one(
     assert Together.of([m.weight for m in qkv], some_bias) is None
     apart = [attn.q_proj.weight.clone(), attn.k_proj.weight.clone()]
     assert Together.of(apart, [None, None]) is None
+
+
+@pytest.mark.parametrize("out_features", [258, 32, 7])
+def test_a_small_float32_layer_runs_the_512_bit_kernel_and_equals_torch(out_features: int) -> None:
+    """`kernels.f32_linear_rows` over the packed weight (the output head's path on a CPU
+    with AVX-512, `mixed.linear`): torch's float32 product up to float rounding, with
+    and without bias, outputs past a block of 16 included; each row the same whatever
+    the rows around it (bit for bit); the input gradient through the packed transpose
+    equal to torch's; and what it does not take (a weight that trains, bfloat16 rows) it
+    leaves to torch."""
+    if not kernels.native_kernels("linear_f32_rows"):
+        pytest.skip("the native kernels are not built here")
+    g = torch.Generator().manual_seed(out_features)
+    weight = torch.randn(out_features, 128, generator=g)
+    bias = torch.randn(out_features, generator=g)
+    x = torch.randn(37, 128, generator=g)
+    packed = kernels.f32_pack(weight)
+    assert packed is not None
+    for b in (None, bias):
+        got = kernels.f32_linear_rows(x, packed, out_features, b)
+        assert got is not None
+        torch.testing.assert_close(got, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+        for rows in (x[:1], x[5:9], x[:13]):  # a row's logits do not depend on the batch
+            alone = kernels.f32_linear_rows(rows.contiguous(), packed, out_features, b)
+            assert alone is not None
+            start = int((rows.data_ptr() - x.data_ptr()) // (4 * 128))
+            assert torch.equal(alone, got[start : start + rows.shape[0]])
+    transposed = kernels.f32_pack(weight, transposed=True)
+    grad = torch.randn(37, out_features, generator=g)
+    assert transposed is not None
+    back = kernels.f32_linear_rows(grad, transposed, 128, None)
+    assert back is not None
+    torch.testing.assert_close(back, grad @ weight, rtol=1e-5, atol=1e-5)
+    # Through `mixed.linear`, with gradient to x alone (the weight frozen).
+    xs = x.clone().requires_grad_(True)
+    ref = x.clone().requires_grad_(True)
+    out = linear(xs, weight, bias)
+    torch.testing.assert_close(out, F.linear(ref, weight, bias), rtol=1e-5, atol=1e-5)
+    out.backward(grad)
+    F.linear(ref, weight, bias).backward(grad)
+    torch.testing.assert_close(xs.grad, ref.grad, rtol=1e-5, atol=1e-5)
+    assert kernels.f32_linear_rows(x.bfloat16(), packed, out_features, None) is None
+    assert kernels.f32_linear_rows(x[:, :64].contiguous(), packed, out_features, None) is None
+    trains = weight.clone().requires_grad_(True)
+    out = linear(xs, trains, None)
+    out.sum().backward()
+    assert trains.grad is not None  # torch's own product: the weight gets its gradient

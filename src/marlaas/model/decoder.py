@@ -240,7 +240,7 @@ class DecoderStack:
 
     def logits(self, h: Tensor) -> Tensor:
         """The output head over the final norm of the residual stream `h`."""
-        return F.linear(self.norm(h), self.head.weight, self.head.bias)
+        return linear(self.norm(h), self.head.weight, self.head.bias)
 
 
 class StackForward:

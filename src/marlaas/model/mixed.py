@@ -22,6 +22,11 @@ layers go through `kernels.half_linear_rows` instead, rounding alike, over a pac
 of the weight made on first use (`packed`): any rows on one torch thread, up to
 `kernels.HALF_LINEAR_MAX_ROWS` on more.
 
+Small float32 layers (the output head above all) go through `kernels.f32_linear_rows`
+on a CPU with AVX-512 (`_f32_product`): torch's float32 matmul there is MKL's, which on
+AMD CPUs runs 256-bit (the embedded base's head, `[M, 128] x [128, 258]`: ~117 GFLOP/s
+at 256 or 1,600 rows against the kernel's 240; its input gradient 119 against 275).
+
 Invariants:
 - The weights are converted in place and exist once (the float32 copy is freed).
 - `linear(x, w, b)` on a float32 `x` with a half `w` equals `HalfLinear`'s forward
@@ -68,7 +73,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     multiplies `x` rounded to its dtype and the result is cast back. Without gradient
     to `x`, its rows are padded to their bucket (`bucket_rows`) first."""
     if weight.dtype == x.dtype:
-        return F.linear(x, weight, bias)
+        out = _f32_product(x, weight, bias)
+        return F.linear(x, weight, bias) if out is None else out
     if torch.is_grad_enabled() and x.requires_grad:
         if weight.requires_grad or (bias is not None and bias.requires_grad):
             return F.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
@@ -102,6 +108,74 @@ def _packed_product(
         return None
     out_features = int(weight.shape[1] if transposed else weight.shape[0])
     return kernels.half_linear_rows(a.contiguous(), weights, out_features, bias)
+
+
+#: Float32 weights of at most this many elements go through `kernels.f32_linear_rows`
+#: (`_f32_product`); a larger one's packed copy would not stay in cache, where MKL's
+#: blocking does better.
+F32_PACK_MAX_ELEMENTS = 1 << 18
+
+
+def _f32_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | None:
+    """`x W^T (+ b)` for a small frozen float32 weight through `kernels.f32_linear_rows`
+    over its packed copy (a CPU with AVX-512; with gradient to `x`, its input gradient
+    through the packed transpose); None where that does not apply (a weight or bias
+    that trains, a large weight, another device or CPU)."""
+    if (
+        x.dtype != torch.float32
+        or x.device.type != "cpu"
+        or weight.numel() > F32_PACK_MAX_ELEMENTS
+        or weight.requires_grad
+        or (bias is not None and bias.requires_grad)
+        or not _cpu_avx512()
+    ):
+        return None
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if rows == 0:
+        return None
+    if torch.is_grad_enabled() and x.requires_grad:
+        if f32_packed(weight, transposed=True) is None:
+            return None
+        return _FrozenF32Linear.apply(x, weight, bias)  # type: ignore[no-any-return]
+    return _f32_rows(x, weight, bias, transposed=False)
+
+
+def _f32_rows(x: Tensor, weight: Tensor, bias: Tensor | None, transposed: bool) -> Tensor | None:
+    """`x W^T (+ b)` (with `transposed`: `x W`) over the packed float32 weight, in `x`'s
+    leading shape; None where the kernel declines."""
+    weights = f32_packed(weight, transposed)
+    if weights is None:
+        return None
+    features = int(weight.shape[1] if transposed else weight.shape[0])
+    rows = x.numel() // x.shape[-1]
+    out = kernels.f32_linear_rows(
+        x.reshape(rows, x.shape[-1]).contiguous(), weights, features, bias
+    )
+    return None if out is None else out.view(*x.shape[:-1], features)
+
+
+class _FrozenF32Linear(torch.autograd.Function):
+    """`_f32_product` with gradient to `x` alone (the weight frozen): `g W` through the
+    packed transpose."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        ctx.save_for_backward(weight)
+        with torch.no_grad():
+            out = _f32_rows(x, weight, bias, transposed=False)
+        return F.linear(x, weight, bias) if out is None else out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor, None, None]:
+        (weight,) = ctx.saved_tensors
+        g = grads[0]
+        out = _f32_rows(g, weight, None, transposed=True)
+        return (g @ weight if out is None else out), None, None
+
+
+@functools.cache
+def _cpu_avx512() -> bool:
+    return torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16")
 
 
 #: Weights of more elements are not packed (`packed`): their products are large enough
@@ -158,6 +232,25 @@ def packed(weight: Tensor, transposed: bool = False) -> Tensor | None:
         return None
     source = weight.detach()
     copy = kernels.half_pack(source.t().contiguous() if transposed else source)
+    if copy is not None:
+        kept.put((weight,), (weight._version, copy))
+    return copy
+
+
+#: Per float32 weight, and per weight for its transpose: (its version when packed, the
+#: copy).
+_F32_PACKED, _F32_PACKED_T = _Kept(), _Kept()
+
+
+def f32_packed(weight: Tensor, transposed: bool = False) -> Tensor | None:
+    """`weight` packed for `kernels.f32_linear_rows` (with `transposed`, its transpose),
+    made on first use and kept while the weight lives (made again if written to), as
+    `packed` keeps the half weights'."""
+    kept = _F32_PACKED_T if transposed else _F32_PACKED
+    entry = kept.get((weight,))
+    if entry is not None and entry[0] == weight._version:
+        return entry[1]  # type: ignore[no-any-return]
+    copy = kernels.f32_pack(weight.detach(), transposed)
     if copy is not None:
         kept.put((weight,), (weight._version, copy))
     return copy

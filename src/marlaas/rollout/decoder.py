@@ -43,6 +43,7 @@ from marlaas.model.attention import AttentionPlan, slot_attention
 from marlaas.model.decoder import DecoderStack, Norm, StackForward
 from marlaas.model.fused import rotary
 from marlaas.model.kernels import add_rms_norm, rope_store, swiglu
+from marlaas.model.mixed import linear
 from marlaas.rollout.kv import SlotKV
 from marlaas.rollout.native import LayerInputs, NativeLayers
 
@@ -83,7 +84,7 @@ class CompactDecoder(StackForward):
             h_TE = h_TE.view(R, N, -1)[:, -1].contiguous()
             delta_TE = delta_TE.view(R, N, -1)[:, -1].contiguous()
         _, x_TE = _after(stack.norm, h_TE, delta_TE)
-        logits = F.linear(x_TE, stack.head.weight, stack.head.bias)
+        logits = linear(x_TE, stack.head.weight, stack.head.bias)
         return logits.view(R, -1, logits.shape[-1])
 
     def _layers(self, inputs: LayerInputs) -> tuple[Tensor, Tensor]:

@@ -135,6 +135,12 @@ KERNELS: dict[str, tuple[str, str, list[type]]] = {
         [_I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _PTR],
     ),
     "half_pack": ("half_linear", "half_pack_f32", [_I64, _I64, _PTR, _PTR]),
+    "linear_f32_rows": (
+        "linear_f32",
+        "linear_f32_rows",
+        [_I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR],
+    ),
+    "linear_f32_pack": ("linear_f32", "linear_f32_pack", [_I64, _I64, _PTR, _I64, _I64, _PTR]),
     "adamw": ("adamw", "adamw_f32", [_I64, _PTR, _PTR, _PTR, _PTR, *(_F32,) * 6]),
     "adamw_clipped": ("adamw", "adamw_clipped_f32", [_I64, _PTR, _PTR, _PTR]),
     "swiglu": ("fused", "swiglu_f32", [_I64, _PTR, _PTR, _PTR]),

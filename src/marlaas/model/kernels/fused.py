@@ -172,6 +172,56 @@ def half_pack(weight: Tensor) -> Tensor | None:
     return packed
 
 
+def f32_pack(weight: Tensor, transposed: bool = False) -> Tensor | None:
+    """`weight [N, K]` (float32, contiguous; with `transposed`, its transpose `[K, N]`,
+    read in place) packed for `f32_linear_rows`: per block of 16 outputs and per input,
+    the 16 outputs' weights (zeros past the last output); None where the kernel does not
+    apply."""
+    kernel = load("linear_f32_pack")
+    if kernel is None or weight.dim() != 2:
+        return None
+    if not (weight.is_cpu and weight.dtype == torch.float32 and weight.is_contiguous()):
+        return None
+    N, K = (int(n) for n in weight.shape)
+    out, fan_in, s_out, s_in = (K, N, 1, K) if transposed else (N, K, K, 1)
+    packed = torch.empty((-(-out // 16), fan_in, 16), dtype=torch.float32)
+    kernel(out, fan_in, weight.data_ptr(), s_out, s_in, packed.data_ptr())
+    return packed
+
+
+def f32_linear_rows(
+    x: Tensor, packed: Tensor, out_features: int, bias: Tensor | None
+) -> Tensor | None:
+    """`x W^T + b` for rows `x [M, K]` (float32) and a float32 weight as `f32_pack`
+    packed it (`linear_f32.c`: the 512-bit units, where torch's MKL runs 256-bit on AMD
+    CPUs); None where it does not apply. Runs in the calling thread."""
+    kernel = load("linear_f32_rows")
+    if kernel is None or x.dim() != 2 or x.shape[0] < 1:
+        return None
+    M, K = (int(n) for n in x.shape)
+    N = int(out_features)
+    if tuple(packed.shape) != (-(-N // 16), K, 16):
+        return None
+    if not (x.is_cpu and x.dtype == torch.float32 and x.is_contiguous()):
+        return None
+    if bias is not None and not (
+        bias.is_cpu and bias.dtype == torch.float32 and bias.is_contiguous()
+        and tuple(bias.shape) == (N,)
+    ):  # fmt: skip
+        return None
+    y = torch.empty((M, N), dtype=torch.float32)
+    kernel(
+        M,
+        N,
+        K,
+        x.data_ptr(),
+        packed.data_ptr(),
+        0 if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+    )
+    return y
+
+
 def half_linear_rows(
     x: Tensor, packed: Tensor, out_features: int, bias: Tensor | None
 ) -> Tensor | None:
