@@ -19,8 +19,11 @@ from marlaas.train.batch import (
     MicroBatch,
     Rows,
     TrainBatch,
+    batch_data,
+    concat_rows,
     plan_microbatches,
     tensorise,
+    tensorise_data,
 )
 from marlaas.train.grpo import GRPOTrainer
 from marlaas.train.prefix import SharedPrefix
@@ -179,3 +182,17 @@ def test_rows_that_share_no_prompt_are_packed_longest_first() -> None:
     _check_plan(rows, plans, 4096)
     grouped = set(range(24))  # the rows of the two grouped tenants
     assert any(grouped & set(p.rows_B.tolist()) and set(p.rows_B.tolist()) - grouped for p in plans)
+
+
+@pytest.mark.parametrize("whole", [(False, False, False), (False, True, False)])
+def test_rows_made_per_input_concatenate_to_the_passs_rows(whole: tuple[bool, ...]) -> None:
+    """Each `TrainInput` tensorises its own data where it is made (the host's work);
+    the pass concatenates them (`concat_rows`): exactly the rows `tensorise_data` makes
+    of all the inputs' data at once, tenants of different lengths, prompts numbered
+    across them, whole rows where log-probs are wanted."""
+    data = [batch_data(b, "token") for b in _batches(3, seed=4)]
+    parts = [tensorise_data([d], [w]) for d, w in zip(data, whole, strict=True)]
+    assert len({int(p.input_ids_NT.shape[1]) for p in parts}) > 1  # lengths differ
+    joined, want = concat_rows(parts), tensorise_data(data, list(whole))
+    for name in Rows.__dataclass_fields__:
+        assert torch.equal(getattr(joined, name), getattr(want, name)), name

@@ -314,6 +314,42 @@ def tensorise_data(data: Sequence[Sequence[Datum]], whole: Sequence[bool] | None
     )
 
 
+def concat_rows(parts: Sequence[Rows]) -> Rows:
+    """The rows of `parts` in order, as one `Rows` (padded to the longest; part k's
+    rows of tenant k, their prompts numbered after the parts' before): what
+    `tensorise_data` of the parts' data makes, from tensors each input made ahead
+    (`TrainInput.rows`: the host's work, off the device's pass)."""
+    if len(parts) == 1:
+        return parts[0]
+    N = sum(int(p.lengths_N.shape[0]) for p in parts)
+    T = max(int(p.input_ids_NT.shape[1]) for p in parts)
+    grids = {
+        name: torch.zeros((N, T), dtype=getattr(parts[0], name).dtype)
+        for name in (
+            "input_ids_NT",
+            "target_ids_NT",
+            "mask_NT",
+            "behaviour_NT",
+            "weights_NT",
+            "advantages_NT",
+        )
+    }
+    at = 0
+    for p in parts:
+        n, t = (int(x) for x in p.input_ids_NT.shape)
+        for name, grid in grids.items():
+            grid[at : at + n, :t] = getattr(p, name)
+        at += n
+    offsets = itertools.accumulate((int(p.prompt_N.max()) + 1 for p in parts[:-1]), initial=0)
+    return Rows(
+        **grids,
+        lengths_N=torch.cat([p.lengths_N for p in parts]),
+        tenant_N=torch.cat([torch.full_like(p.tenant_N, k) for k, p in enumerate(parts)]),
+        prompt_N=torch.cat([p.prompt_N + off for p, off in zip(parts, offsets, strict=True)]),
+        prompt_len_N=torch.cat([p.prompt_len_N for p in parts]),
+    )
+
+
 def tensorise(
     batches: Sequence[TrainBatch], norms: Sequence[tuple[LossNorm, float | None]]
 ) -> Rows:

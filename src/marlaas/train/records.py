@@ -11,10 +11,10 @@ across processes and Ray.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from marlaas.errors import ConfigError
-from marlaas.train.batch import TrainBatchError
+from marlaas.train.batch import Rows, TrainBatchError, tensorise_data
 from marlaas.train.objectives import Objective
 from marlaas.types import Datum
 
@@ -36,6 +36,10 @@ class TrainInput:
     temperature: float = 1.0
     version: int | None = None
     return_logprobs: bool = False
+    #: The data as the trainer's tensors (`tensorise_data`: whole rows where every
+    #: log-prob is wanted), made with the input: where it is made (a tenant's
+    #: coroutine, on the event loop), not in the device's pass, which concatenates them.
+    rows: Rows = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.data:
@@ -60,6 +64,7 @@ class TrainInput:
                     f"datum {i}: loss {self.loss.name!r} needs {' and '.join(missing)} "
                     "for every position",
                 )
+        object.__setattr__(self, "rows", tensorise_data([self.data], [self.return_logprobs]))
 
 
 @dataclass(frozen=True)

@@ -62,8 +62,8 @@ from marlaas.train.batch import (
     Rows,
     TrainBatchError,
     check_rows,
+    concat_rows,
     plan_microbatches,
-    tensorise_data,
 )
 from marlaas.train.decoder import TokenLogits, TrainDecoder
 from marlaas.train.lanes import MicroLanes
@@ -283,7 +283,7 @@ class MultiLaneTrainer:
         if not inputs:
             return {}
         states = self._admit(inputs)
-        rows = tensorise_data([i.data for i in inputs], [i.return_logprobs for i in inputs])
+        rows = concat_rows([i.rows for i in inputs])
         check_rows([i.tenant for i in inputs], rows, self._vocab, self.max_tokens_per_microbatch)
         # The compact forward packs the valid tokens: padding costs it little, so rows
         # of different lengths share micro-batches (fewer forwards).
