@@ -47,14 +47,14 @@ from marlaas.model.native import (
 #: The C side's field counts and offsets (`train_layers.c`); the order of each list
 #: below is its enums'. A module: its `LORA_FIELDS`, its gradients' (M_GA, M_GBT), the
 #: tape of its h = s A x (M_H) and its gradients' lanes' fresh flags (M_FRESH).
-_P_FIELDS, _M_FIELDS = 30, LORA_FIELDS + 4
+_P_FIELDS, _M_FIELDS = 31, LORA_FIELDS + 4
 _L_STATIC, _L_PASS, _L_TAPE = 19, 10, 10
 _L_FIELDS = _L_STATIC + _L_PASS + _L_TAPE + len(MODULES) * _M_FIELDS
 #: What the backward writes into the forward's fields: the hidden state's (now the
 #: gradient's, P_HIDDEN) and its scratch (P_WIDE, P_GRAD2, P_DQ); a layer's dK and dV
 #: (L_DK, L_DV, after its static and four pass fields) and its past's (L_DPAST_K,
 #: L_DPAST_V); a module's gA, gBt and fresh flags.
-_P_HIDDEN, _P_SCRATCH = 13, 25
+_P_HIDDEN, _P_SCRATCH, _P_ZERO_DKV = 13, 25, 30
 _L_DK, _L_DPAST = _L_STATIC + 6, _L_STATIC + 8
 _M_GA, _M_FRESH = LORA_FIELDS, LORA_FIELDS + 3
 #: Per layer: keys and values `[B, Hkv, columns, D]` (a pass's past: `[Hkv, G, P, D]`).
@@ -282,6 +282,7 @@ class _Pass(torch.autograd.Function):
             *(0, 0, 0),  # the backward's scratch
             call.past_groups,
             address(call.past_rows),
+            0,  # the backward's
         ]
         assert len(program) == _P_FIELDS
         for i, layer in enumerate(stack.layers):
@@ -332,12 +333,19 @@ class _Pass(torch.autograd.Function):
         fields[_P_HIDDEN] = g.data_ptr()
         scratch = [wide.data_ptr(), g2.data_ptr(), dq.data_ptr()]
         fields[_P_SCRATCH : _P_SCRATCH + 3] = array.array("q", scratch)
-        dkv: list[Tensor] = []
-        for i in range(2 * count):
-            given = g_kv[i]
-            # (in the tape's layout, `[Hkv, B, columns, D]`)
-            d = torch.zeros_like(kv[i]) if given is None else given.transpose(0, 1).contiguous()
-            dkv.append(d)
+        # dK and dV in the tape's layout, `[Hkv, B, columns, D]`: where no later pass
+        # attended this one's keys and values, left for the C side to zero a layer's just
+        # before its attention (in cache then; ~8 MB of torch zeros a 32-tenant step).
+        fresh = all(given is None for given in g_kv)
+        fields[_P_ZERO_DKV] = int(fresh)
+        dkv = [
+            torch.empty_like(t)
+            if fresh
+            else torch.zeros_like(t)
+            if given is None
+            else given.transpose(0, 1).contiguous()
+            for t, given in zip(kv, g_kv, strict=True)
+        ]
         # The past's gradients `[Hkv, G, P, D]`: its rows' columns summed by the C side.
         g_past = [torch.zeros_like(t) for t in ctx.past]
         grads_w: list[Tensor | None] = []

@@ -41,6 +41,8 @@ enum {
     P_HIDDEN, P_COS, P_SIN, P_ROW, P_COL, P_LANE, P_ORDER, P_SCALE,
     P_XB, P_SCORES, P_LORA_SCRATCH, P_OUT, P_WIDE, P_GRAD2, P_DQ,
     P_PAST_GROUPS, P_PAST_ROWS, /* the past's rows [Hkv, G, P, D]; each row's (B) */
+    P_ZERO_DKV, /* the backward's: no later pass attended the keys and values (dK and dV
+                 * hold no values: zeroed here, a layer's just before its attention) */
     P_FIELDS
 };
 /* A module's fields: its lanes' weights and rank, its gradients (the backward's) and
@@ -237,6 +239,11 @@ static void layer_backward(const int64_t *p, const int64_t *L, const float *fl, 
     /* The attention's output projection, then the attention. */
     half_linear_rows_f32(s.T, s.HD, s.E, g, PTR(const uint16_t *, L[L_O_WT]), 0, wide, xb);
     lora_back(p, m + O * M_FIELDS, s.HD, s.E, att, g, s.E, wide);
+    if (p[P_ZERO_DKV]) {
+        const size_t cells = (size_t)(s.B * s.Hkv * s.S * s.D) * sizeof(float);
+        memset(dk, 0, cells);
+        memset(dv, 0, cells);
+    }
     span_tiles_backward_f32(1, s.T, s.H, s.Hkv, s.D, qkv, 0, s.D, s.C,
                             PTR(const float *, L[L_KEYS]), PTR(const float *, L[L_VALUES]), 0,
                             s.sh, s.ss, PTR(const int64_t *, L[L_START]),
