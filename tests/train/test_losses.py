@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from marlaas.errors import ConfigError
+from marlaas.model import kernels
 from marlaas.train import (
     LossNorm,
     entropy_from_logits,
@@ -389,6 +390,28 @@ def test_entropy_matches_the_definition_and_handles_banned_tokens() -> None:
     (grad,) = torch.autograd.grad(h.sum(), banned)
     torch.testing.assert_close(h, torch.full((1, 1), math.log(2)))
     assert torch.all(torch.isfinite(grad))
+
+
+@pytest.mark.parametrize("vocab", [258, 16, 7])
+def test_the_native_entropy_equals_the_log_softmax_way(vocab: int) -> None:
+    """Without gradient (the metric's), float32 logits take one native pass per row
+    (`kernels.entropy_rows`: sixteen at a time, the rest one by one): the definition's
+    value up to float rounding, at any scale; a banned token (-inf) leaves it to torch."""
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(4, 5, vocab, generator=g) * 4 + 30.0
+    want = entropy_from_logits(logits.double()).float()
+    got = entropy_from_logits(logits)
+    if kernels.native_kernels("entropy_rows"):
+        native = kernels.entropy_rows(logits.reshape(-1, vocab))
+        assert native is not None
+        torch.testing.assert_close(native.view(4, 5), got)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    banned = logits.clone()
+    banned[..., 1] = float("-inf")
+    assert kernels.entropy_rows(banned.reshape(-1, vocab)) is None
+    p = torch.softmax(banned.double(), -1)
+    plogp = torch.where(p > 0, p * p.log(), 0.0)
+    torch.testing.assert_close(entropy_from_logits(banned), -plogp.sum(-1).float())
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6])

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from marlaas.errors import ConfigError
+from marlaas.model import kernels
 
 LossNorm = Literal["token", "sequence", "constant"]
 KLEstimator = Literal["k1", "k3"]
@@ -268,6 +269,10 @@ def entropy_from_logits(logits_BTV: Tensor) -> Tensor:
     Logits of `-inf` (banned tokens) contribute exactly 0 and a finite gradient.
     """
     dtype = torch.promote_types(logits_BTV.dtype, torch.float32)
+    if not logits_BTV.requires_grad:  # a metric's: one native pass where it applies
+        flat = kernels.entropy_rows(logits_BTV.reshape(-1, logits_BTV.shape[-1]))
+        if flat is not None:
+            return flat.view(logits_BTV.shape[:-1])
     logp_BTV = torch.log_softmax(logits_BTV, dim=-1, dtype=dtype)
     # p * log p at p == 0 is 0 * -inf; clamping log p to the lowest finite float turns it
     # into 0 * finite, and the clamp passes no gradient to those entries.

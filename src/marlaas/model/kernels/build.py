@@ -144,6 +144,7 @@ KERNELS: dict[str, tuple[str, str, list[type]]] = {
     "adamw": ("adamw", "adamw_f32", [_I64, _PTR, _PTR, _PTR, _PTR, *(_F32,) * 6]),
     "adamw_clipped": ("adamw", "adamw_clipped_f32", [_I64, _PTR, _PTR, _PTR]),
     "swiglu": ("fused", "swiglu_f32", [_I64, _PTR, _PTR, _PTR]),
+    "entropy_rows": ("fused", "entropy_rows_f32", [_I64, _I64, _PTR, _PTR, _PTR]),
     "swiglu_backward": ("fused", "swiglu_backward_f32", [_I64, _PTR, _PTR, _PTR, _PTR, _PTR]),
     "rotary": ("fused", "rotary_f32", [_I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR, _I64]),
     "rope_store": (

@@ -6,6 +6,7 @@ tensors, contiguous, of matching shapes."""
 from __future__ import annotations
 
 import array
+import ctypes
 from collections.abc import Sequence
 
 import torch
@@ -34,6 +35,19 @@ def rotary_applies(x: Tensor, cos: Tensor, sin: Tensor) -> bool:
         and tuple(sin.shape) == tuple(cos.shape)
         and _ok(x, cos, sin)
     )
+
+
+def entropy_rows(z_NV: Tensor) -> Tensor | None:
+    """Each row's entropy of `softmax(z_NV)`, `[N]` (`fused.c`); None where the kernel
+    does not apply (float32 CPU rows, contiguous, every logit finite)."""
+    kernel = load("entropy_rows")
+    if kernel is None or z_NV.dim() != 2 or not _ok(z_NV) or z_NV.shape[1] < 1:
+        return None
+    N, V = (int(n) for n in z_NV.shape)
+    out = torch.empty(N, dtype=torch.float32)
+    nonfinite = ctypes.c_int64(0)
+    kernel(N, V, z_NV.data_ptr(), out.data_ptr(), ctypes.addressof(nonfinite))
+    return None if nonfinite.value else out
 
 
 def swiglu(g: Tensor, u: Tensor) -> Tensor | None:
