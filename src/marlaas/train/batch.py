@@ -325,14 +325,7 @@ def concat_rows(parts: Sequence[Rows]) -> Rows:
     T = max(int(p.input_ids_NT.shape[1]) for p in parts)
     grids = {
         name: torch.zeros((N, T), dtype=getattr(parts[0], name).dtype)
-        for name in (
-            "input_ids_NT",
-            "target_ids_NT",
-            "mask_NT",
-            "behaviour_NT",
-            "weights_NT",
-            "advantages_NT",
-        )
+        for name in ("input_ids_NT", "target_ids_NT", "behaviour_NT", "weights_NT", "advantages_NT")
     }
     at = 0
     for p in parts:
@@ -343,6 +336,7 @@ def concat_rows(parts: Sequence[Rows]) -> Rows:
     offsets = itertools.accumulate((int(p.prompt_N.max()) + 1 for p in parts[:-1]), initial=0)
     return Rows(
         **grids,
+        mask_NT=grids["weights_NT"] != 0,
         lengths_N=torch.cat([p.lengths_N for p in parts]),
         tenant_N=torch.cat([torch.full_like(p.tenant_N, k) for k, p in enumerate(parts)]),
         prompt_N=torch.cat([p.prompt_N + off for p, off in zip(parts, offsets, strict=True)]),

@@ -94,7 +94,9 @@ class MicroLanes:
             (s, int(A.shape[1]), int(A.shape[2]), int(B.shape[1]))
             for s, (A, B) in zip(sunk, self.leaves, strict=True)
         ]
-        width = sum(leaf[0].numel() for pair in self.leaves for leaf in pair)
+        # Each leaf's elements per lane, from the shapes (an index a leaf is an op).
+        sizes = [(r * i, o * r) for _, r, i, o in modules]
+        width = sum(a + b for a, b in sizes)
         grad_LP = torch.empty((lanes, width), device=self.leaves[0][0].device)
         with torch.no_grad():
             # The buffers in one native call; where it declines, zeros (then added below).
@@ -102,15 +104,14 @@ class MicroLanes:
             if not laid:
                 grad_LP.zero_()
             at = 0
-            for (A, B), grads in zip(self.leaves, sunk, strict=True):
+            for (A, B), grads, per_lane in zip(self.leaves, sunk, sizes, strict=True):
                 # The buffers where the call declined (B's in PEFT's layout), and the
                 # Python layers' gradients where they ran.
                 unlaid: tuple[Tensor | None, Tensor | None] = (None, None)
                 if not laid and grads is not None:
                     gA, gBt = grads.settled()
                     unlaid = (gA, gBt.transpose(1, 2))
-                for leaf, buffer in zip((A, B), unlaid, strict=True):
-                    n = leaf[0].numel()
+                for leaf, buffer, n in zip((A, B), unlaid, per_lane, strict=True):
                     adds = [g for g in (buffer, leaf.grad) if g is not None]
                     if adds:  # (no slice per module otherwise: a one-tenant step pays for it)
                         part = grad_LP[:, at : at + n].view(leaf.shape)
