@@ -305,7 +305,7 @@ def run_roofline_bench(
     contexts: Sequence[int] = CONTEXTS,
     trainer_tenants: Sequence[int] = TRAINER_TENANTS,
     iterations: int = 8,
-    trainer_steps: int = 3,
+    trainer_steps: int = 10,
     rank: int = 8,
     square: int | None = None,
     copy_mb: int | None = None,

@@ -71,6 +71,9 @@ def roofline(
     contexts: str = typer.Option("64,192", help="Context lengths of the rows."),
     tenants: str = typer.Option("1,8,32", help="Trainer tenant counts."),
     iterations: int = typer.Option(8, min=1, help="Timed decode iterations per row."),
+    trainer_steps: int = typer.Option(
+        10, min=1, help="Timed trainer steps per row (each of its own random lengths)."
+    ),
     square: int = typer.Option(
         None, min=16, help="Side of the large-square matmul (default: 1024 CPU, 8192 GPU)."
     ),
@@ -99,6 +102,7 @@ def roofline(
         contexts=_counts(contexts),
         trainer_tenants=_counts(tenants),
         iterations=iterations,
+        trainer_steps=trainer_steps,
         square=square,
         copy_mb=copy_mb,
         log=typer.echo,
