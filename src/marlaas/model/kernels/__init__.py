@@ -27,6 +27,11 @@
   `half_pack` packed once (`half_linear.c`): at the embedded base's shapes ahead of
   oneDNN, whose ~15 us per call is more than the product up to ~32 rows, at every row
   count on one thread (on more, oneDNN keeps more than `HALF_LINEAR_MAX_ROWS` rows).
+- `f32_linear_rows` is a small float32 linear layer (the output head) over a weight
+  `f32_pack` packed once (`linear_f32.c`), on the 512-bit units where torch's float32
+  matmul is MKL's, which runs 256-bit on AMD CPUs (the embedded base's head: 240 vs
+  ~116 GFLOP/s; its input gradient through the packed transpose 276 vs 118).
+- `entropy_rows` is the trainer's entropy metric, one pass per row (`fused.c`).
 - `adamw` is the trainer's AdamW update of a tenant's flat vector in one pass
   (`adamw.c`) where torch's multi-tensor ops make eight; `adamw_clipped` every tenant
   of a step, each gradient clipped by its own norm, in one call.
@@ -47,7 +52,7 @@
 
 Build: each C source is compiled with the system's C compiler (`cc`, or `$CC`) into an
 object in the user's cache (`$XDG_CACHE_HOME/marlaas/kernels`, else a private temporary
-folder; named by a hash of the source, the shared header `simd.h`, the flags and the
+folder; named by a hash of the source, the shared headers beside it, the flags and the
 CPU, so a changed source or header builds again), and the objects into a shared library
 (one kernel's source, and those `build.LINKED` to it: `decoder_layers` and
 `train_layers` link six each),

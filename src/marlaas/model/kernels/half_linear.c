@@ -85,31 +85,13 @@ static inline __attribute__((always_inline)) void tile(
 }
 
 #define TILE(MS, NBS) tile(MS, NBS, m0, nb0, N, K, xb, Wp, b, y)
-#define BY_BLOCKS(MS)                  \
-    switch (nbs) {                     \
-        case 4: TILE(MS, 4); break;    \
-        case 3: TILE(MS, 3); break;    \
-        case 2: TILE(MS, 2); break;    \
-        default: TILE(MS, 1);          \
-    }
 #endif
 
 void half_linear_rows_f32(int64_t M, int64_t N, int64_t K, const float *x, const uint16_t *Wp,
                           const uint16_t *b, float *y, uint16_t *xb) {
     for (int64_t i = 0; i < M * K; ++i) xb[i] = bf16_nearest(x[i]);
 #ifdef __AVX512BF16__
-    const int64_t blocks = (N + OUT - 1) / OUT;
-    for (int64_t nb0 = 0; nb0 < blocks; nb0 += 4) {
-        const int nbs = blocks - nb0 < 4 ? (int)(blocks - nb0) : 4;
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            switch (M - m0 < 4 ? (int)(M - m0) : 4) {
-                case 4: BY_BLOCKS(4) break;
-                case 3: BY_BLOCKS(3) break;
-                case 2: BY_BLOCKS(2) break;
-                default: BY_BLOCKS(1)
-            }
-        }
-    }
+    FOR_PACKED_TILES(M, N, TILE)
 #else
     const int64_t K2 = K / 2;
     for (int64_t m = 0; m < M; ++m)

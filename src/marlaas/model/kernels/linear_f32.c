@@ -67,26 +67,8 @@ static inline __attribute__((always_inline)) void tile(const int MS, const int N
 }
 
 #define TILE(MS, NBS) tile(MS, NBS, m0, nb0, N, K, x, Wp, b, y)
-#define BY_BLOCKS(MS)               \
-    switch (nbs) {                  \
-        case 4: TILE(MS, 4); break; \
-        case 3: TILE(MS, 3); break; \
-        case 2: TILE(MS, 2); break; \
-        default: TILE(MS, 1);       \
-    }
 
 void linear_f32_rows(int64_t M, int64_t N, int64_t K, const float *x, const float *Wp,
                      const float *b, float *y) {
-    const int64_t blocks = (N + OUT - 1) / OUT;
-    for (int64_t nb0 = 0; nb0 < blocks; nb0 += 4) {
-        const int nbs = blocks - nb0 < 4 ? (int)(blocks - nb0) : 4;
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            switch (M - m0 < 4 ? (int)(M - m0) : 4) {
-                case 4: BY_BLOCKS(4) break;
-                case 3: BY_BLOCKS(3) break;
-                case 2: BY_BLOCKS(2) break;
-                default: BY_BLOCKS(1)
-            }
-        }
-    }
+    FOR_PACKED_TILES(M, N, TILE)
 }

@@ -68,6 +68,29 @@ static inline uint16_t bf16_nearest(float f) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* The packed products' driver (`half_linear.c`, `linear_f32.c`): the outputs' blocks of
+ * sixteen four at a time (nb0, and nbs of them), the rows four at a time (m0), each tile
+ * `TILE(MS, NBS)` with its row and block counts as compile-time constants. */
+#define TILE_BLOCKS(TILE, MS)       \
+    switch (nbs) {                  \
+        case 4: TILE(MS, 4); break; \
+        case 3: TILE(MS, 3); break; \
+        case 2: TILE(MS, 2); break; \
+        default: TILE(MS, 1);       \
+    }
+#define FOR_PACKED_TILES(M, N, TILE)                                               \
+    for (int64_t nb0 = 0; nb0 < ((N) + 15) / 16; nb0 += 4) {                      \
+        const int nbs = ((N) + 15) / 16 - nb0 < 4 ? (int)(((N) + 15) / 16 - nb0) : 4; \
+        for (int64_t m0 = 0; m0 < (M); m0 += 4) {                                  \
+            switch ((M) - m0 < 4 ? (int)((M) - m0) : 4) {                          \
+                case 4: TILE_BLOCKS(TILE, 4) break;                                \
+                case 3: TILE_BLOCKS(TILE, 3) break;                                \
+                case 2: TILE_BLOCKS(TILE, 2) break;                                \
+                default: TILE_BLOCKS(TILE, 1)                                      \
+            }                                                                      \
+        }                                                                          \
+    }
+
 /* The head size D and the group size G (variables in scope) as compile-time constants
  * for the attention kernels' common shapes: the inner loops unroll into a few vector
  * instructions and a group's accumulators stay in registers. `SPECIALISED(CALL)` expands
