@@ -12,12 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from helpers.tiny_archs import WINDOW, tiny_config, tiny_model
 from marlaas.bench.cost import ModelCost, TrainGroup
 from marlaas.bench.random_model import build_random_model
 from marlaas.bench.roofline import run_roofline_bench
 from marlaas.config.specs import ModelDType
+from marlaas.model import kernels
 from marlaas.model.base import load_base
 from marlaas.model.lora import LoRAModel
 from marlaas.model.mixed import half_linears
@@ -161,3 +163,28 @@ def test_the_gpu_scripts_path_runs_on_the_cpu_with_a_tiny_config(tmp_path: Path)
     roofline = json.loads((tmp_path / "out" / "roofline.json").read_text())
     assert {r["kind"] for r in roofline["rows"]} == {"prefill", "decode", "train"}
     assert (tmp_path / "out" / "paper.json").is_file()
+
+
+def test_the_model_shape_peak_times_the_projects_own_products_too() -> None:
+    """The machine's matmul peak at the model's shapes times, beside torch's `F.linear`,
+    the product a model layer of that weight runs (`_native_linear`: the packed float32
+    kernel for a small weight on an AVX-512 CPU, the packed bfloat16 one with native
+    bfloat16): the same product (so the ceiling is one the code can reach, never one it
+    outruns), and none for a weight the runtime leaves to torch."""
+    from marlaas.bench.machine import _native_linear
+    from marlaas.model import mixed
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(8, 64, generator=g)
+    w = torch.randn(40, 64, generator=g)
+    run = _native_linear(x, w)
+    if mixed.cpu_avx512() and kernels.native_kernels("linear_f32_rows"):
+        assert run is not None
+        torch.testing.assert_close(run(), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    big = torch.zeros(mixed.F32_PACK_MAX_ELEMENTS // 64 + 1, 64)
+    assert _native_linear(x, big) is None
+    half = _native_linear(x, w.bfloat16())
+    if mixed.native_bfloat16("cpu") and kernels.native_kernels("half_linear_rows"):
+        assert half is not None
+        want = F.linear(x.bfloat16(), w.bfloat16()).float()
+        torch.testing.assert_close(half(), want, rtol=1e-2, atol=1e-2)

@@ -5,10 +5,12 @@ the engine and the trainer on the same model, each row with its measured time pe
 iteration, its model FLOPs and bytes (`marlaas.bench.cost`, counted from the shapes and
 the real context lengths, never from padding), its **roofline time**
 `max(FLOPs / peak FLOP/s, bytes / bandwidth)` and its **efficiency** = roofline time /
-measured time (1.0 would be the machine's limit). The peaks are matmuls' (torch's, at the
-model's shapes and at a large square); on a CPU the `vs FMA` column puts the cores' own
-multiply-add rates in their place (`Machine.fma_roofline_s`: what the silicon issues in
-registers, which a library's matmul may not reach), the stricter ceiling.
+measured time (1.0 would be the machine's limit). The peaks are matmuls' (at the
+model's shapes the faster of torch's and the project's own packed products, which on an
+AMD CPU outrun torch's float32 MKL and bfloat16 oneDNN ones; torch's at a large square:
+`marlaas.bench.machine`); on a CPU the `vs FMA` column puts the cores' own multiply-add
+rates in their place (`Machine.fma_roofline_s`: what the silicon issues in registers),
+the stricter ceiling.
 
 Rows:
 - engine prefill: 16 prompts of about `context` tokens (spread +-25%) admitted in one

@@ -127,7 +127,7 @@ def _f32_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | Non
         or weight.numel() > F32_PACK_MAX_ELEMENTS
         or weight.requires_grad
         or (bias is not None and bias.requires_grad)
-        or not _cpu_avx512()
+        or not cpu_avx512()
     ):
         return None
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -174,7 +174,8 @@ class _FrozenF32Linear(torch.autograd.Function):
 
 
 @functools.cache
-def _cpu_avx512() -> bool:
+def cpu_avx512() -> bool:
+    """Whether torch runs this CPU's AVX-512 code (the packed float32 kernel's route)."""
     return torch.backends.cpu.get_cpu_capability() in ("AVX512", "AVX512_BF16")
 
 
