@@ -265,37 +265,40 @@ def tensorise_data(data: Sequence[Sequence[Datum]], whole: Sequence[bool] | None
     whole = list(whole) if whole is not None else [False] * len(data)
     rows = [d for tenant in data for d in tenant]
     whole_N = [w for tenant, w in zip(data, whole, strict=True) for _ in tenant]
-    N, T = len(rows), max([len(d.input_ids) for d in rows] + [1])
-    valid_NT = torch.arange(T) < torch.tensor([len(d.input_ids) for d in rows])[:, None]
-    chain = itertools.chain.from_iterable
+    T = max([len(d.input_ids) for d in rows] + [1])
 
-    def fill(values: Sequence[Sequence[float]], dtype: torch.dtype) -> Tensor:
-        out = torch.zeros(N, T, dtype=dtype)
-        out[valid_NT] = torch.tensor(list(chain(values)), dtype=dtype)
-        return out
+    def padded(values: Sequence[Sequence[float]], dtype: torch.dtype) -> Tensor:
+        # One op a field from Python lists padded here (an input of a few rows is made
+        # per tenant, on the event loop: a dozen ops fewer than masks and scatters).
+        if not values:
+            return torch.zeros((0, T), dtype=dtype)
+        return torch.tensor([[*v, *(0,) * (T - len(v))] for v in values], dtype=dtype)
 
     def given(values: tuple[float, ...], d: Datum) -> tuple[float, ...]:
         return values or (0.0,) * len(d.input_ids)
 
-    input_ids = fill([d.input_ids for d in rows], torch.long)
-    target_ids = fill([d.target_ids for d in rows], torch.long)
-    weights_NT = fill([d.weights_T for d in rows], torch.float32)
-    behaviour_NT = fill([given(d.sampling_logprobs_T, d) for d in rows], torch.float32)
-    advantages_NT = fill([given(d.advantages_T, d) for d in rows], torch.float32)
+    input_ids = padded([d.input_ids for d in rows], torch.long)
+    target_ids = padded([d.target_ids for d in rows], torch.long)
+    weights_NT = padded([d.weights_T for d in rows], torch.float32)
+    behaviour_NT = padded([given(d.sampling_logprobs_T, d) for d in rows], torch.float32)
+    advantages_NT = padded([given(d.advantages_T, d) for d in rows], torch.float32)
     mask_NT = weights_NT != 0
-    positions = torch.arange(1, T + 1)
-    last_N = torch.where(mask_NT, positions, 0).amax(dim=1)
-    full_N = valid_NT.sum(dim=1)
-    whole_t = torch.tensor(whole_N, dtype=torch.bool)
-    lengths_N = torch.where(whole_t & (full_N > 0), full_N, last_N)
-    # The shareable prefix: the positions before the first weighted one.
-    first_N = torch.where(mask_NT, positions - 1, T).amin(dim=1)
-    counts = [len(tenant) for tenant in data]
-    tenant_N = torch.repeat_interleave(torch.arange(len(data)), torch.tensor(counts))
+    # Per row: the positions run (after its last weighted one, or all where whole) and
+    # its first weighted position (T where none).
+    lengths: list[int] = []
+    first_N: list[int] = []
+    for d, w in zip(rows, whole_N, strict=True):
+        weighted = [t for t, x in enumerate(d.weights_T) if x != 0]
+        full = len(d.input_ids)
+        lengths.append(full if w and full > 0 else (weighted[-1] + 1 if weighted else 0))
+        first_N.append(weighted[0] if weighted else T)
+    lengths_N = torch.tensor(lengths, dtype=torch.long)
+    tenants = [k for k, tenant in enumerate(data) for _ in tenant]
+    tenant_N = torch.tensor(tenants, dtype=torch.long)
     prefixes: dict[tuple[int, tuple[int, ...]], int] = {}
     prompt_N: list[int] = []
     prompt_len_N: list[int] = []
-    for i, (d, k, first) in enumerate(zip(rows, tenant_N.tolist(), first_N.tolist(), strict=True)):
+    for i, (d, k, first) in enumerate(zip(rows, tenants, first_N, strict=True)):
         start = 0 if whole_N[i] else min(first, len(d.input_ids))
         key = (k, d.input_ids[:start]) if start > 0 else (k, (-1 - i,))  # -1 - i: its own
         prompt_N.append(prefixes.setdefault(key, len(prefixes)))
