@@ -30,12 +30,12 @@ CONFIGS = [
 
 @pytest.fixture(params=["native", "torch"])
 def kernel_or_torch(request: pytest.FixtureRequest) -> Iterator[str]:
-    """The update through the native kernel (`kernels.adamw`) or torch's ops."""
+    """The update through the native kernel (`kernels.adamw_clipped`) or torch's ops."""
     if request.param == "torch":
         with kernels_off():
             yield request.param
         return
-    if not kernels.native_kernels("adamw"):
+    if not kernels.native_kernels("adamw_clipped"):
         pytest.skip("the native kernels are not built here")
     yield request.param
 

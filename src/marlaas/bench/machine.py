@@ -248,22 +248,18 @@ def _native_linear(x: Tensor, w: Tensor) -> Callable[[], object] | None:
     bfloat16); None elsewhere."""
     if x.device.type != "cpu":
         return None
-    rows = x.float().contiguous()
-    if w.dtype == torch.float32 and w.numel() <= mixed.F32_PACK_MAX_ELEMENTS and mixed.cpu_avx512():
-        packed = kernels.f32_pack(w)
-        if packed is None:
-            return None
-        return functools.partial(kernels.f32_linear_rows, rows, packed, int(w.shape[0]), None)
-    if (
-        w.dtype == torch.bfloat16
-        and w.numel() <= mixed.PACK_MAX_ELEMENTS
-        and native_bfloat16("cpu")
-    ):
-        packed = kernels.half_pack(w.contiguous())
-        if packed is None or kernels.half_linear_rows(rows, packed, int(w.shape[0]), None) is None:
-            return None
-        return functools.partial(kernels.half_linear_rows, rows, packed, int(w.shape[0]), None)
-    return None
+    rows, out = x.float().contiguous(), int(w.shape[0])
+    if mixed.f32_takes(w):
+        packed = mixed.f32_packed(w)
+        product = kernels.f32_linear_rows
+    elif w.dtype == torch.bfloat16 and native_bfloat16("cpu"):
+        packed = mixed.packed(w)
+        product = kernels.half_linear_rows
+    else:
+        return None
+    if packed is None or product(rows, packed, out, None) is None:
+        return None
+    return functools.partial(product, rows, packed, out, None)
 
 
 def _sync(device: torch.device) -> None:

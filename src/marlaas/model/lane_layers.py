@@ -53,7 +53,8 @@ class LaneBatch:
 
 @dataclass(frozen=True)
 class LaneGrads:
-    """One module's lanes' gradients from a native backward (`LaneBatch.grads`): `A`'s
+    """One module's lanes' gradients from a native backward (`LaneBatch.grads`, or a
+    pass's own for autograd, `LaneGrads.settled` first): `A`'s
     `[L, r, in]`, `B`'s rank-major `[L, r, out]`, and `fresh_L` (uint8) marking the lanes
     no pass has reached yet, whose rows hold no values: the first pass to reach a lane
     writes its rows and clears its mark, the later ones add (no zeros written first)."""

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,14 +124,10 @@ def _f32_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor | Non
     if (
         x.dtype != torch.float32
         or x.device.type != "cpu"
-        or weight.numel() > F32_PACK_MAX_ELEMENTS
-        or weight.requires_grad
+        or not f32_takes(weight)
         or (bias is not None and bias.requires_grad)
-        or not cpu_avx512()
+        or x.numel() == 0
     ):
-        return None
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows == 0:
         return None
     if torch.is_grad_enabled() and x.requires_grad:
         if f32_packed(weight, transposed=True) is None:
@@ -171,6 +167,18 @@ class _FrozenF32Linear(torch.autograd.Function):
         g = grads[0]
         out = _f32_rows(g, weight, None, transposed=True)
         return (g @ weight if out is None else out), None, None
+
+
+def f32_takes(weight: Tensor) -> bool:
+    """Whether a model layer of `weight` runs the packed float32 kernel
+    (`_f32_product`): a small frozen float32 weight on a CPU with AVX-512."""
+    return (
+        weight.dtype == torch.float32
+        and weight.device.type == "cpu"
+        and weight.numel() <= F32_PACK_MAX_ELEMENTS
+        and not weight.requires_grad
+        and cpu_avx512()
+    )
 
 
 @functools.cache
@@ -225,17 +233,13 @@ def packed(weight: Tensor, transposed: bool = False) -> Tensor | None:
     by it) packed for `kernels.half_linear_rows`, made on first use and kept while the
     weight lives (made again if it is written to); None for a weight too large to be
     worth a copy (`PACK_MAX_ELEMENTS`) or one the kernel does not take."""
-    kept = _PACKED_T if transposed else _PACKED
-    entry = kept.get((weight,))
-    if entry is not None and entry[0] == weight._version:
-        return entry[1]  # type: ignore[no-any-return]
     if weight.numel() > PACK_MAX_ELEMENTS:
         return None
-    source = weight.detach()
-    copy = kernels.half_pack(source.t().contiguous() if transposed else source)
-    if copy is not None:
-        kept.put((weight,), (weight._version, copy))
-    return copy
+
+    def pack(source: Tensor) -> Tensor | None:
+        return kernels.half_pack(source.t().contiguous() if transposed else source)
+
+    return _kept_copy(_PACKED_T if transposed else _PACKED, weight, pack)
 
 
 #: Per float32 weight, and per weight for its transpose: (its version when packed, the
@@ -245,13 +249,24 @@ _F32_PACKED, _F32_PACKED_T = _Kept(), _Kept()
 
 def f32_packed(weight: Tensor, transposed: bool = False) -> Tensor | None:
     """`weight` packed for `kernels.f32_linear_rows` (with `transposed`, its transpose),
-    made on first use and kept while the weight lives (made again if written to), as
-    `packed` keeps the half weights'."""
-    kept = _F32_PACKED_T if transposed else _F32_PACKED
+    kept as `packed` keeps the half weights'."""
+    return _kept_copy(
+        _F32_PACKED_T if transposed else _F32_PACKED,
+        weight,
+        lambda source: kernels.f32_pack(source, transposed),
+    )
+
+
+def _kept_copy(
+    kept: _Kept, weight: Tensor, pack: Callable[[Tensor], Tensor | None]
+) -> Tensor | None:
+    """`pack(weight)` (detached), made on first use and kept in `kept` while the weight
+    lives, made again once it is written to (its version moved on); None (nothing kept)
+    where `pack` declines."""
     entry = kept.get((weight,))
     if entry is not None and entry[0] == weight._version:
         return entry[1]  # type: ignore[no-any-return]
-    copy = kernels.f32_pack(weight.detach(), transposed)
+    copy = pack(weight.detach())
     if copy is not None:
         kept.put((weight,), (weight._version, copy))
     return copy

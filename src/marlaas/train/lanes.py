@@ -3,9 +3,10 @@
 Tenants of one `AdapterLayout` (the usual case: one LoRA spec) have their flat vectors
 stacked once per micro-batch, `[L, P]`, and every module's lanes are views of that stack
 made leaves of the micro-batch's graph: the Python layers' backward writes one gradient
-per module and pass into its leaves, the native passes add theirs into one buffer pair
-per module for the whole micro-batch (`LaneBatch.grads`: no zero-filled gradient per
-pass, no sum of the passes' by autograd), and `accumulate` lays both out as `[L, P]`,
+per module and pass into its leaves, the native passes write theirs into one set of
+buffers per module for the whole micro-batch (`LaneBatch.grads`, `LaneGrads`: a lane's
+first block written, the rest added; no zero-filled gradient, no sum of the passes' by
+autograd), and `accumulate` lays both out as `[L, P]`,
 whose rows become the tenants' flat gradients (a row each, no copy) or are added into
 those they already have.
 Built through autograd instead (stack, then slices), every module's slice would
@@ -74,7 +75,7 @@ class MicroLanes:
         scale_L = torch.tensor(
             [t.lora.scaling for t in tenants], dtype=torch.float32, device=flat_LP.device
         )
-        # A native backward adds into one buffer pair per module for all the passes.
+        # A native backward writes into one set of buffers per module for all the passes.
         batch = LaneBatch(lane_B=lane_B, A=A, B=B, scale_L=scale_L, grads={} if grad else None)
         leaves = tuple((A[p], B[p]) for p in layout.paths) if grad else None
         return MicroLanes(batch, tuple(tenants), leaves)

@@ -348,7 +348,7 @@ class _Pass(torch.autograd.Function):
         ]
         # The past's gradients `[Hkv, G, P, D]`: its rows' columns summed by the C side.
         g_past = [torch.zeros_like(t) for t in ctx.past]
-        grads_w: list[Tensor | None] = []
+        own: list[LaneGrads | None] = []  # per module: this pass's own buffers, or None
         for i in range(count):
             at = _P_FIELDS + i * _L_FIELDS
             fields[at + _L_DK] = dkv[2 * i].data_ptr()
@@ -360,30 +360,27 @@ class _Pass(torch.autograd.Function):
                 if pair is None:
                     continue
                 path = layers.paths[i][j]
+                # The C side writes a lane's gradients at its first block, then adds:
+                # into this pass's own buffers, for autograd, or the micro-batch's (made
+                # at its first pass).
+                if call.sink is None or path is None:
+                    buffers = LaneGrads.of(*pair)
+                    own.append(buffers)
+                else:
+                    if path not in call.sink:
+                        call.sink[path] = LaneGrads.of(*pair)
+                    buffers = call.sink[path]
+                    own.append(None)
                 m = at + _L_STATIC + _L_PASS + _L_TAPE + j * _M_FIELDS
-                if call.sink is None or path is None:  # this pass's own, for autograd
-                    gA, gBt = _zero_gradients(pair)
-                    grads_w += (gA, gBt.transpose(1, 2))
-                else:  # the micro-batch's (made at its first pass; the C side writes a
-                    # lane's at its first block, then adds)
-                    sunk = call.sink.get(path)
-                    if sunk is None:
-                        sunk = call.sink[path] = LaneGrads.of(*pair)
-                    gA, gBt = sunk.gA, sunk.gBt
-                    fields[m + _M_FRESH] = sunk.fresh_L.data_ptr()
-                    grads_w += (None, None)
-                fields[m + _M_GA] = gA.data_ptr()
-                fields[m + _M_GA + 1] = gBt.data_ptr()
+                fields[m + _M_GA] = buffers.gA.data_ptr()
+                fields[m + _M_GA + 1] = buffers.gBt.data_ptr()
+                fields[m + _M_FRESH] = buffers.fresh_L.data_ptr()
         load("train_layers_backward")(fields.buffer_info()[0], layers.floats.buffer_info()[0])
+        grads_w: list[Tensor | None] = []
+        for mine in own:  # (B's rank-major gradient seen in PEFT's layout)
+            gA, gBt = (None, None) if mine is None else mine.settled()
+            grads_w += (gA, None if gBt is None else gBt.transpose(1, 2))
         return (g if ctx.needs_input_grad[0] else None, None, *g_past, *grads_w)
-
-
-def _zero_gradients(pair: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
-    """Zeroed buffers for module `(A, B)`'s lane gradients, `[L, r, in]` and the
-    rank-major `[L, r, out]` (the C side adds into them)."""
-    A, B = pair
-    L, r = int(A.shape[0]), int(A.shape[1])
-    return torch.zeros((L, r, int(A.shape[2]))), torch.zeros((L, r, int(B.shape[1])))
 
 
 def _layer_static(layer: Layer, packs: list[Tensor]) -> list[int]:

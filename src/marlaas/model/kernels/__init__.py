@@ -32,9 +32,9 @@
   matmul is MKL's, which runs 256-bit on AMD CPUs (the embedded base's head: 240 vs
   ~116 GFLOP/s; its input gradient through the packed transpose 276 vs 118).
 - `entropy_rows` is the trainer's entropy metric, one pass per row (`fused.c`).
-- `adamw` is the trainer's AdamW update of a tenant's flat vector in one pass
-  (`adamw.c`) where torch's multi-tensor ops make eight; `adamw_clipped` every tenant
-  of a step, each gradient clipped by its own norm, in one call.
+- `adamw_clipped` is the trainer's AdamW update of every tenant of a step in one call,
+  each gradient clipped by its own norm (or not) and each flat vector in one pass
+  (`adamw.c`), where torch's norm, multiply and multi-tensor ops make ten.
 - `copy_rows` moves slot-cache rows (a finished row's place taken by a live one, a
   prompt's cache copied to the rows that share it) in one pass with no temporary.
 - `sample_rows` samples a decode batch's tokens (without top-k / top-p) and their
@@ -84,8 +84,6 @@ from marlaas.model.kernels.decoder import (
 )
 from marlaas.model.kernels.fused import (
     HALF_LINEAR_MAX_ROWS,
-    adamw,
-    adamw_applies,
     adamw_clipped,
     adamw_clipped_applies,
     entropy_rows,
@@ -114,8 +112,6 @@ __all__ = [
     "LORA_ROWS_MAX_RANK",
     "Spans",
     "_library",
-    "adamw",
-    "adamw_applies",
     "adamw_clipped",
     "adamw_clipped_applies",
     "add_rms_norm",

@@ -1,4 +1,4 @@
-/* One AdamW update of a flat parameter vector in one pass (`train.optim.adamw_step_`):
+/* AdamW updates of flat parameter vectors, one pass each (`train.optim.adamw_step_`):
  *
  *     p = p * decay                          decay = 1 - lr * weight_decay
  *     m = m + (1 - beta1) * (g - m)          (torch's lerp)
@@ -37,11 +37,6 @@ static inline void update(int64_t n, float *p, const float *g, float *m, float *
         v[i] = vi;
         p[i] = p[i] * decay + step * mi / (sqrtf(vi) * inv_bias2 + eps);
     }
-}
-
-void adamw_f32(int64_t n, float *p, const float *g, float *m, float *v, float decay,
-               float lerp, float beta2, float bias2_sqrt, float eps, float step) {
-    update(n, p, g, m, v, 1.0f, decay, lerp, beta2, bias2_sqrt, eps, step);
 }
 
 /* Tenant k: `fields[5k ..]` n and the addresses of p, g, m, v; `floats[8k ..]` max_norm

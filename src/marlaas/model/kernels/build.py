@@ -141,7 +141,6 @@ KERNELS: dict[str, tuple[str, str, list[type]]] = {
         [_I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR],
     ),
     "linear_f32_pack": ("linear_f32", "linear_f32_pack", [_I64, _I64, _PTR, _I64, _I64, _PTR]),
-    "adamw": ("adamw", "adamw_f32", [_I64, _PTR, _PTR, _PTR, _PTR, *(_F32,) * 6]),
     "adamw_clipped": ("adamw", "adamw_clipped_f32", [_I64, _PTR, _PTR, _PTR]),
     "swiglu": ("fused", "swiglu_f32", [_I64, _PTR, _PTR, _PTR]),
     "entropy_rows": ("fused", "entropy_rows_f32", [_I64, _I64, _PTR, _PTR, _PTR]),

@@ -21,8 +21,9 @@
  * over n elements, sixteen at a time with the inline exp (`vexp.h`; a libmvec call a
  * vector cost the backward two thirds of its time), the last few through a zero-padded
  * vector: every element the same arithmetic wherever it lies. */
-static inline __attribute__((always_inline)) void swiglu_vector(const float *g, const float *u, const float *dy, float *a,
-                                 float *b, int64_t n, int backward) {
+static inline __attribute__((always_inline)) void swiglu_vector(
+    const float *g, const float *u, const float *dy, float *a, float *b, int64_t n,
+    int backward) {
     va gv = {0}, uv = {0}, dv = {0};
     memcpy(&gv, g, (size_t)n * sizeof(float));
     memcpy(&uv, u, (size_t)n * sizeof(float));
@@ -54,11 +55,10 @@ void swiglu_backward_f32(int64_t n, const float *restrict g, const float *restri
 /* Each of N rows' entropy of softmax(z) (z [N, V]; *nonfinite set, the values none,
  * where a logit is not finite: an exponent of all ones, tested on the bits, which
  * -ffast-math leaves alone), two passes over the row: its maximum m, then s = sum e and
- * t = sum (z - m) e with
- * e = exp(z - m) (the inline exp, sixteen at a time): H = log s - t / s, both terms
- * non-negative (no cancellation against m). torch's way, a log-softmax
- * then its exp, a product and a sum, made six passes and four [N, V] temporaries (the
- * trainer's entropy metric, ~0.7 ms of a 32-tenant step). */
+ * t = sum (z - m) e with e = exp(z - m) (the inline exp, sixteen at a time):
+ * H = log s - t / s, both terms non-negative (no cancellation against m). torch's way,
+ * a log-softmax then its exp, a product and a sum, made six passes and four [N, V]
+ * temporaries (the trainer's entropy metric). */
 void entropy_rows_f32(int64_t N, int64_t V, const float *z, float *out, int64_t *nonfinite) {
     const uint32_t *bits = (const uint32_t *)z;
     uint32_t all_ones = 0;

@@ -19,6 +19,20 @@ def _ok(*tensors: Tensor) -> bool:
     return all(t.is_cpu and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
 
 
+def _rows_take(x: Tensor, bias: Tensor | None, out_features: int, bias_dtype: torch.dtype) -> bool:
+    """A packed product's rows (`_ok`) and bias (none, or `[out_features]` of
+    `bias_dtype` on the CPU, contiguous)."""
+    return _ok(x) and (
+        bias is None
+        or (
+            bias.is_cpu
+            and bias.dtype == bias_dtype
+            and bias.is_contiguous()
+            and tuple(bias.shape) == (out_features,)
+        )
+    )
+
+
 def swiglu_applies(g: Tensor, u: Tensor) -> bool:
     """Whether `swiglu` (and its backward) take these tensors."""
     return load("swiglu") is not None and g.shape == u.shape and _ok(g, u)
@@ -92,26 +106,20 @@ def rotary(x: Tensor, cos: Tensor, sin: Tensor, transpose: bool = False) -> Tens
     return out
 
 
-def adamw_applies(p: Tensor, g: Tensor, m: Tensor, v: Tensor) -> bool:
-    """Whether `adamw` takes these tensors: float32 CPU vectors of one length,
-    contiguous, and the kernel built."""
-    return (
-        load("adamw") is not None
-        and p.numel() == g.numel() == m.numel() == v.numel()
-        and _ok(p, g, m, v)
-    )
-
-
 def adamw_clipped_applies(tensors: Sequence[tuple[Tensor, Tensor, Tensor, Tensor]]) -> bool:
-    """Whether `adamw_clipped` takes these tenants' `(p, g, m, v)` (each as `adamw`)."""
-    return load("adamw_clipped") is not None and all(adamw_applies(*t) for t in tensors)
+    """Whether `adamw_clipped` takes these tenants' `(p, g, m, v)`: float32 CPU vectors,
+    contiguous, of one length per tenant, and the kernel built."""
+    return load("adamw_clipped") is not None and all(
+        p.numel() == g.numel() == m.numel() == v.numel() and _ok(p, g, m, v)
+        for p, g, m, v in tensors
+    )
 
 
 def adamw_clipped(
     tensors: Sequence[tuple[Tensor, Tensor, Tensor, Tensor]], scalars: Sequence[Sequence[float]]
 ) -> list[float]:
-    """Every tenant's AdamW update, its gradient clipped by its own norm first, in one
-    call (`adamw.c`): tenant k's `(p, g, m, v)` (p, m and v updated in place, g read) and
+    """Every tenant's AdamW update, its gradient clipped by its own norm first (or not:
+    a max_norm <= 0), in one call (`adamw.c`, which has the formula): tenant k's `(p, g, m, v)` (p, m and v updated in place, g read) and
     `(max_norm (<= 0: no clipping), decay, lerp, beta2, bias2_sqrt, eps, step,
     clip_eps)`; the gradients' norms before clipping. The caller checks
     `adamw_clipped_applies`."""
@@ -124,36 +132,6 @@ def adamw_clipped(
     norms = array.array("f", bytes(4 * len(tensors)))
     kernel(len(tensors), fields.buffer_info()[0], floats.buffer_info()[0], norms.buffer_info()[0])
     return norms.tolist()
-
-
-def adamw(
-    p: Tensor,
-    g: Tensor,
-    m: Tensor,
-    v: Tensor,
-    *,
-    decay: float,
-    lerp: float,
-    beta2: float,
-    bias2_sqrt: float,
-    eps: float,
-    step: float,
-) -> None:
-    """One AdamW update of `p` with gradient `g`, its moments `m` and `v` advanced, all
-    in place in one pass (`adamw.c` has the formula); the caller checks `adamw_applies`."""
-    load("adamw")(
-        p.numel(),
-        p.data_ptr(),
-        g.data_ptr(),
-        m.data_ptr(),
-        v.data_ptr(),
-        decay,
-        lerp,
-        beta2,
-        bias2_sqrt,
-        eps,
-        step,
-    )
 
 
 #: Most rows `half_linear_rows` takes while torch runs more than one thread (it runs in
@@ -214,14 +192,7 @@ def f32_linear_rows(
         return None
     M, K = (int(n) for n in x.shape)
     N = int(out_features)
-    if tuple(packed.shape) != (-(-N // 16), K, 16):
-        return None
-    if not (x.is_cpu and x.dtype == torch.float32 and x.is_contiguous()):
-        return None
-    if bias is not None and not (
-        bias.is_cpu and bias.dtype == torch.float32 and bias.is_contiguous()
-        and tuple(bias.shape) == (N,)
-    ):  # fmt: skip
+    if tuple(packed.shape) != (-(-N // 16), K, 16) or not _rows_take(x, bias, N, torch.float32):
         return None
     y = torch.empty((M, N), dtype=torch.float32)
     kernel(
@@ -252,12 +223,7 @@ def half_linear_rows(
     N = int(out_features)
     if tuple(packed.shape) != (-(-N // 16), K // 2, 16, 2) or K % 2:
         return None
-    if not (x.is_cpu and x.dtype == torch.float32 and x.is_contiguous()):
-        return None
-    if bias is not None and not (
-        bias.is_cpu and bias.dtype == torch.bfloat16 and bias.is_contiguous()
-        and tuple(bias.shape) == (N,)
-    ):  # fmt: skip
+    if not _rows_take(x, bias, N, torch.bfloat16):
         return None
     kernel = load("half_linear_rows")
     if kernel is None:

@@ -196,7 +196,7 @@ static void layer_forward(const int64_t *p, const int64_t *L, const float *fl, f
     half_linear_rows_f32(s.T, s.E, s.I, gated, PTR(const uint16_t *, L[L_DOWN_W]),
                          PTR(const uint16_t *, L[L_DOWN_B]), out, xb);
     lora(p, m + DOWN * M_FIELDS, s.I, s.E, gated, out, s.E);
-    for (int64_t i = 0; i < s.T * s.E; ++i) h[i] += out[i];
+    add_into(h, out, s.T * s.E);
 }
 
 /* g [T, E]: the gradient of the layer's output in, of its input out. */
@@ -235,7 +235,7 @@ static void layer_backward(const int64_t *p, const int64_t *L, const float *fl, 
     lora_back(p, m + UP * M_FIELDS, s.E, s.I, x2, wide + s.I, 2 * s.I, g2);
     rms_norm_backward_f32(s.T, s.E, PTR(const float *, L[L_HMID]),
                           PTR(const float *, L[L_NORM2]), g2, fl[FL_EPS2], wide, 0);
-    for (int64_t i = 0; i < s.T * s.E; ++i) g[i] += wide[i];
+    add_into(g, wide, s.T * s.E);
     /* The attention's output projection, then the attention. */
     half_linear_rows_f32(s.T, s.HD, s.E, g, PTR(const uint16_t *, L[L_O_WT]), 0, wide, xb);
     lora_back(p, m + O * M_FIELDS, s.HD, s.E, att, g, s.E, wide);
@@ -286,7 +286,7 @@ static void layer_backward(const int64_t *p, const int64_t *L, const float *fl, 
     lora_back(p, m + V * M_FIELDS, s.E, L[L_V_OUT], x1, gqkv + qo + ko, s.C, g2);
     rms_norm_backward_f32(s.T, s.E, PTR(const float *, L[L_HIN]),
                           PTR(const float *, L[L_NORM1]), g2, fl[FL_EPS1], wide, 0);
-    for (int64_t i = 0; i < s.T * s.E; ++i) g[i] += wide[i];
+    add_into(g, wide, s.T * s.E);
 }
 
 void train_layers_f32(const int64_t *p, const float *f) {
