@@ -110,14 +110,14 @@ class MemoryRecorder:
         with self._lock:
             return [r for r in self.records if isinstance(r, StepDone)]
 
-    def progress_when(self, tenant: str, step: int) -> dict[str, int]:
-        """Every tenant's last train step at the moment `tenant` recorded step `step`."""
-        last: dict[str, int] = {}
-        for r in self._steps():
-            last[r.tenant] = max(last.get(r.tenant, 0), r.step)
-            if (r.tenant, r.step) == (tenant, step):
-                return last
-        raise KeyError((tenant, step))
+    def spans_of(self, stage: str) -> dict[str, list[tuple[float, float]]]:
+        """Each tenant's (start, end) spans of `stage`, in the order they were recorded."""
+        found: dict[str, list[tuple[float, float]]] = {}
+        with self._lock:
+            for st, _, t0, t1, tenant in self.spans:
+                if st == stage and tenant is not None:
+                    found.setdefault(tenant, []).append((t0, t1))
+        return found
 
     def event(self, name: str, *, tenant: str | None = None, **fields: object) -> None:
         with self._lock:
