@@ -195,7 +195,7 @@ def test_sigterm_checkpoints_running_jobs_and_exits_cleanly(
     data = tmp_path / "data"
     server = servers()
     acme = make_tenant(server)
-    ids = [server.post("/v1/jobs", tiny_job(n, "reverse", 40), acme)["id"] for n in ("a", "b")]
+    ids = [server.post("/v1/jobs", tiny_job(n, "reverse", 400), acme)["id"] for n in ("a", "b")]
     server.until(lambda: all(server.get(f"/v1/jobs/{i}", acme)["steps_done"] >= 1 for i in ids))
     assert server.stop(signal.SIGTERM) in (0, -signal.SIGTERM), server.log.read_text()
     assert "Application shutdown complete" in server.log.read_text()
