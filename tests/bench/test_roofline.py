@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from helpers.tiny_archs import WINDOW, tiny_config, tiny_model
 from marlaas.bench.cost import ModelCost, TrainGroup
+from marlaas.bench.machine import fma_flops
 from marlaas.bench.random_model import build_random_model
 from marlaas.bench.roofline import run_roofline_bench
 from marlaas.config.specs import ModelDType
@@ -104,6 +105,9 @@ def test_every_row_is_scored_against_the_machine(tmp_path: Path, dtype: ModelDTy
     # The cores' multiply-add rates (the kernels build here; bfloat16 where native).
     assert machine["fma_flops"] > 0
     assert (machine["bf16_fma_flops"] > 0) == bool(machine["bf16_hardware"])
+    if _cpu_has("amx_bf16"):  # the tiles' rate is bfloat16's ceiling there
+        amx = fma_flops("fma_peak_amx_bf16", 16 * 16 * 32 * 2, iterations=1000)
+        assert amx > 0
     half_peak = machine["weights_flops"]
     assert (half_peak > 0) == (dtype == "bfloat16")
     assert machine["weights_dtype"] == (None if dtype == "float32" else dtype)
@@ -188,3 +192,9 @@ def test_the_model_shape_peak_times_the_projects_own_products_too() -> None:
         assert half is not None
         want = F.linear(x.bfloat16(), w.bfloat16()).float()
         torch.testing.assert_close(half(), want, rtol=1e-2, atol=1e-2)
+
+
+def _cpu_has(flag: str) -> bool:
+    """Whether Linux lists `flag` among the CPU's (False off Linux)."""
+    info = Path("/proc/cpuinfo")
+    return info.is_file() and f" {flag}" in info.read_text()

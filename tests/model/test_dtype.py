@@ -205,6 +205,32 @@ def test_a_few_rows_of_a_bfloat16_layer_skip_onednn_and_round_alike(
     assert packed(w) is not weights
 
 
+@pytest.mark.parametrize("fan_in", [96, 34])
+def test_a_bfloat16_rows_product_does_not_depend_on_the_other_rows(fan_in: int) -> None:
+    """`kernels.half_linear_rows` gives a row the same bits alone as among 37 others
+    (two full blocks of 16 rows and a short one on AMX's tiles where the CPU has them:
+    `fan_in` a multiple of 32; the vector path's blocks of four rows else), and each
+    output the same bits whatever outputs share the call."""
+    from marlaas.model import kernels
+    from marlaas.model.mixed import native_bfloat16, packed
+
+    if not (native_bfloat16("cpu") and kernels.native_kernels("half_linear_rows")):
+        pytest.skip("needs a CPU with AVX512-BF16 and the native kernels")
+    g = torch.Generator().manual_seed(fan_in)
+    w = torch.randn(72, fan_in, generator=g).to(torch.bfloat16)
+    b = torch.randn(72, generator=g).to(torch.bfloat16)
+    x = torch.randn(38, fan_in, generator=g)
+    weights, first = packed(w), packed(w[:40].contiguous())
+    assert weights is not None and first is not None
+    together = kernels.half_linear_rows(x, weights, 72, b)
+    assert together is not None
+    for row in (0, 15, 16, 31, 32, 37):
+        alone = kernels.half_linear_rows(x[row : row + 1].contiguous(), weights, 72, b)
+        assert alone is not None and torch.equal(alone[0], together[row])
+    part = kernels.half_linear_rows(x, first, 40, b[:40].contiguous())
+    assert part is not None and torch.equal(part, together[:, :40])
+
+
 @pytest.mark.parametrize("rows", [1, 13, 300])
 def test_a_layers_input_gradient_multiplies_by_the_packed_transpose(
     rows: int, monkeypatch: pytest.MonkeyPatch

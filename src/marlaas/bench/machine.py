@@ -22,9 +22,11 @@
   `half_flops`); the attention, the LoRA updates and the head stay at the activations'.
 - On a CPU, the cores' own ceiling beside the matmul peaks (`fma_roofline_s`):
   multiply-adds in registers (`kernels/fma_peak.c`), float32 and, with AVX512-BF16,
-  bfloat16, on as many threads as the run's. A library's matmul can stay well under it
-  (MKL's float32 kernels run 256-bit on AMD CPUs: on this project's Zen 5 machine
-  ~120 GFLOP/s of the core's ~290), so the roofline reports both.
+  bfloat16 (the faster of the vector dot product and, with AMX-BF16, the tile
+  multiply-add: on a Sapphire Rapids-class Xeon the tiles run ~20x the vector rate), on
+  as many threads as the run's. A library's matmul can stay well under it (MKL's float32
+  kernels run 256-bit on AMD CPUs: on a Zen 5 machine ~120 GFLOP/s of the core's ~290),
+  so the roofline reports both.
 
 Every figure is the best of several timed repeats after a warm-up (the least disturbed
 by other processes), in the thread count and dtype of the run.
@@ -185,7 +187,12 @@ def measure_machine(
         weights_flops=weights_flops,
         weights_dtype=None if half is None else str(half).removeprefix("torch."),
         fma_flops=0.0 if gpu else fma_flops("fma_peak_f32", 32),
-        bf16_fma_flops=0.0 if gpu else fma_flops("fma_peak_bf16", 64),
+        bf16_fma_flops=0.0
+        if gpu
+        else max(
+            fma_flops("fma_peak_bf16", 64),
+            fma_flops("fma_peak_amx_bf16", 16 * 16 * 32 * 2, iterations=20_000),
+        ),
     )
 
 
@@ -220,7 +227,8 @@ def fma_flops(name: str, per_instruction: int, iterations: int = 2_000_000) -> f
 
 
 class _Unsupported(Exception):
-    """The CPU lacks the kernel's instruction (`fma_peak_bf16` without AVX512-BF16)."""
+    """The CPU lacks the kernel's instruction (`fma_peak_bf16` without AVX512-BF16,
+    `fma_peak_amx_bf16` without AMX-BF16 or the kernel's grant of the tiles)."""
 
 
 def _shape_flops(

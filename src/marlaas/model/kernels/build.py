@@ -159,6 +159,7 @@ KERNELS: dict[str, tuple[str, str, list[type]]] = {
     "decoder_layers": ("decoder_layers", "decoder_layers_f32", [_PTR, _PTR]),
     "fma_peak_f32": ("fma_peak", "fma_peak_f32", [_I64, _PTR]),
     "fma_peak_bf16": ("fma_peak", "fma_peak_bf16", [_I64, _PTR]),
+    "fma_peak_amx_bf16": ("fma_peak", "fma_peak_amx_bf16", [_I64, _PTR]),
     "train_layers": ("train_layers", "train_layers_f32", [_PTR, _PTR]),
     "train_layers_backward": ("train_layers", "train_layers_backward_f32", [_PTR, _PTR]),
 }
