@@ -197,8 +197,8 @@ def measure_machine(
 
 
 def fma_flops(name: str, per_instruction: int, iterations: int = 2_000_000) -> float:
-    """FLOP/s of kernel `name` (`fma_peak.c`: `iterations` of twelve vector instructions
-    of `per_instruction` FLOPs each) on as many threads at once as torch's (the kernel
+    """FLOP/s of kernel `name` (`fma_peak.c`: `iterations` of twelve instructions, vector
+    or tile, of `per_instruction` FLOPs each) on as many threads at once as torch's (the kernel
     runs in the calling thread, outside the GIL), the best of three; 0 where the kernel
     is not built or the CPU lacks the instruction."""
     kernel = load(name)

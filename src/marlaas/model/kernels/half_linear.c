@@ -94,6 +94,15 @@ static inline __attribute__((always_inline)) void tile(
 #define TILE(MS, NBS) tile(MS, NBS, m0, nb0, N, K, xb, Wp, b, y)
 #endif
 
+#ifdef __AVX512F__
+/* `bf16_nearest` of sixteen floats' bits, the result in each lane's high half (the low
+ * half's bits are left over: shifted out, or masked off, by the caller). */
+static inline __m512i bf16_nearest_bits(__m512i u) {
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    return _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd);
+}
+#endif
+
 #ifdef HAVE_AMX
 /* The same product on the AMX tiles (CPUs with AMX-BF16: Intel's since Sapphire Rapids),
  * whose multiply-adds run several times the vector units' rate: a tile multiply-add
@@ -105,12 +114,10 @@ static inline __attribute__((always_inline)) void tile(
  * height. Each output's sum runs over the inputs in the same order whatever the rows and
  * the other outputs of the call. K a multiple of 32 (the caller's other path else). */
 
-/* Tiles 0-7 of 64-byte rows: `rows` high for the sums and inputs of row blocks (tiles 0,
- * 1 and 4 where `first_only`, the last block's: 2, 3 and 5 keep 16), 16 for weights. */
-static void configure(int rows, int first_only) {
-    uint8_t heights[8];
-    for (int t = 0; t < 8; ++t)
-        heights[t] = t < 6 && (!first_only || t == 0 || t == 1 || t == 4) ? (uint8_t)rows : 16;
+/* Tiles 0-7 of 64-byte rows: the row blocks' sums and inputs (0-5) `rows` high (the
+ * short last block's height runs alone, on tiles 0, 1 and 4), the weights' (6-7) 16. */
+static void configure(int rows) {
+    const uint8_t r = (uint8_t)rows, heights[8] = {r, r, r, r, r, r, 16, 16};
     amx_configure(heights);
 }
 
@@ -126,10 +133,8 @@ static inline void amx_store(const float *sums, int64_t rows, int64_t m0, int64_
             _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, b + n0)), 16));
     for (int64_t m = 0; m < rows; ++m) {
         const __m512 v = _mm512_add_ps(_mm512_loadu_ps(sums + m * OUT), bias);
-        const __m512i u = _mm512_castps_si512(v); /* bf16_nearest's rounding, a vector */
-        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-        const __m512i r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), odd);
-        const __m512i h = _mm512_and_si512(r, _mm512_set1_epi32((int)0xFFFF0000u));
+        const __m512i h = _mm512_and_si512(bf16_nearest_bits(_mm512_castps_si512(v)),
+                                           _mm512_set1_epi32((int)0xFFFF0000u));
         _mm512_mask_storeu_ps(y + (m0 + m) * N + n0, keep, _mm512_castsi512_ps(h));
     }
 }
@@ -204,7 +209,7 @@ static void amx_rows(int64_t M, int64_t N, int64_t K, const uint16_t *xb, const 
     const int64_t full = M / 16 * 16;
     int64_t m0 = 0;
     if (full > 0) {
-        configure(16, 0);
+        configure(16);
         for (; m0 + 32 <= full; m0 += 32) amx_pass(1, 16, m0, N, K, xb, Wp, b, y);
         if (m0 < full) {
             amx_pass(0, 16, m0, N, K, xb, Wp, b, y);
@@ -212,7 +217,7 @@ static void amx_rows(int64_t M, int64_t N, int64_t K, const uint16_t *xb, const 
         }
     }
     if (m0 < M) {
-        configure((int)(M - m0), 1);
+        configure((int)(M - m0));
         amx_pass(0, M - m0, m0, N, K, xb, Wp, b, y);
     }
     _tile_release();
@@ -223,12 +228,9 @@ static void amx_rows(int64_t M, int64_t N, int64_t K, const uint16_t *xb, const 
 static void to_bf16(int64_t n, const float *x, uint16_t *xb) {
     int64_t i = 0;
 #ifdef __AVX512F__
-    const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
     for (; i + 16 <= n; i += 16) {
-        const __m512i u = _mm512_loadu_si512((const void *)(x + i));
-        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), one);
-        const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, half), odd), 16);
-        _mm256_storeu_si256((__m256i *)(xb + i), _mm512_cvtepi32_epi16(r));
+        const __m512i r = bf16_nearest_bits(_mm512_loadu_si512((const void *)(x + i)));
+        _mm256_storeu_si256((__m256i *)(xb + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
     }
 #endif
     for (; i < n; ++i) xb[i] = bf16_nearest(x[i]);
