@@ -142,11 +142,11 @@ def _lanes(model: LoRAModel, decoder_: TrainDecoder, rank: int = 8) -> LaneBatch
 
 
 def _prefix_then_suffix(
-    decoder_: TrainDecoder, lanes: LaneBatch, native: bool
+    decoder_: TrainDecoder, lanes: LaneBatch, native: bool, suffixes: tuple[int, ...]
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Logits of a suffix pass after a prefix pass whose cache it attends (left-padded
-    prefixes, right-padded suffixes), and every lane weight's gradient of a random
-    projection of them."""
+    """Logits of a suffix pass (rows of `suffixes` tokens) after a prefix pass whose
+    cache it attends (left-padded prefixes, right-padded suffixes), and every lane
+    weight's gradient of a random projection of them."""
     gen = torch.Generator().manual_seed(9)
     keep = decoder_.native
     decoder_.native = keep if native else None
@@ -156,10 +156,11 @@ def _prefix_then_suffix(
     mask = torch.tensor([[0, 0, 1, 1, 1, 1]] * 2 + [[0, 1, 1, 1, 1, 1]] * 2)
     pos = (mask.cumsum(1) - 1).clamp(min=0)
     _, past = decoder_.forward(ids, mask, pos, keep_cache=True, last_only=True, lanes=lanes)
-    suffix = torch.randint(4, VOCAB, (4, 5), generator=gen)
-    valid = torch.arange(5) < torch.tensor([5, 2, 4, 1])[:, None]
+    S = max(suffixes)
+    suffix = torch.randint(4, VOCAB, (4, S), generator=gen)
+    valid = torch.arange(S) < torch.tensor(suffixes)[:, None]
     key_mask = torch.cat([mask, valid.long()], 1)
-    suffix_pos = pos[:, -1:] + 1 + torch.arange(5)
+    suffix_pos = pos[:, -1:] + 1 + torch.arange(S)
     out, _ = decoder_.forward(suffix, key_mask, suffix_pos, past=past, lanes=lanes)
     logits = out.padded(out.values)
     (logits * torch.randn(logits.shape, generator=gen) * valid[..., None]).sum().backward()
@@ -171,17 +172,30 @@ def _prefix_then_suffix(
     return logits.detach() * valid[..., None], {k: g for k, g in grads.items() if g is not None}
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen3"])
-def test_a_past_takes_its_gradients_from_the_suffix_pass(arch: str, calls: list[bool]) -> None:
+@pytest.mark.parametrize(
+    ("arch", "suffixes"),
+    [
+        ("llama", (5, 2, 4, 1)),
+        ("mistral", (5, 2, 4, 1)),
+        ("qwen3", (5, 2, 4, 1)),
+        # More tokens than a run of the forward (`chunks.h`): runs of whole rows, or of
+        # a packed pass's tokens, the lanes interleaved within each.
+        ("llama", (100, 40, 97, 3)),
+        ("qwen3", (90, 110, 20, 60)),
+    ],
+)
+def test_a_past_takes_its_gradients_from_the_suffix_pass(
+    arch: str, suffixes: tuple[int, ...], calls: list[bool]
+) -> None:
     """Every lane weight of every module, one by one: the prefix pass's gradient comes
     back through its keys and values."""
     model = _half_model(arch)
     decoder_ = TrainDecoder.of(model)
     assert decoder_ is not None and decoder_.native is not None
     lanes = _lanes(model, decoder_)
-    got, got_grads = _prefix_then_suffix(decoder_, lanes, native=True)
+    got, got_grads = _prefix_then_suffix(decoder_, lanes, native=True, suffixes=suffixes)
     assert calls == [True, True]
-    want, want_grads = _prefix_then_suffix(decoder_, lanes, native=False)
+    want, want_grads = _prefix_then_suffix(decoder_, lanes, native=False, suffixes=suffixes)
     assert float((got - want).norm() / want.norm()) < 5e-3
     for name, grad in want_grads.items():
         rel = float((got_grads[name] - grad).norm() / grad.norm())

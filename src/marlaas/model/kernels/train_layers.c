@@ -15,7 +15,9 @@
  *     gu = x2 [W_gate; W_up]^T (+ b) + LoRA of each;  gated = silu(gate) * up
  *     h += gated W_down^T (+ b) + LoRA
  *
- * over the pass's `T` tokens (a packed pass's valid tokens, or every column of its rows),
+ * over the pass's `T` tokens (a packed pass's valid tokens, or every column of its rows;
+ * the forward takes them a run of whole units at a time, except for the attention:
+ * `chunks.h`),
  * token t in row row[t] at key column col[t] = P + its column, attending its span of
  * columns (start[t], end[t]: counted across the rows, see `Shape`). The backward runs the
  * same steps in reverse for the gradient of the last layer's h (and of each layer's keys
@@ -32,6 +34,7 @@
  */
 #include <string.h>
 
+#include "chunks.h"
 #include "simd.h"
 #include "kernels.h"
 
@@ -68,14 +71,14 @@ enum { FL_EPS1, FL_EPS2, FL_SCALING, FL_Q_EPS, FL_K_EPS, FL_FIELDS };
 /* How many tokens ahead an element-wise loop over the tape prefetches a token's rows. */
 #define AHEAD 2
 
-/* y (row stride ys) += the LoRA update of module m over x [T, in]. */
-static void lora(const int64_t *p, const int64_t *m, int64_t in, int64_t out, const float *x,
-                 float *y, int64_t ys) {
+/* y (row stride ys) += the LoRA update of module m over x [T, in], for run c's units. */
+static void lora(const int64_t *p, const Chunk *c, const int64_t *m, int64_t in, int64_t out,
+                 const float *x, float *y, int64_t ys) {
     if (!m[M_A]) return;
-    lora_rows_strided_f32(p[P_UNITS], p[P_UNIT_TOKENS], in, out, m[M_RANK], x, y, ys,
+    lora_rows_strided_f32(c->units, p[P_UNIT_TOKENS], in, out, m[M_RANK], x, y, ys,
                           PTR(const float *, m[M_A]), m[M_A_SL], m[M_A_SR],
                           PTR(const float *, m[M_B]), m[M_B_SL], m[M_B_SO], m[M_B_SR],
-                          PTR(const int64_t *, p[P_LANE]), PTR(const int64_t *, p[P_ORDER]),
+                          PTR(const int64_t *, p[P_LANE]), c->order,
                           PTR(const float *, p[P_SCALE]), PTR(float *, p[P_LORA_SCRATCH]),
                           PTR(float *, m[M_H]));
 }
@@ -116,7 +119,8 @@ static Shape shape_of(const int64_t *p, const int64_t *L) {
     return s;
 }
 
-static void layer_forward(const int64_t *p, const int64_t *L, const float *fl, float *h) {
+static void layer_forward(const int64_t *p, const Chunks *chunks, const int64_t *L,
+                          const float *fl, float *h) {
     const Shape s = shape_of(p, L);
     const int64_t *m = L + L_LORA;
     const int64_t qo = L[L_Q_OUT], ko = L[L_K_OUT];
@@ -125,25 +129,34 @@ static void layer_forward(const int64_t *p, const int64_t *L, const float *fl, f
     float *gu = PTR(float *, L[L_GU]), *gated = PTR(float *, L[L_GATED]);
     float *keys = PTR(float *, L[L_KEYS]), *values = PTR(float *, L[L_VALUES]);
     float *out = PTR(float *, p[P_OUT]);
+    float *hin = PTR(float *, L[L_HIN]), *hmid = PTR(float *, L[L_HMID]);
     uint16_t *xb = PTR(uint16_t *, p[P_XB]);
     const int64_t *row = PTR(const int64_t *, p[P_ROW]), *col = PTR(const int64_t *, p[P_COL]);
     const size_t cells = (size_t)(s.B * s.Hkv * s.S * s.D) * sizeof(float);
 
-    memcpy(PTR(float *, L[L_HIN]), h, (size_t)(s.T * s.E) * sizeof(float));
-    add_rms_norm_f32(s.T, s.E, h, 0, PTR(const float *, L[L_NORM1]), fl[FL_EPS1], x1);
-    half_linear_rows_f32(s.T, s.C, s.E, x1, PTR(const uint16_t *, L[L_QKV_W]),
-                         PTR(const uint16_t *, L[L_QKV_B]), qkv, xb);
-    lora(p, m + Q * M_FIELDS, s.E, qo, x1, qkv, s.C);
-    lora(p, m + K * M_FIELDS, s.E, ko, x1, qkv + qo, s.C);
-    lora(p, m + V * M_FIELDS, s.E, L[L_V_OUT], x1, qkv + qo + ko, s.C);
-    if (L[L_Q_NORM]) {  /* Qwen3: each head's RMS norm, in place; the queries and keys kept */
-        float *qk = PTR(float *, L[L_QK]);
-        for (int64_t t = 0; t < s.T; ++t) {
-            float *q = qkv + t * s.C;
-            memcpy(qk + t * (qo + ko), q, (size_t)(qo + ko) * sizeof(float));
-            add_rms_norm_f32(s.H, s.D, q, 0, PTR(const float *, L[L_Q_NORM]), fl[FL_Q_EPS], q);
-            add_rms_norm_f32(s.Hkv, s.D, q + qo, 0, PTR(const float *, L[L_K_NORM]),
-                             fl[FL_K_EPS], q + qo);
+    /* Up to the attention, a run of tokens at a time (its rows stay in L2 from one step
+     * to the next: `chunks.h`). */
+    for (int64_t k = 0; k < chunks->count; ++k) {
+        const Chunk c = chunk_at(chunks, k);
+        const int64_t t0 = c.t0, n = c.n;
+        memcpy(hin + t0 * s.E, h + t0 * s.E, (size_t)(n * s.E) * sizeof(float));
+        add_rms_norm_f32(n, s.E, h + t0 * s.E, 0, PTR(const float *, L[L_NORM1]), fl[FL_EPS1],
+                         x1 + t0 * s.E);
+        half_linear_rows_f32(n, s.C, s.E, x1 + t0 * s.E, PTR(const uint16_t *, L[L_QKV_W]),
+                             PTR(const uint16_t *, L[L_QKV_B]), qkv + t0 * s.C, xb);
+        lora(p, &c, m + Q * M_FIELDS, s.E, qo, x1, qkv, s.C);
+        lora(p, &c, m + K * M_FIELDS, s.E, ko, x1, qkv + qo, s.C);
+        lora(p, &c, m + V * M_FIELDS, s.E, L[L_V_OUT], x1, qkv + qo + ko, s.C);
+        if (L[L_Q_NORM]) {  /* Qwen3: each head's RMS norm, in place; the queries and keys kept */
+            float *qk = PTR(float *, L[L_QK]);
+            for (int64_t t = t0; t < t0 + n; ++t) {
+                float *q = qkv + t * s.C;
+                memcpy(qk + t * (qo + ko), q, (size_t)(qo + ko) * sizeof(float));
+                add_rms_norm_f32(s.H, s.D, q, 0, PTR(const float *, L[L_Q_NORM]), fl[FL_Q_EPS],
+                                 q);
+                add_rms_norm_f32(s.Hkv, s.D, q + qo, 0, PTR(const float *, L[L_K_NORM]),
+                                 fl[FL_K_EPS], q + qo);
+            }
         }
     }
     /* The keys and values: zeros, the past's columns, the new tokens' (rounded). */
@@ -178,25 +191,28 @@ static void layer_forward(const int64_t *p, const int64_t *L, const float *fl, f
                    PTR(const int64_t *, L[L_START]), PTR(const int64_t *, L[L_END]),
                    fl[FL_SCALING], 0.0f, att, PTR(float *, L[L_LSE]),
                    PTR(float *, p[P_SCORES]), 0);
-    half_linear_rows_f32(s.T, s.E, s.HD, att, PTR(const uint16_t *, L[L_O_W]),
-                         PTR(const uint16_t *, L[L_O_B]), out, xb);
-    lora(p, m + O * M_FIELDS, s.HD, s.E, att, out, s.E);
-    add_rms_norm_f32(s.T, s.E, h, out, PTR(const float *, L[L_NORM2]), fl[FL_EPS2], x2);
-    memcpy(PTR(float *, L[L_HMID]), h, (size_t)(s.T * s.E) * sizeof(float));
-    half_linear_rows_f32(s.T, 2 * s.I, s.E, x2, PTR(const uint16_t *, L[L_GU_W]),
-                         PTR(const uint16_t *, L[L_GU_B]), gu, xb);
-    lora(p, m + GATE * M_FIELDS, s.E, s.I, x2, gu, 2 * s.I);
-    lora(p, m + UP * M_FIELDS, s.E, s.I, x2, gu + s.I, 2 * s.I);
-    for (int64_t t = 0; t < s.T; ++t) {
-        if (t + AHEAD < s.T)
-            for (int64_t i = 0; i < 2 * s.I; i += W)
-                __builtin_prefetch(gu + (t + AHEAD) * 2 * s.I + i, 0, 3);
-        swiglu_f32(s.I, gu + t * 2 * s.I, gu + t * 2 * s.I + s.I, gated + t * s.I);
+    /* From the attention's output on, a run at a time. */
+    for (int64_t k = 0; k < chunks->count; ++k) {
+        const Chunk c = chunk_at(chunks, k);
+        const int64_t t0 = c.t0, n = c.n;
+        float *ht = h + t0 * s.E, *outt = out + t0 * s.E;
+        half_linear_rows_f32(n, s.E, s.HD, att + t0 * s.HD, PTR(const uint16_t *, L[L_O_W]),
+                             PTR(const uint16_t *, L[L_O_B]), outt, xb);
+        lora(p, &c, m + O * M_FIELDS, s.HD, s.E, att, out, s.E);
+        add_rms_norm_f32(n, s.E, ht, outt, PTR(const float *, L[L_NORM2]), fl[FL_EPS2],
+                         x2 + t0 * s.E);
+        memcpy(hmid + t0 * s.E, ht, (size_t)(n * s.E) * sizeof(float));
+        half_linear_rows_f32(n, 2 * s.I, s.E, x2 + t0 * s.E, PTR(const uint16_t *, L[L_GU_W]),
+                             PTR(const uint16_t *, L[L_GU_B]), gu + t0 * 2 * s.I, xb);
+        lora(p, &c, m + GATE * M_FIELDS, s.E, s.I, x2, gu, 2 * s.I);
+        lora(p, &c, m + UP * M_FIELDS, s.E, s.I, x2, gu + s.I, 2 * s.I);
+        for (int64_t t = t0; t < t0 + n; ++t)
+            swiglu_f32(s.I, gu + t * 2 * s.I, gu + t * 2 * s.I + s.I, gated + t * s.I);
+        half_linear_rows_f32(n, s.E, s.I, gated + t0 * s.I, PTR(const uint16_t *, L[L_DOWN_W]),
+                             PTR(const uint16_t *, L[L_DOWN_B]), outt, xb);
+        lora(p, &c, m + DOWN * M_FIELDS, s.I, s.E, gated, out, s.E);
+        add_into(ht, outt, n * s.E);
     }
-    half_linear_rows_f32(s.T, s.E, s.I, gated, PTR(const uint16_t *, L[L_DOWN_W]),
-                         PTR(const uint16_t *, L[L_DOWN_B]), out, xb);
-    lora(p, m + DOWN * M_FIELDS, s.I, s.E, gated, out, s.E);
-    add_into(h, out, s.T * s.E);
 }
 
 /* g [T, E]: the gradient of the layer's output in, of its input out. */
@@ -291,8 +307,11 @@ static void layer_backward(const int64_t *p, const int64_t *L, const float *fl, 
 
 void train_layers_f32(const int64_t *p, const float *f) {
     float *h = PTR(float *, p[P_HIDDEN]);
+    Chunks chunks = chunks_of(p[P_UNITS], p[P_UNIT_TOKENS], PTR(const int64_t *, p[P_ORDER]),
+                              CHUNK_TOKENS);
     for (int64_t l = 0; l < p[P_LAYERS]; ++l)
-        layer_forward(p, p + P_FIELDS + l * L_FIELDS, f + l * FL_FIELDS, h);
+        layer_forward(p, &chunks, p + P_FIELDS + l * L_FIELDS, f + l * FL_FIELDS, h);
+    chunks_free(&chunks);
 }
 
 void train_layers_backward_f32(const int64_t *p, const float *f) {
