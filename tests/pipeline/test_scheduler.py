@@ -4,6 +4,7 @@ engine, and admission order."""
 from __future__ import annotations
 
 import asyncio
+import random
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,99 @@ def test_fair_share_charges_actual_tokens() -> None:
         share.charge(tenant, actual=1 if tenant == "a" else 10, estimate=cost)
     assert served["a"] > 2 * served["b"]  # a's requests turned out cheap: it gets more
     assert served["b"] >= 1  # and b is not starved
+
+
+class _ScanShare:
+    """Start-time fair queueing as its definition reads, a pass over every tenant per
+    pop: the reference `FairShare`'s heaps must agree with, item for item."""
+
+    def __init__(self) -> None:
+        self.weights: dict[str, float] = {}
+        self.finish: dict[str, float] = {}
+        self.queues: dict[str, list[tuple[int, object, float]]] = {}
+        self.vtime = 0.0
+        self.seq = 0
+
+    def set_weight(self, tenant: str, weight: float) -> None:
+        self.weights[tenant] = weight
+        self.finish.setdefault(tenant, self.vtime)
+        self.queues.setdefault(tenant, [])
+
+    def push(self, tenant: str, item: object, cost: float) -> None:
+        if tenant not in self.weights:
+            self.set_weight(tenant, 1.0)
+        self.seq += 1
+        self.queues[tenant].append((self.seq, item, cost))
+
+    def pop(self) -> tuple[str, object, float] | None:
+        keys = [(max(self.finish[t], self.vtime), q[0][0], t) for t, q in self.queues.items() if q]
+        if not keys:
+            return None
+        start, _, tenant = min(keys)
+        _, item, cost = self.queues[tenant].pop(0)
+        self.vtime = start
+        self.finish[tenant] = start + cost / self.weights[tenant]
+        return tenant, item, cost
+
+    def charge(self, tenant: str, actual: float, estimate: float) -> None:
+        if tenant in self.finish:
+            self.finish[tenant] += (actual - estimate) / self.weights[tenant]
+
+    def discard(self, tenant: str, item: object) -> bool:
+        queue = self.queues.get(tenant, [])
+        for i, entry in enumerate(queue):
+            if entry[1] is item:
+                del queue[i]
+                return True
+        return False
+
+    def remove(self, tenant: str) -> list[object]:
+        self.weights.pop(tenant, None)
+        self.finish.pop(tenant, None)
+        return [item for _, item, _ in self.queues.pop(tenant, [])]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fair_share_serves_in_the_order_of_its_definition(seed: int) -> None:
+    """Random pushes, pops, charges (cheaper and dearer than estimated), withdrawals,
+    removals and weights over eight tenants: the same items in the same order as the
+    scan over every tenant."""
+    rng = random.Random(seed)
+    share, scan = FairShare(), _ScanShare()
+    tenants = [f"t{i}" for i in range(8)]
+    items: list[tuple[str, object]] = []
+    served = 0
+    for step in range(3000):
+        op = rng.random()
+        tenant = rng.choice(tenants)
+        if op < 0.4:
+            item = object()
+            cost = float(rng.choice([1, 4, 16, 64]))
+            share.push(tenant, item, cost)
+            scan.push(tenant, item, cost)
+            items.append((tenant, item))
+        elif op < 0.8:
+            got, want = share.pop(), scan.pop()
+            assert got == want, step
+            if got is not None:
+                served += 1
+                if rng.random() < 0.5:
+                    used = got[2] * rng.choice([0.0, 0.25, 1.0, 1.5])
+                    share.charge(got[0], used, got[2])
+                    scan.charge(got[0], used, got[2])
+        elif op < 0.9 and items:
+            owner, item = items.pop(rng.randrange(len(items)))
+            assert share.discard(owner, item) == scan.discard(owner, item)
+        elif op < 0.95:
+            weight = rng.choice([0.5, 1.0, 3.0])
+            share.set_weight(tenant, weight)
+            scan.set_weight(tenant, weight)
+        elif op < 0.97:
+            assert share.remove(tenant) == scan.remove(tenant)
+        assert len(share) == sum(len(q) for q in scan.queues.values())
+    while (got := share.pop()) is not None:
+        assert got == scan.pop()
+    assert scan.pop() is None and served > 500
 
 
 def test_admission_is_priority_first_then_fifo() -> None:

@@ -44,6 +44,7 @@ other requests when the job is removed; it never jumps ahead as inference does.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
 import threading
 import time
@@ -77,7 +78,17 @@ class EngineFront(Protocol):
 
 
 class FairShare:
-    """Start-time fair queueing over tenants' generated tokens (not thread-safe)."""
+    """Start-time fair queueing over tenants' generated tokens (not thread-safe).
+
+    The next item is the head of the backlogged tenant of the smallest key
+    `(max(finish, V), head's sequence number, tenant)`. As `V` never decreases, a
+    tenant whose finish tag is at most `V` keeps the key `(V, ...)` until it is served:
+    such tenants wait in one heap by their head's sequence number, the others in one by
+    finish tag, so that `pop` costs O(log tenants), not a pass over every tenant (a
+    sampling request's admission at 32 tenants: a quarter of the gate's time was that
+    pass). A tenant's entry is replaced, never edited: the heaps hold at most one live
+    entry per backlogged tenant (`_live`), stale ones are dropped when they surface.
+    """
 
     def __init__(self) -> None:
         self._weights: dict[str, float] = {}
@@ -85,6 +96,13 @@ class FairShare:
         self._queues: dict[str, deque[tuple[int, object, float]]] = {}
         self._vtime = 0.0
         self._seq = itertools.count()
+        self._waiting = 0
+        #: (finish, head's sequence number, tenant, entry) of tenants with finish > V.
+        self._ahead: list[tuple[float, int, str, int]] = []
+        #: (head's sequence number, tenant, entry) of tenants with finish <= V.
+        self._due: list[tuple[int, str, int]] = []
+        #: Each backlogged tenant's live entry (entries are numbered by `_seq`).
+        self._live: dict[str, int] = {}
 
     def set_weight(self, tenant: str, weight: float) -> None:
         if not weight > 0:
@@ -97,26 +115,35 @@ class FairShare:
         """Forget a tenant; returns its waiting items."""
         self._weights.pop(tenant, None)
         self._finish.pop(tenant, None)
+        self._live.pop(tenant, None)
         queue = self._queues.pop(tenant, deque())
+        self._waiting -= len(queue)
         return [item for _, item, _ in queue]
 
     def push(self, tenant: str, item: object, cost: float) -> None:
         if tenant not in self._weights:
             self.set_weight(tenant, 1.0)
-        self._queues[tenant].append((next(self._seq), item, float(cost)))
+        queue = self._queues[tenant]
+        queue.append((next(self._seq), item, float(cost)))
+        self._waiting += 1
+        if len(queue) == 1:
+            self._enter(tenant)
 
     def discard(self, tenant: str, item: object) -> bool:
         queue = self._queues.get(tenant)
         if queue is None:
             return False
-        for entry in queue:
+        for i, entry in enumerate(queue):
             if entry[1] is item:
-                queue.remove(entry)
+                del queue[i]
+                self._waiting -= 1
+                if i == 0:  # a new head, or none
+                    self._enter(tenant)
                 return True
         return False
 
     def __len__(self) -> int:
-        return sum(len(q) for q in self._queues.values())
+        return self._waiting
 
     def waiting(self, tenant: str) -> int:
         return len(self._queues.get(tenant, ()))
@@ -127,28 +154,54 @@ class FairShare:
 
     def pop(self) -> tuple[str, object, float] | None:
         """The next (tenant, item, cost) in fair order, or None when nothing waits."""
-        best: tuple[float, int, str] | None = None
-        for tenant, queue in self._queues.items():
-            if queue:
-                start = max(self._finish[tenant], self._vtime)
-                key = (start, queue[0][0], tenant)
-                if best is None or key < best:
-                    best = key
-        if best is None:
+        ahead, due, live = self._ahead, self._due, self._live
+        while ahead and (ahead[0][0] <= self._vtime or live.get(ahead[0][2]) != ahead[0][3]):
+            _, seq, tenant, entry = heapq.heappop(ahead)
+            if live.get(tenant) == entry:  # due now: V has reached its finish tag
+                heapq.heappush(due, (seq, tenant, entry))
+        while due and live.get(due[0][1]) != due[0][2]:
+            heapq.heappop(due)
+        if due:
+            _, tenant, _ = heapq.heappop(due)
+        elif ahead:
+            _, _, tenant, _ = heapq.heappop(ahead)
+        else:
             return None
-        start, _, tenant = best
-        _, item, cost = self._queues[tenant].popleft()
+        del live[tenant]
+        start = max(self._finish[tenant], self._vtime)
+        queue = self._queues[tenant]
+        _, item, cost = queue.popleft()
+        self._waiting -= 1
         self._vtime = start
         self._finish[tenant] = start + cost / self._weights[tenant]
+        if queue:
+            self._enter(tenant)
         return tenant, item, cost
 
     def charge(self, tenant: str, actual: float, estimate: float) -> None:
         """Correct a dispatched request's estimated cost to what it really used."""
         if tenant in self._finish:
             self._finish[tenant] += (actual - estimate) / self._weights[tenant]
+            if self._queues[tenant]:
+                self._enter(tenant)
 
     def virtual_finish(self, tenant: str) -> float:
         return self._finish[tenant]
+
+    def _enter(self, tenant: str) -> None:
+        """(Re)place a tenant's entry for its current head and finish tag (none when its
+        queue is empty); any entry it had goes stale."""
+        queue = self._queues[tenant]
+        if not queue:
+            self._live.pop(tenant, None)
+            return
+        entry = next(self._seq)
+        self._live[tenant] = entry
+        head, finish = queue[0][0], self._finish[tenant]
+        if finish <= self._vtime:
+            heapq.heappush(self._due, (head, tenant, entry))
+        else:
+            heapq.heappush(self._ahead, (finish, head, tenant, entry))
 
 
 #: Seconds after the last interactive request during which training leaves the
