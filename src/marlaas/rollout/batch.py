@@ -14,16 +14,19 @@ Invariants:
 - `tokens_BN[b, :n_gen_B[b]]` / `logprobs_BN[b, :n_gen_B[b]]` are row b's output so far;
   `uniform_BN[b, n]` is the uniform that samples its `n`-th new token (a function of its
   seed and `n` only, see `marlaas.rollout.sampling`).
-- `n_sampling`, `n_filter` and `n_stop` count the rows that sample (temperature > 0),
-  use top-k/top-p, and have stop strings (`stop_rows`); `listen_rows` are the rows with
-  a token listener: batch-level shortcuts for the hot path, recomputed only when rows
-  join or leave.
+- `n_sampling`, `n_filter`, `n_stop` and `n_listen` count the rows that sample
+  (temperature > 0), use top-k/top-p, have stop strings (`stop_rows_R`) and a token
+  listener (`listen_rows`): batch-level shortcuts for the hot path, counted from the
+  rows' flags (`flags_B`, set once as a row joins) when rows join or leave, in one
+  tensor op rather than a pass over the rows in Python (~1 us a row: 0.6 ms an
+  iteration at 560 rows). `stop_ends` holds the last characters of the stop strings of
+  every row since the batch last had none: those of the rows left, or more.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -57,7 +60,27 @@ class Row:
     prompt_logprobs: tuple[float, ...] | None = None
 
 
+#: A row's flags (`RowBatch.flags_B`): it samples, filters (top-k/top-p), has stop
+#: strings, has a token listener.
+SAMPLES, FILTERS, STOPS, LISTENS = 1, 2, 4, 8
+
+
+def _flags(row: Row) -> int:
+    p = row.request.sampling
+    flags = 0
+    if p.temperature > 0:
+        flags |= SAMPLES
+        if p.top_k > 0 or p.top_p < 1:
+            flags |= FILTERS
+    if row.stop_window > 0:
+        flags |= STOPS
+    if row.listener is not None:
+        flags |= LISTENS
+    return flags
+
+
 _ROW_TENSORS = (
+    "flags_B",
     "lengths_B",
     "next_B",
     "slot_B",
@@ -76,6 +99,8 @@ _ROW_TENSORS = (
 @dataclass
 class RowBatch:
     rows: list[Row]
+    #: Each row's flags (`SAMPLES | FILTERS | STOPS | LISTENS`), uint8.
+    flags_B: Tensor
     lengths_B: Tensor
     next_B: Tensor
     slot_B: Tensor
@@ -92,10 +117,10 @@ class RowBatch:
     n_sampling: int = 0
     n_filter: int = 0
     n_stop: int = 0
-    stop_rows: list[int] = field(default_factory=list)
-    #: The last characters of the stop strings of `stop_rows` (`FinishPolicy`'s filter).
+    n_listen: int = 0
+    #: The last characters of the stop strings of the rows with any (`FinishPolicy`'s
+    #: filter): theirs, or more (see the module doc).
     stop_ends: frozenset[str] = frozenset()
-    listen_rows: list[int] = field(default_factory=list)
 
     @staticmethod
     def build(
@@ -116,6 +141,7 @@ class RowBatch:
 
         batch = RowBatch(
             rows=rows,
+            flags_B=t([_flags(r) for r in rows], torch.uint8),
             lengths_B=t(lengths, torch.long),
             next_B=torch.zeros(R, dtype=torch.long, device=dev),
             slot_B=t([r.handle.slot for r in rows], torch.long),
@@ -130,6 +156,9 @@ class RowBatch:
             logprobs_BN=torch.zeros(R, N, dtype=torch.float32, device=dev),
         )
         batch._count()
+        batch.stop_ends = frozenset(
+            s[-1] for r in rows if r.stop_window > 0 for s in r.request.sampling.stop if s
+        )
         if batch.n_sampling:  # every draw of the rows' lives: no hashing per iteration
             counter_N = torch.arange(N, dtype=torch.long, device=dev)
             batch.uniform_BN = uniform_B(batch.seed_B[:, None], counter_N[None, :])
@@ -145,25 +174,30 @@ class RowBatch:
         return int(self.lengths_B.max()) if self.rows else 0
 
     def _count(self) -> None:
-        # One pass over the rows (the batch is rebuilt whenever rows leave or join).
-        n_sampling = n_filter = 0
-        stop_rows: list[int] = []
-        listen_rows: list[int] = []
-        stops: set[tuple[str, ...]] = set()
-        for i, row in enumerate(self.rows):
-            p = row.request.sampling
-            if p.temperature > 0:
-                n_sampling += 1
-                if p.top_k > 0 or p.top_p < 1:
-                    n_filter += 1
-            if row.stop_window > 0:
-                stop_rows.append(i)
-                stops.add(p.stop)
-            if row.listener is not None:
-                listen_rows.append(i)
-        self.n_sampling, self.n_filter = n_sampling, n_filter
-        self.stop_rows, self.n_stop, self.listen_rows = stop_rows, len(stop_rows), listen_rows
-        self.stop_ends = frozenset(s[-1] for stop in stops for s in stop if s)
+        """The counts of the rows' flags (one histogram of `flags_B`)."""
+        if not self.rows:
+            self.n_sampling = self.n_filter = self.n_stop = self.n_listen = 0
+            self.stop_ends = frozenset()
+            return
+        bins = torch.bincount(self.flags_B, minlength=16).tolist()
+        self.n_sampling = sum(n for f, n in enumerate(bins) if f & SAMPLES)
+        self.n_filter = sum(n for f, n in enumerate(bins) if f & FILTERS)
+        self.n_stop = sum(n for f, n in enumerate(bins) if f & STOPS)
+        self.n_listen = sum(n for f, n in enumerate(bins) if f & LISTENS)
+        if not self.n_stop:
+            self.stop_ends = frozenset()
+
+    @property
+    def stop_rows_R(self) -> Tensor:
+        """The rows with stop strings, in order (long)."""
+        return ((self.flags_B & STOPS) != 0).nonzero().squeeze(-1)
+
+    @property
+    def listen_rows(self) -> list[int]:
+        """The rows with a token listener, in order."""
+        if not self.n_listen:
+            return []
+        return ((self.flags_B & LISTENS) != 0).nonzero().squeeze(-1).tolist()
 
     def record(self, tokens_B: Tensor, logprobs_B: Tensor) -> None:
         """Append one sampled token (and its log-prob) to every row."""
@@ -177,7 +211,7 @@ class RowBatch:
         """Rows `keep`, in that order (the caller moves their cache rows alongside)."""
         idx = torch.tensor(list(keep), dtype=torch.long, device=self.lengths_B.device)
         fields = {name: getattr(self, name)[idx] for name in _ROW_TENSORS}
-        return RowBatch._of([self.rows[i] for i in keep], fields)
+        return RowBatch._of([self.rows[i] for i in keep], fields, self.stop_ends)
 
     @staticmethod
     def concat(a: RowBatch, b: RowBatch) -> RowBatch:
@@ -195,12 +229,13 @@ class RowBatch:
             return torch.cat([x, y])
 
         fields = {name: cat(name) for name in _ROW_TENSORS}
-        return RowBatch._of(a.rows + b.rows, fields)
+        return RowBatch._of(a.rows + b.rows, fields, a.stop_ends | b.stop_ends)
 
     @staticmethod
-    def _of(rows: list[Row], t: dict[str, Tensor]) -> RowBatch:
+    def _of(rows: list[Row], t: dict[str, Tensor], stop_ends: frozenset[str]) -> RowBatch:
         out = RowBatch(
             rows,
+            flags_B=t["flags_B"],
             lengths_B=t["lengths_B"],
             next_B=t["next_B"],
             slot_B=t["slot_B"],
@@ -213,6 +248,7 @@ class RowBatch:
             max_new_B=t["max_new_B"],
             tokens_BN=t["tokens_BN"],
             logprobs_BN=t["logprobs_BN"],
+            stop_ends=stop_ends,
         )
         out._count()
         return out

@@ -288,7 +288,7 @@ class DecodeScheduler:
         )
         batch.record(tokens_B, logprobs_B)
         self.stats.sampled_tokens += batch.size
-        if batch.listen_rows:
+        if batch.n_listen:
             _stream_tokens(batch, tokens_B)
         done_B, eos_B = self._finisher.done_B(batch, tokens_B)
         if not bool(done_B.any()):

@@ -88,7 +88,7 @@ class FinishPolicy:
         return done_B, eos_B
 
     def _check_stops(self, batch: RowBatch, tokens_B: Tensor, done_B: Tensor) -> None:
-        rows_R = torch.tensor(batch.stop_rows, dtype=torch.long, device=tokens_B.device)
+        rows_R = batch.stop_rows_R
         holds_V = self._holding(batch.stop_ends, tokens_B.device)
         if holds_V is not None:  # only the rows whose new token may complete a stop string
             V = holds_V.shape[0]
