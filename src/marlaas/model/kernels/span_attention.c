@@ -255,8 +255,43 @@ static inline __attribute__((always_inline)) void attend(
              * sized by them, they would be variable-length arrays the compiler keeps in
              * memory, a store and reload per column), two columns at a time into
              * separate sums (independent chains of multiply-adds), normalised once at the
-             * end. */
-            if (D % W == 0) {
+             * end. Where every head's outputs of the group fit those registers at once
+             * (G D / 16 <= 8: the embedded base's two heads of 32), one pass over the
+             * columns, each value and weight read once (the same sums in the same order:
+             * 5.9 -> 5.3 ns a row's kv head's column at 64 rows, in L2; 6.7 -> 6.3 at 256). */
+            if (D % W == 0 && G * (D / W) <= 8) {
+                const int64_t DV = D / W;
+                va even[8], odd[8];
+                for (int64_t i = 0; i < 8; ++i) even[i] = odd[i] = (va){0};
+                int64_t l = 0;
+                for (; l + 2 <= n; l += 2) {
+                    if (l < nn) prefetch_kv(k, nat + l * kv_ss, D, bf16);
+                    if (l + 1 < nn) prefetch_kv(k, nat + (l + 1) * kv_ss, D, bf16);
+                    va x0[8], x1[8];
+                    for (int64_t dv = 0; dv < DV; ++dv) {
+                        x0[dv] = (va)kv_vec(v, at + l * kv_ss + dv * W, bf16);
+                        x1[dv] = (va)kv_vec(v, at + (l + 1) * kv_ss + dv * W, bf16);
+                    }
+                    for (int64_t g = 0; g < G; ++g) {
+                        const float w0 = scratch[g * n + l], w1 = scratch[g * n + l + 1];
+                        for (int64_t dv = 0; dv < DV; ++dv) {
+                            even[g * DV + dv] += w0 * x0[dv];
+                            odd[g * DV + dv] += w1 * x1[dv];
+                        }
+                    }
+                }
+                if (l < n) {
+                    if (l < nn) prefetch_kv(k, nat + l * kv_ss, D, bf16);
+                    for (int64_t dv = 0; dv < DV; ++dv) {
+                        const va x0 = (va)kv_vec(v, at + l * kv_ss + dv * W, bf16);
+                        for (int64_t g = 0; g < G; ++g) even[g * DV + dv] += scratch[g * n + l] * x0;
+                    }
+                }
+                for (int64_t g = 0; g < G; ++g)
+                    for (int64_t dv = 0; dv < DV; ++dv)
+                        *(vf *)(ob + g * D + dv * W) =
+                            (vf)((even[g * DV + dv] + odd[g * DV + dv]) * inv[g]);
+            } else if (D % W == 0) {
                 for (int64_t d = 0; d < D; d += W)
                     for (int64_t g0 = 0; g0 < G; g0 += 8) {
                         const int64_t gs = G - g0 < 8 ? G - g0 : 8;
