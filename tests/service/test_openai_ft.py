@@ -24,6 +24,7 @@ import pytest
 from openai_ft_support import MULTI, ROWS, Served, jsonl, rft, serving, upload
 from sqlalchemy import select
 
+import marlaas.service.openai_ft.files as openai_files
 from marlaas.config.graders import OpenAIGraderSpec
 from marlaas.config.job import DatasetSpec, JobSpec
 from marlaas.service.models import Dataset, File
@@ -337,6 +338,27 @@ def test_another_tenants_files_jobs_and_models_are_not_found(served: Served) -> 
     with pytest.raises(openai.BadRequestError) as caught:
         globex.fine_tuning.jobs.create(model="base", training_file=train.id, method=rft())  # type: ignore[arg-type]
     assert caught.value.param == "training_file"
+
+
+def test_a_file_expires_its_lifetime_after_its_creation(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`expires_after` is anchored at the file's `created_at`, whatever time passes while
+    the upload arrives: a clock that moves 0.7 s between any two readings (a second's
+    boundary crossed between them) still gives created_at + seconds exactly."""
+    # Days ago (the file has expired by the next request, so it lists before none of
+    # the module's other files), half a second past a whole one.
+    start = (datetime.now(UTC) - timedelta(days=2)).replace(microsecond=500_000)
+    readings = iter(range(10_000))
+    monkeypatch.setattr(
+        openai_files, "utcnow", lambda: start + timedelta(seconds=0.7 * next(readings))
+    )
+    made = served.globex.files.create(
+        file=("life.jsonl", io.BytesIO(jsonl(ROWS[:2]))),
+        purpose="fine-tune",
+        expires_after={"anchor": "created_at", "seconds": 3600},
+    )
+    assert made.expires_at == made.created_at + 3600
 
 
 def test_files_list_pages_and_expire(served: Served) -> None:

@@ -94,7 +94,8 @@ def file_path(session: Session, tenant: str, row: File, artifact_dir: Path) -> P
     return artifact_dir / store.get(session, tenant, row.id).path
 
 
-def _expiry(form: Any) -> datetime | None:
+def _expiry(form: Any) -> timedelta | None:
+    """The file's lifetime after its `created_at` (`expires_after`), or None."""
     anchor, seconds = form.get("expires_after[anchor]"), form.get("expires_after[seconds]")
     if anchor is None and seconds is None:
         return None
@@ -112,7 +113,7 @@ def _expiry(form: Any) -> datetime | None:
             f"expires_after.seconds must be an integer from {lo} to {hi}, got {seconds!r}",
             "expires_after.seconds",
         )
-    return utcnow() + timedelta(seconds=value)
+    return timedelta(seconds=value)
 
 
 async def _receive(upload: UploadFile, tmp: Path) -> tuple[int, str]:
@@ -167,7 +168,7 @@ async def create_file(request: Request, ctx: Context, caller: TenantCaller) -> d
             )
         if not isinstance(upload, UploadFile):
             raise bad_request("send the file as the multipart field 'file'", "file")
-        expires_at = _expiry(form)
+        lifetime = _expiry(form)
         file_id = new_file_id()
         tmp = store.tenant_dir(ctx.settings.artifact_dir, tenant) / f".upload-{new_id('tmp')}"
         size, sha = await _receive(upload, tmp)
@@ -180,6 +181,9 @@ async def create_file(request: Request, ctx: Context, caller: TenantCaller) -> d
                     removed = purge_expired(ctx.settings.artifact_dir, session, tenant)
                     received = store.Upload(tmp, size, check.rows, sha)
                     store.store(session, tenant, file_id, received, ctx.settings.artifact_dir)
+                    # Anchored at the row's own creation time, not at when the
+                    # request came in (a second may pass while the upload arrives).
+                    created = utcnow()
                     row = File(
                         id=file_id,
                         tenant_id=tenant,
@@ -189,8 +193,8 @@ async def create_file(request: Request, ctx: Context, caller: TenantCaller) -> d
                         rows=check.rows,
                         status="error" if check.problem else "processed",
                         status_details=check.problem,
-                        created_at=utcnow(),
-                        expires_at=expires_at,
+                        created_at=created,
+                        expires_at=None if lifetime is None else created + lifetime,
                     )
                     session.add(row)
                     session.flush()
