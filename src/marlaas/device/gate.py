@@ -96,7 +96,6 @@ class FairShare:
         self._queues: dict[str, deque[tuple[int, object, float]]] = {}
         self._vtime = 0.0
         self._seq = itertools.count()
-        self._waiting = 0
         #: (finish, head's sequence number, tenant, entry) of tenants with finish > V.
         self._ahead: list[tuple[float, int, str, int]] = []
         #: (head's sequence number, tenant, entry) of tenants with finish <= V.
@@ -117,7 +116,6 @@ class FairShare:
         self._finish.pop(tenant, None)
         self._live.pop(tenant, None)
         queue = self._queues.pop(tenant, deque())
-        self._waiting -= len(queue)
         return [item for _, item, _ in queue]
 
     def push(self, tenant: str, item: object, cost: float) -> None:
@@ -125,7 +123,6 @@ class FairShare:
             self.set_weight(tenant, 1.0)
         queue = self._queues[tenant]
         queue.append((next(self._seq), item, float(cost)))
-        self._waiting += 1
         if len(queue) == 1:
             self._enter(tenant)
 
@@ -136,14 +133,13 @@ class FairShare:
         for i, entry in enumerate(queue):
             if entry[1] is item:
                 del queue[i]
-                self._waiting -= 1
                 if i == 0:  # a new head, or none
                     self._enter(tenant)
                 return True
         return False
 
     def __len__(self) -> int:
-        return self._waiting
+        return sum(len(q) for q in self._queues.values())
 
     def waiting(self, tenant: str) -> int:
         return len(self._queues.get(tenant, ()))
@@ -167,23 +163,18 @@ class FairShare:
             _, _, tenant, _ = heapq.heappop(ahead)
         else:
             return None
-        del live[tenant]
         start = max(self._finish[tenant], self._vtime)
-        queue = self._queues[tenant]
-        _, item, cost = queue.popleft()
-        self._waiting -= 1
+        _, item, cost = self._queues[tenant].popleft()
         self._vtime = start
         self._finish[tenant] = start + cost / self._weights[tenant]
-        if queue:
-            self._enter(tenant)
+        self._enter(tenant)  # its next head's entry, or none
         return tenant, item, cost
 
     def charge(self, tenant: str, actual: float, estimate: float) -> None:
         """Correct a dispatched request's estimated cost to what it really used."""
         if tenant in self._finish:
             self._finish[tenant] += (actual - estimate) / self._weights[tenant]
-            if self._queues[tenant]:
-                self._enter(tenant)
+            self._enter(tenant)
 
     def virtual_finish(self, tenant: str) -> float:
         return self._finish[tenant]

@@ -67,8 +67,7 @@ void entropy_rows_f32(int64_t N, int64_t V, const float *z, float *out, int64_t 
     if (all_ones) return;
     for (int64_t n = 0; n < N; ++n) {
         const float *row = z + n * V;
-        float m = row[0];
-        for (int64_t v = 1; v < V; ++v) m = row[v] > m ? row[v] : m;
+        const float m = row_max(row, V);
         va s = {0}, t = {0};
         int64_t v = 0;
         for (; v + W <= V; v += W) {

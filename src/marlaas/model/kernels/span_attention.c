@@ -70,27 +70,24 @@ static inline void exp16(const float *x, float *out) {
 }
 #endif
 
-/* p[l] = exp(p[l] - m) for l < n (n >= 1), m the largest p[l] (into *max); their sum.
- * Sixteen at a time with the inline exp (`vexp.h`) where the compiler targets AVX-512
+/* p[l] = exp(p[l] - m) for l < n (n >= 1), m the largest p[l] (`row_max`, into *max);
+ * their sum. Sixteen at a time with the inline exp (`vexp.h`) where the compiler targets AVX-512
  * (the scalar loop compiled to libmvec's eight-wide calls, a tenth of the decode
  * attention's time, and spilled the loop's registers around each); the last vector
  * masked. */
 static inline float softmax_numerators(float *p, int64_t n, float *max) {
+    const float m = row_max(p, n);
 #ifdef __AVX512F__
-    __m512 mv = _mm512_set1_ps(p[0]);
-    int64_t l = 0;
-    for (; l + W <= n; l += W) mv = _mm512_max_ps(mv, _mm512_loadu_ps(p + l));
-    const __mmask16 tail = (__mmask16)((1u << (n - l)) - 1u);
-    if (l < n) mv = _mm512_mask_max_ps(mv, tail, mv, _mm512_maskz_loadu_ps(tail, p + l));
-    const float m = _mm512_reduce_max_ps(mv);
     const __m512 mm = _mm512_set1_ps(m);
     __m512 sum = _mm512_setzero_ps();
-    for (l = 0; l + W <= n; l += W) {
+    int64_t l = 0;
+    for (; l + W <= n; l += W) {
         const __m512 e = (__m512)vexp((va)_mm512_sub_ps(_mm512_loadu_ps(p + l), mm));
         _mm512_storeu_ps(p + l, e);
         sum = _mm512_add_ps(sum, e);
     }
     if (l < n) {
+        const __mmask16 tail = (__mmask16)((1u << (n - l)) - 1u);
         const __m512 e = (__m512)vexp((va)_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, p + l), mm));
         _mm512_mask_storeu_ps(p + l, tail, e);
         sum = _mm512_mask_add_ps(sum, tail, sum, e);
@@ -98,8 +95,7 @@ static inline float softmax_numerators(float *p, int64_t n, float *max) {
     *max = m;
     return _mm512_reduce_add_ps(sum);
 #else
-    float m = p[0], sum = 0.0f;
-    for (int64_t l = 1; l < n; ++l) m = p[l] > m ? p[l] : m;
+    float sum = 0.0f;
     for (int64_t l = 0; l < n; ++l) {
         p[l] = expf(p[l] - m);
         sum += p[l];

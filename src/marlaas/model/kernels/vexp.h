@@ -49,4 +49,21 @@ static inline va vexp(va x) {
 }
 #endif
 
+/* The largest of p[0 .. n) (n >= 1): sixteen at a time where the compiler targets
+ * AVX-512, the last vector masked (a softmax's maximum: `span_attention.c`, `fused.c`). */
+static inline float row_max(const float *p, int64_t n) {
+#ifdef __AVX512F__
+    __m512 m = _mm512_set1_ps(p[0]);
+    int64_t i = 0;
+    for (; i + W <= n; i += W) m = _mm512_max_ps(m, _mm512_loadu_ps(p + i));
+    const __mmask16 tail = (__mmask16)((1u << (n - i)) - 1u);
+    if (i < n) m = _mm512_mask_max_ps(m, tail, m, _mm512_maskz_loadu_ps(tail, p + i));
+    return _mm512_reduce_max_ps(m);
+#else
+    float m = p[0];
+    for (int64_t i = 1; i < n; ++i) m = p[i] > m ? p[i] : m;
+    return m;
+#endif
+}
+
 #endif
