@@ -146,6 +146,49 @@ async def test_a_call_cancelled_from_outside_is_not_a_timeout() -> None:
     assert await pool.call(quick, tenant="u", what="step") == "ok"  # its slot was freed
 
 
+async def test_calls_finished_behind_a_long_one_are_not_kept() -> None:
+    """The pool's one timer keeps the deadlines in order; calls that finish while an
+    older one still runs are dropped from it (memory stays bounded by the live calls),
+    and the long call still times out at its own deadline."""
+    pool = EnvPool(max_concurrency=4, timeout_s=0.3)
+    started = asyncio.Event()
+
+    async def hang() -> None:
+        started.set()
+        await asyncio.sleep(3600)
+
+    async def quick() -> str:
+        return "ok"
+
+    long = asyncio.create_task(pool.call(hang, tenant="t", what="step"))
+    await started.wait()
+    for _ in range(2_000):
+        assert await pool.call(quick, tenant="u", what="step") == "ok"
+    assert len(pool._deadlines._queue) <= 2 * pool.active + 64
+    with pytest.raises(EnvCallError, match="timed out"):
+        await long
+    assert pool.stats.timeouts == 1 and pool.active == 0
+
+
+async def test_a_call_that_swallows_the_timeout_returns_its_value() -> None:
+    """As with `asyncio.timeout`: a call that catches the cancellation and returns is
+    not a timeout, and its task is not left cancelled."""
+    pool = EnvPool(max_concurrency=1, timeout_s=0.05)
+
+    async def stubborn() -> str:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            return "kept"
+        return "slept"
+
+    assert await pool.call(stubborn, tenant="t", what="step") == "kept"
+    assert pool.stats.timeouts == 0
+    current = asyncio.current_task()
+    assert current is not None and current.cancelling() == 0
+    await asyncio.sleep(0.01)  # no cancellation is pending on this task
+
+
 async def test_an_error_is_wrapped_with_its_cause() -> None:
     pool = EnvPool()
 

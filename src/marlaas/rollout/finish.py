@@ -117,12 +117,15 @@ class FinishPolicy:
         # Confirmed on the rows' whole texts, decoded in one call.
         tokens = batch.tokens_BN[[i for i, _ in hits]].tolist()
         fulls = self.decode_many([ids[:n] for ids, (_, n) in zip(tokens, hits, strict=True)])
+        stopped: list[int] = []
         for (i, _), full in zip(hits, fulls, strict=True):
             stops = batch.rows[i].request.sampling.stop
             cuts = [full.find(s) for s in stops if s in full]
             if cuts:
                 batch.rows[i].stop_text = full[: min(cuts)]
-                done_B[i] = True
+                stopped.append(i)
+        if stopped:  # one op, not one per row (each op may wait for the interpreter lock)
+            done_B[torch.tensor(stopped, dtype=torch.long, device=done_B.device)] = True
 
     def _holding(self, chars: frozenset[str], device: torch.device) -> Tensor | None:
         """bool [V]: the token ids whose text holds one of `chars`; None where the filter

@@ -101,12 +101,17 @@ class RowForward:
         `len(new_tokens[i])`)."""
         dev = slot_R.device
         R, N = len(new_tokens), max(len(t) for t in new_tokens)
-        ids_RN = torch.full((R, N), pad_id, dtype=torch.long)
-        pos_RN = torch.full((R, N), -1, dtype=torch.long)
-        for i, (done, toks) in enumerate(zip(past, new_tokens, strict=True)):
-            n = len(toks)
-            ids_RN[i, N - n :] = torch.tensor(toks, dtype=torch.long)
-            pos_RN[i, N - n :] = torch.arange(done, done + n)
+        # Padded in Python, one tensor each: not four ops a row.
+        ids_RN = torch.tensor(
+            [[pad_id] * (N - len(toks)) + list(toks) for toks in new_tokens], dtype=torch.long
+        )
+        pos_RN = torch.tensor(
+            [
+                [-1] * (N - len(toks)) + list(range(done, done + len(toks)))
+                for done, toks in zip(past, new_tokens, strict=True)
+            ],
+            dtype=torch.long,
+        )
         columns = max(p + len(t) for p, t in zip(past, new_tokens, strict=True))
         self.kv.reserve(row0 + R, columns)
         return self.rows(row0, slot_R, ids_RN.to(dev), pos_RN.to(dev), columns, all_logits)
