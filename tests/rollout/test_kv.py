@@ -58,22 +58,21 @@ def test_rows_move_round_trip_and_survive_growth() -> None:
         )
         for b, n in enumerate([5, 2, 4, 1])
     ]
-    for b, row in enumerate(rows):
-        assert kv.import_row(b, row) == row[0][0].shape[1]
+    kv.import_rows(range(4), rows)  # rows of different lengths in one op
     kv.move_rows([0, 1], [3, 0], columns=5)  # sources are read before writing
     for layer in range(2):
-        assert torch.equal(kv.export_row(0, 1)[layer][0], rows[3][layer][0])
-        assert torch.equal(kv.export_row(1, 5)[layer][0], rows[0][layer][0])
+        assert torch.equal(kv.export_rows([0], [1])[0][layer][0], rows[3][layer][0])
+        assert torch.equal(kv.export_rows([1], [5])[0][layer][0], rows[0][layer][0])
     kv.reserve(8, 70 // 2)  # grows rows and columns, keeps the contents
     assert kv.rows == 8 and kv.usable_columns >= 35
-    assert torch.equal(kv.export_row(1, 5)[1][1], rows[0][1][1])
-    assert torch.equal(kv.export_row(2, 4)[0][0], rows[2][0][0])
+    assert torch.equal(kv.export_rows([1], [5])[0][1][1], rows[0][1][1])
+    assert torch.equal(kv.export_rows([2], [4])[0][0][0], rows[2][0][0])
 
 
 def test_release_frees_and_reserve_allocates_again() -> None:
     kv = _kv()
     kv.reserve(4, 10)
-    kv.import_row(0, torch.ones(2, 2, 2, 3, 3))
+    kv.import_rows([0], [torch.ones(2, 2, 2, 3, 3)])
     kv.release()
     assert kv.rows == 0 and kv.usable_columns == 0
     kv.reserve(2, 5)
@@ -129,8 +128,11 @@ def test_a_half_cache_stores_rounded_and_round_trips_rows() -> None:
     keys, _ = cache.update(new_k, -new_k, 0)
     assert keys.dtype == torch.bfloat16
     assert torch.equal(kv.keys[0][0, :, :3], new_k[0].bfloat16())
-    row = kv.export_row(0, 3)
+    row = kv.export_rows([0], [3])[0]
     kv.move_rows([2], [0], 3)
-    assert torch.equal(kv.export_row(2, 3), row)
-    kv.import_row(1, row)
-    assert torch.equal(kv.export_row(1, 3), row)
+    assert torch.equal(kv.export_rows([2], [3])[0], row)
+    kv.import_rows([1], [row])
+    assert torch.equal(kv.export_rows([1], [3])[0], row)
+    both = kv.export_rows([2, 1], [3, 2])  # each its own contiguous copy
+    assert torch.equal(both[0], row) and torch.equal(both[1], row[:, :, :, :2])
+    assert both[0].is_contiguous() and both[0].data_ptr() != row.data_ptr()

@@ -344,7 +344,7 @@ class DecodeScheduler:
         length = int(batch.lengths_B[i])
         if length != len(tokens):  # a broken invariant must not poison reuse
             return
-        kv = self.kv.export_row(i, length)
+        kv = self.kv.export_rows([i], [length])[0]
         self.sessions.put(
             request.session, SessionEntry(request.tenant, completion.version, tokens, kv)
         )

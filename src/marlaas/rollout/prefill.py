@@ -123,14 +123,13 @@ def run_prefill(
     # buffers geometrically when a row gets there).
     life = max(len(a.row.request.prompt_ids) + a.max_new - 1 for a in admitted)
     kv.reserve(row0 + len(order), min(life, 2 * columns + 64))
-    for i, a in enumerate(admitted):
-        if a.past is not None:
-            kv.import_row(row_of[i], a.past)
-    for i in cached:
-        kv.import_row(row_of[i], hits[i].kv)
+    pasts = [(row_of[i], a.past) for i, a in enumerate(admitted) if a.past is not None]
+    pasts += [(row_of[i], hits[i].kv) for i in cached]
+    kv.import_rows([row for row, _ in pasts], [past for _, past in pasts])
 
     result = PrefillResult(ok=[], logits_RV=None)
     logits_of: dict[int, Tensor] = {i: hits[i].logits_V for i in cached}
+    kept: list[int] = []  # the prompts run whose prefills the prompt cache keeps
     for group in forwards:
         firsts = [admitted[i] for i in group]
         slot_R = torch.tensor([a.row.handle.slot for a in firsts], device=kv.device)
@@ -153,11 +152,14 @@ def run_prefill(
             if a.wants_prompt_logprobs:
                 a.row.prompt_logprobs = _prompt_logprobs(logits_RNV[j], a.new_tokens)
             if a.past is None:
-                entry = PromptEntry(
-                    kv.export_row(row_of[i], len(a.new_tokens)), logits_RNV[j, -1].clone()
-                )
-                prompts.put(a.row.handle.adapter_id, a.new_tokens, entry)
+                kept.append(i)
         result.prefill_tokens += sum(len(a.new_tokens) for a in firsts)
+    # Copies for the prompt cache, all in two ops, before the moves below fill the rows.
+    kvs = kv.export_rows([row_of[i] for i in kept], [len(admitted[i].new_tokens) for i in kept])
+    lasts = torch._foreach_clone([logits_of[i] for i in kept]) if kept else []
+    for i, row_kv, logits_V in zip(kept, kvs, lasts, strict=True):
+        a = admitted[i]
+        prompts.put(a.row.handle.adapter_id, a.new_tokens, PromptEntry(row_kv, logits_V))
 
     ok = [i for i in order if source[i] in logits_of]
     moves = [(row0 + k, row_of[source[i]]) for k, i in enumerate(ok)]
