@@ -76,6 +76,29 @@ async def test_cancelling_a_future_aborts_its_row(
     assert not bank._handles
 
 
+async def test_cancelling_the_awaiting_task_aborts_its_row(
+    make_engine: Callable[..., RolloutEngine], bank: AdapterBank, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """The task's cancellation reaches the request's future (`Withdrawable.cancel`),
+    which asks the engine to abort the row."""
+    engine = make_engine(background=False)
+    future = engine.submit(_req(tokenizer, "t0", "cancel me", 50))
+
+    async def wait() -> None:
+        await future
+
+    waiter = asyncio.create_task(wait())
+    await asyncio.sleep(0)  # the task now awaits the request's future
+    engine.step()
+    assert engine.running == 1
+    waiter.cancel()
+    await asyncio.sleep(0)  # the task takes the cancellation
+    assert waiter.cancelled()
+    engine.step()
+    assert engine.running == 0 and engine.stats.aborted == 1
+    assert not bank._handles
+
+
 async def test_close_fails_pending_requests_and_refuses_new_ones(
     make_engine: Callable[..., RolloutEngine], bank: AdapterBank, tokenizer: PreTrainedTokenizerBase
 ) -> None:

@@ -54,7 +54,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from marlaas.rollout.batch import Deliver, TokenListener
-from marlaas.rollout.engine import on_loop, post, settle
+from marlaas.rollout.engine import Withdrawable, on_loop, post, settle
 from marlaas.types import Completion, RolloutRequest
 
 
@@ -283,7 +283,7 @@ class RequestGate:
         request, admitted before training requests (see the module docstring).
         """
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[Completion] = loop.create_future()
+        future = Withdrawable(loop, lambda: self._withdraw(item))
         listener = on_loop(loop, on_token) if on_token is not None and self._streams else None
         cost = float(request.sampling.max_new_tokens)
         item = _Waiting(request, future, loop, cost, listener, interactive=interactive)
@@ -291,7 +291,6 @@ class RequestGate:
             if interactive:
                 self._interactive_until = time.monotonic() + RESERVE_HOLD_S
             (self._interactive if interactive else self._share).push(request.share, item, item.cost)
-        future.add_done_callback(lambda f: self._withdraw(item) if f.cancelled() else None)
         if self.on_submit is not None:
             self.on_submit()
         return future

@@ -46,7 +46,7 @@ import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from transformers import PreTrainedTokenizerBase
 
@@ -162,15 +162,14 @@ class RolloutEngine:
         before the future resolves. Raises `EngineClosed` after `close()`.
         """
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[Completion] = loop.create_future()
+        rid = request.request_id
+        future = Withdrawable(loop, lambda: self.abort(rid))
 
         def deliver(result: Completion | BaseException) -> None:
             post(loop, settle, future, result)
 
         listener = None if on_token is None else on_loop(loop, on_token)
         self.enqueue(request, deliver, listener)
-        rid = request.request_id
-        future.add_done_callback(lambda f: self.abort(rid) if f.cancelled() else None)
         # `_driving` is only set once the task runs: several submits in one loop tick
         # must not each start a driver, so the task itself is what we check.
         if self.background and not self._driving and (self._task is None or self._task.done()):
@@ -327,6 +326,29 @@ class RolloutEngine:
             for p in pending:
                 self._core.fail(p.deliver, exc)
             self._core.fail_all(exc)
+
+
+class Withdrawable(asyncio.Future[Completion]):
+    """A request's future whose cancellation withdraws the request there and then
+    (`on_cancel`, on the future's loop). Shared by every engine front end: a done-callback
+    would do the same a turn of the loop later, and cost every request that turn when it
+    resolves (~9 us of the event loop a request, against ~0.2 without; the loop's time is
+    the device thread's too, both need the interpreter lock)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, on_cancel: Callable[[], object]) -> None:
+        super().__init__(loop=loop)
+        self._on_cancel = on_cancel
+
+    def cancel(self, msg: Any | None = None) -> bool:
+        if not super().cancel(msg=msg):
+            return False
+        try:
+            self._on_cancel()
+        except Exception as exc:  # as the loop reports a failing done-callback
+            self.get_loop().call_exception_handler(
+                {"message": "withdrawing a cancelled request failed", "exception": exc}
+            )
+        return True
 
 
 def settle(future: asyncio.Future[Completion], result: Completion | BaseException) -> None:
