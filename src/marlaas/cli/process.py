@@ -30,6 +30,10 @@ compute` (the async run): 907 collections taking 1.18 s of its 7.9 s, five of th
 (1.03 s); with `GC_YOUNG_OBJECTS`, 4 collections, 0.02 s, and the run 6.8 s. The cost is
 that cyclic garbage lives a little longer (at most that many young objects).
 
+Turns: the device thread and this thread's event loop take turns at the interpreter
+(`marlaas.device.turns`, which gives the measurement): the loop's callbacks run while
+the device thread is inside its long native calls or idle, not between its ops.
+
 Tokenizers: Hugging Face's Rust tokenizers run batch calls on a thread pool of every
 core unless `TOKENIZERS_PARALLELISM` says otherwise; here the other cores belong to the
 environments and the event loop (the engine decodes its rows' stop-string tails in one
@@ -61,6 +65,9 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 def device_process() -> None:
     """Every setting of a process that runs a device (the module doc)."""
     favour_the_device_thread()
+    from marlaas.device import turns  # (the device package imports torch)
+
+    turns.install()  # this thread's event loop and the device thread take turns
     tune_the_allocator()
     tune_the_collector()
     single_threaded_tokenizers()

@@ -60,6 +60,12 @@ class Compute(Protocol):
     @property
     def gate(self) -> RequestGate: ...
 
+    @property
+    def takes_turns(self) -> bool:
+        """Whether the executor's thread leaves Python in long native calls for most of
+        its compute, so that taking turns with the event loop pays (`device.turns`)."""
+        ...
+
     def connect(self, wake: Callable[[], None]) -> None:
         """`wake` wakes the executor's thread (a sampling request came)."""
         ...
@@ -134,6 +140,12 @@ class LocalCompute:
     @property
     def gate(self) -> RequestGate:
         return self._gate
+
+    @property
+    def takes_turns(self) -> bool:
+        """Where the engine's forwards run their layers in one native call (a CPU with
+        the native kernels, a base they cover)."""
+        return self.engine.native_forwards
 
     def connect(self, wake: Callable[[], None]) -> None:
         self._gate.on_submit = wake

@@ -49,7 +49,12 @@ The GIL: torch releases it inside each op and takes it back after, so the device
 re-acquires it thousands of times per step, each time waiting up to the interpreter's
 switch interval when the event loop runs Python without pause. The executor leaves that
 process-wide setting alone; the commands that own their process lower it once at start
-(`marlaas.cli.process.favour_the_device_thread`, which gives the measurement).
+(`marlaas.cli.process.favour_the_device_thread`, which gives the measurement). Where
+they also install turns (`marlaas.device.turns`) and the compute `takes_turns` (native
+forwards on a CPU), this thread holds the turn while it runs Python and gives it to the
+event loop inside its long native calls and while it waits for work; it lets the loop
+keep the turn while it has callbacks ready unless work waits for the device (training
+ops queued, or requests the engine has no room for: `RequestGate.saturated`).
 
 Shutdown order (`stop`): set the stop flag and wake the thread -> the thread finishes the
 turn in progress and exits -> join it -> fail every op still queued with
@@ -66,7 +71,9 @@ from typing import Any
 
 from marlaas.device.compute import Compute
 from marlaas.device.ops import PASSES, Op, PassGathering, Phase, take
+from marlaas.device.turns import installed as turns_installed
 from marlaas.errors import MarlaasError, TenantNotFound
+from marlaas.model.kernels.build import away_hook, set_away
 from marlaas.obs.history import BusyHistory
 from marlaas.obs.recorder import NullRecorder, Recorder
 from marlaas.train.batch import TrainBatchError
@@ -178,6 +185,10 @@ class DeviceExecutor:
     # -- the thread ------------------------------------------------------------------
 
     def _main(self) -> None:
+        turns = turns_installed() if self.compute.takes_turns else None
+        if turns is not None:
+            turns.device_take()
+            set_away(turns.device_away)
         try:
             self._run()
         except BaseException as exc:
@@ -187,11 +198,18 @@ class DeviceExecutor:
                 raise
         finally:
             self._stopped = time.perf_counter()
+            if turns is not None:
+                set_away(None)
+                turns.device_give()
 
     def _run(self) -> None:
         compute = self.compute
+        away = away_hook() or contextlib.nullcontext
+        turns = turns_installed() if away is not contextlib.nullcontext else None
         while True:
             self._wake.clear()
+            if turns is not None:  # work waits for the device: it goes first (turns doc)
+                turns.device_first = bool(self._ops) or compute.gate.saturated()
             with self._lock:
                 if self._stopping:
                     return
@@ -218,7 +236,8 @@ class DeviceExecutor:
                 if self._ops or self._stopping:
                     continue
             t0 = time.perf_counter()
-            self._wake.wait()
+            with away():
+                self._wake.wait()
             self.idle_s += time.perf_counter() - t0
 
     def _turn(self, ops: list[Op]) -> bool:

@@ -263,6 +263,13 @@ class RequestGate:
         with self._lock:
             return len(self._share) > 0 or len(self._interactive) > 0
 
+    def saturated(self) -> bool:
+        """Whether requests wait that the engine has no room for now: the sampler, not
+        its callers, is what the work waits on."""
+        return self.capacity - self.engine.running - self.engine.queued <= 0 and (
+            self.has_waiting()
+        )
+
     def interactive_active(self) -> bool:
         """Whether inference requests run in the engine or wait for it now."""
         with self._lock:

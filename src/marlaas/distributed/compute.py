@@ -41,6 +41,8 @@ class RayCompute:
     """Trainer calls on the trainer actor; sampling on the replicas (see the module doc)."""
 
     decodes_here = False
+    #: The executor's thread mostly waits on actors here: nothing to take turns over.
+    takes_turns = False
 
     def __init__(
         self, model: LoRAModel, engine: RayEngineClient, trainer: RayTrainerClient

@@ -138,6 +138,11 @@ class RolloutEngine:
         return replace(self._core.stats)
 
     @property
+    def native_forwards(self) -> bool:
+        """Whether its forwards' layers run in one native call each (`rollout.native`)."""
+        return self._core.forward.native
+
+    @property
     def running(self) -> int:
         """Rows in the decode batch now."""
         return self._core.batch.size

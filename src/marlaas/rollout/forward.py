@@ -41,6 +41,11 @@ class RowForward:
         install_attention(model.base)  # the modules' path attends through the plan
         self.decoder = CompactDecoder.of(model)
 
+    @property
+    def native(self) -> bool:
+        """Whether the forwards' layers run in one native call (`rollout.native`)."""
+        return self.decoder is not None and self.decoder.native is not None
+
     def rows(
         self,
         row0: int,

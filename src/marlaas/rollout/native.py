@@ -30,6 +30,7 @@ from marlaas.model.attention import AttentionPlan
 from marlaas.model.decoder import DecoderStack, Layer
 from marlaas.model.kernels import half_linear_takes, native_kernels
 from marlaas.model.kernels.build import kernel as load
+from marlaas.model.kernels.build import long_call
 from marlaas.model.native import (
     LORA_FIELDS,
     NativeStack,
@@ -142,7 +143,7 @@ class NativeLayers(NativeStack):
             fields += (span.start_Q.data_ptr(), span.end_Q.data_ptr())
             fields += layer_lora[i]
         program = array.array("q", fields)
-        kernel(program.buffer_info()[0], self.floats.buffer_info()[0])
+        long_call(kernel, program.buffer_info()[0], self.floats.buffer_info()[0])
         return delta
 
     def _lora_fields(

@@ -31,6 +31,7 @@ from torch import Tensor
 from marlaas.model.decoder import DecoderStack, Layer
 from marlaas.model.kernels import Spans, half_linear_takes, native_kernels
 from marlaas.model.kernels.build import kernel as load
+from marlaas.model.kernels.build import long_call
 from marlaas.model.lane_layers import LaneGrads
 from marlaas.model.lane_plan import RowLanes
 from marlaas.model.native import (
@@ -302,7 +303,7 @@ class _Pass(torch.autograd.Function):
                 )
         assert len(program) == _P_FIELDS + count * _L_FIELDS
         fields = array.array("q", program)
-        load("train_layers")(fields.buffer_info()[0], layers.floats.buffer_info()[0])
+        long_call(load("train_layers"), fields.buffer_info()[0], layers.floats.buffer_info()[0])
         ctx.set_materialize_grads(False)
         ctx.call, ctx.fields, ctx.tape, ctx.kv = call, fields, tape.buffers, tape.kv
         ctx.past = past
@@ -375,7 +376,9 @@ class _Pass(torch.autograd.Function):
                 fields[m + _M_GA] = buffers.gA.data_ptr()
                 fields[m + _M_GA + 1] = buffers.gBt.data_ptr()
                 fields[m + _M_FRESH] = buffers.fresh_L.data_ptr()
-        load("train_layers_backward")(fields.buffer_info()[0], layers.floats.buffer_info()[0])
+        long_call(
+            load("train_layers_backward"), fields.buffer_info()[0], layers.floats.buffer_info()[0]
+        )
         grads_w: list[Tensor | None] = []
         for mine in own:  # (B's rank-major gradient seen in PEFT's layout)
             gA, gBt = (None, None) if mine is None else mine.settled()

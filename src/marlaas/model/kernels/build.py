@@ -13,7 +13,9 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -307,6 +309,34 @@ def torch_path_on() -> bool:
 def kernel(name: str) -> Any:
     """Kernel `name`'s C function, or None (not built here, or inside `torch_path()`)."""
     return None if _switched_off else _library(name)
+
+
+#: Per thread: what a long native call runs inside (`set_away`), if anything.
+_away = threading.local()
+
+
+def set_away(hook: Callable[[], AbstractContextManager[object]] | None) -> None:
+    """Run this thread's long native calls (`long_call`) inside `hook()`: the device
+    thread leaves the interpreter to the event loop there (`marlaas.device.turns`);
+    None: nothing around them."""
+    _away.hook = hook
+
+
+def away_hook() -> Callable[[], AbstractContextManager[object]] | None:
+    """This thread's `set_away` hook, if any."""
+    hook: Callable[[], AbstractContextManager[object]] | None = getattr(_away, "hook", None)
+    return hook
+
+
+def long_call(fn: Callable[..., object], *args: object) -> None:
+    """`fn(*args)`: a native call of milliseconds (a forward's or a pass's layers),
+    inside this thread's `set_away` hook where it has one."""
+    hook = getattr(_away, "hook", None)
+    if hook is None:
+        fn(*args)
+        return
+    with hook():
+        fn(*args)
 
 
 def native_kernels(*names: str) -> bool:
