@@ -88,6 +88,20 @@ async def test_a_side_that_waits_too_long_goes_ahead(monkeypatch: pytest.MonkeyP
     assert time.monotonic() - started >= 0.015 and turns.timeouts == 1
 
 
+def test_one_device_thread_takes_turns() -> None:
+    turns = turns_module.Turns(threading.get_ident())
+    claimed: list[bool] = []
+
+    def second() -> None:
+        claimed.append(turns.claim())
+
+    assert turns.claim()
+    _device_thread(second).join(5)
+    turns.unclaim()
+    _device_thread(second).join(5)
+    assert claimed == [False, True]
+
+
 def test_install_hooks_callbacks_once_and_uninstall_restores_them() -> None:
     run = asyncio.Handle._run
     turns = turns_module.install()

@@ -186,6 +186,8 @@ class DeviceExecutor:
 
     def _main(self) -> None:
         turns = turns_installed() if self.compute.takes_turns else None
+        if turns is not None and not turns.claim():
+            turns = None  # another device thread of this process takes them
         if turns is not None:
             turns.device_take()
             set_away(turns.device_away)
@@ -200,7 +202,7 @@ class DeviceExecutor:
             self._stopped = time.perf_counter()
             if turns is not None:
                 set_away(None)
-                turns.device_give()
+                turns.unclaim()
 
     def _run(self) -> None:
         compute = self.compute

@@ -62,6 +62,7 @@ class Turns:
         self._cv = threading.Condition(threading.Lock())
         self._holder = 0  # _DEVICE, _LOOP or 0
         self._device_waits = False
+        self._device_thread: int | None = None
         #: Whether a device thread that waits for the turn goes before the loop's next
         #: callback (the device is the bottleneck: work waits for it), or the loop keeps
         #: the turn while it has callbacks ready (the loop is: it makes the device's work).
@@ -71,6 +72,22 @@ class Turns:
         self.timeouts = 0
 
     # -- the device thread ------------------------------------------------------------------
+
+    def claim(self) -> bool:
+        """Make the calling thread these turns' device thread; False where another
+        thread is (one device thread per process takes turns, the others do without)."""
+        with self._cv:
+            if self._device_thread is not None:
+                return False
+            self._device_thread = threading.get_ident()
+            return True
+
+    def unclaim(self) -> None:
+        """The device thread leaves: give the turn back, let another device thread claim."""
+        self.device_give()
+        with self._cv:
+            if self._device_thread == threading.get_ident():
+                self._device_thread = None
 
     def device_take(self) -> None:
         """Take the turn, before the loop's next callback (at most `WAIT_S` of waiting)."""
