@@ -71,9 +71,10 @@ from typing import Any
 
 from marlaas.device.compute import Compute
 from marlaas.device.ops import PASSES, Op, PassGathering, Phase, take
+from marlaas.device.turns import Turns
 from marlaas.device.turns import installed as turns_installed
 from marlaas.errors import MarlaasError, TenantNotFound
-from marlaas.model.kernels.build import away_hook, set_away
+from marlaas.model.kernels.build import set_away
 from marlaas.obs.history import BusyHistory
 from marlaas.obs.recorder import NullRecorder, Recorder
 from marlaas.train.batch import TrainBatchError
@@ -192,7 +193,7 @@ class DeviceExecutor:
             turns.device_take()
             set_away(turns.device_away)
         try:
-            self._run()
+            self._run(turns)
         except BaseException as exc:
             self._signal_failure(exc)
             self._fail_pending(exc)
@@ -204,10 +205,9 @@ class DeviceExecutor:
                 set_away(None)
                 turns.unclaim()
 
-    def _run(self) -> None:
+    def _run(self, turns: Turns | None) -> None:
         compute = self.compute
-        away = away_hook() or contextlib.nullcontext
-        turns = turns_installed() if away is not contextlib.nullcontext else None
+        away = contextlib.nullcontext if turns is None else turns.device_away
         while True:
             self._wake.clear()
             if turns is not None:  # work waits for the device: it goes first (turns doc)

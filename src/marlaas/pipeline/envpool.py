@@ -104,17 +104,9 @@ class EnvPool:
             self.stats.calls += 1
             self.stats.max_concurrent = max(self.stats.max_concurrent, self._active)
             t0 = time.perf_counter()
-            deadline = self._deadlines.enter(self.timeout_s)
             try:
-                try:
+                with self._deadlines.enter(self.timeout_s):
                     return await fn()
-                except asyncio.CancelledError as exc:
-                    if self._deadlines.leave(deadline):
-                        raise TimeoutError from exc
-                    raise
-                finally:
-                    if not deadline.done:
-                        self._deadlines.leave(deadline)
             except TimeoutError as exc:
                 self.stats.timeouts += 1
                 raise EnvCallError(
@@ -130,16 +122,27 @@ class EnvPool:
 
 class _Deadline:
     """One call's deadline: its task, the task's cancellation count at entry, whether
-    the timer cancelled it (`expired`) and whether it left (`done`)."""
+    the timer cancelled it (`expired`) and whether it left (`done`). The call runs
+    inside it (`with`): leaving turns the timer's cancellation into `TimeoutError`."""
 
-    __slots__ = ("at", "cancelling", "done", "expired", "task")
+    __slots__ = ("at", "cancelling", "done", "expired", "owner", "task")
 
-    def __init__(self, at: float, task: asyncio.Task[object]) -> None:
+    def __init__(self, owner: _Deadlines, at: float, task: asyncio.Task[object]) -> None:
+        self.owner = owner
         self.at = at
         self.task = task
         self.cancelling = task.cancelling()
         self.expired = False
         self.done = False
+
+    def __enter__(self) -> _Deadline:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        if self.owner.leave(self) and exc_type is asyncio.CancelledError:
+            raise TimeoutError from exc
 
 
 class _Deadlines:
@@ -157,7 +160,7 @@ class _Deadlines:
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         assert task is not None, "EnvPool.call runs in a task"
-        deadline = _Deadline(loop.time() + timeout_s, task)
+        deadline = _Deadline(self, loop.time() + timeout_s, task)
         self._queue.append(deadline)
         self._live += 1
         if self._timer is None:

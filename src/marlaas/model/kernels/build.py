@@ -322,12 +322,6 @@ def set_away(hook: Callable[[], AbstractContextManager[object]] | None) -> None:
     _away.hook = hook
 
 
-def away_hook() -> Callable[[], AbstractContextManager[object]] | None:
-    """This thread's `set_away` hook, if any."""
-    hook: Callable[[], AbstractContextManager[object]] | None = getattr(_away, "hook", None)
-    return hook
-
-
 def long_call(fn: Callable[..., object], *args: object) -> None:
     """`fn(*args)`: a native call of milliseconds (a forward's or a pass's layers),
     inside this thread's `set_away` hook where it has one."""
