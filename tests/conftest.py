@@ -19,6 +19,17 @@ favour_the_device_thread()
 import pytest  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _turns_end_with_their_test() -> Iterator[None]:
+    """A command run in-process (`demo`, `bench`, `serve` through typer's runner) installs
+    turns for the test process's loop thread (`marlaas.cli.process.device_process`): they
+    end with that test, so no later test inherits them (or a device thread of it)."""
+    yield
+    from marlaas.device import turns
+
+    turns.uninstall()
+
+
 @pytest.fixture
 def no_native_kernels() -> Iterator[None]:
     """The native kernels off for one test (`helpers.native.kernels_off`)."""

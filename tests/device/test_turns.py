@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,12 +19,6 @@ from marlaas.device.compute import LocalCompute
 from marlaas.device.config import DeviceConfig
 from marlaas.device.inprocess import open_inprocess_device
 from marlaas.types import RolloutRequest, SamplingParams
-
-
-@pytest.fixture(autouse=True)
-def _no_turns_after() -> Iterator[None]:
-    yield
-    turns_module.uninstall()
 
 
 def _device_thread(target: object) -> threading.Thread:
