@@ -20,7 +20,7 @@ each callback it runs (`asyncio.Handle._run`). Where work waits for the device (
 executor sets `device_first`: training ops queued, requests the engine has no room for),
 a device thread that waits for the turn goes before the loop's next callback; otherwise
 the loop keeps the turn while it has callbacks ready (it makes the device's work: the
-synchronous baseline, measured 8.2-8.6 s with the device always first against 7.8-8.2
+synchronous baseline, measured 8.2-8.6 s with the device always first against 7.7-8.3
 without turns). So the loop's Python runs beside the device's native compute rather than
 between its ops, and each side's Python runs uninterrupted. A compute-regime `bench
 paper` at N = 32 (the embedded base, one torch thread, three runs alternating with the
