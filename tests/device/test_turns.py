@@ -41,7 +41,7 @@ async def test_the_loop_waits_while_the_device_runs_python_and_runs_while_it_is_
         holding.set()
         time.sleep(0.05)  # "Python" of the device: the loop's callback must wait
         log.append("device python done")
-        with turns.device_away():  # "a long native call": the loop runs meanwhile
+        with turns.away:  # "a long native call": the loop runs meanwhile
             away.set()
             release.wait(5)
         log.append("device back")

@@ -191,7 +191,7 @@ class DeviceExecutor:
             turns = None  # another device thread of this process takes them
         if turns is not None:
             turns.device_take()
-            set_away(turns.device_away)
+            set_away(turns.away)
         try:
             self._run(turns)
         except BaseException as exc:
@@ -207,7 +207,7 @@ class DeviceExecutor:
 
     def _run(self, turns: Turns | None) -> None:
         compute = self.compute
-        away = contextlib.nullcontext if turns is None else turns.device_away
+        away = contextlib.nullcontext() if turns is None else turns.away
         while True:
             self._wake.clear()
             if turns is not None:  # work waits for the device: it goes first (turns doc)
@@ -238,7 +238,7 @@ class DeviceExecutor:
                 if self._ops or self._stopping:
                     continue
             t0 = time.perf_counter()
-            with away():
+            with away:
                 self._wake.wait()
             self.idle_s += time.perf_counter() - t0
 

@@ -15,7 +15,7 @@ running Python half of the time 1.46 s, beside one running it all the time 2.67 
 Turns: the device thread holds the turn while it runs Python and gives it away only
 where it would leave the interpreter idle anyway: inside its long native calls (the
 decoder layers of an engine forward, a training pass's layers: milliseconds each,
-`kernels.build.release_around`) and while it waits for work. The loop takes the turn for
+`kernels.build.long_call`) and while it waits for work. The loop takes the turn for
 each callback it runs (`asyncio.Handle._run`). Where work waits for the device (the
 executor sets `device_first`: training ops queued, requests the engine has no room for),
 a device thread that waits for the turn goes before the loop's next callback; otherwise
@@ -43,10 +43,9 @@ the executor takes turns only where the native CPU kernels run its forwards
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 #: Longest either side waits for the turn before it goes ahead without it.
 WAIT_S = 0.005
@@ -70,6 +69,7 @@ class Turns:
         #: Times a side went ahead without the turn after `WAIT_S` (for tests and
         #: diagnostics: both should stay near zero in a healthy run).
         self.timeouts = 0
+        self._away = _Away(self)
 
     # -- the device thread ------------------------------------------------------------------
 
@@ -104,14 +104,11 @@ class Turns:
                 self._holder = 0
                 self._cv.notify_all()
 
-    @contextlib.contextmanager
-    def device_away(self) -> Iterator[None]:
-        """The device thread leaves Python for a while (a long native call, a wait)."""
-        self.device_give()
-        try:
-            yield
-        finally:
-            self.device_take()
+    @property
+    def away(self) -> _Away:
+        """`with turns.away:` the device thread leaves Python for a while (a long native
+        call, a wait): the turn is the loop's meanwhile."""
+        return self._away
 
     # -- the loop thread --------------------------------------------------------------------
 
@@ -147,6 +144,22 @@ class Turns:
                 return False
             self._cv.wait(left)
         return True
+
+
+class _Away:
+    """`Turns.away`: a context manager made once (it is entered around every long native
+    call of the device thread, where a generator's would cost a frame each time)."""
+
+    __slots__ = ("_turns",)
+
+    def __init__(self, turns: Turns) -> None:
+        self._turns = turns
+
+    def __enter__(self) -> None:
+        self._turns.device_give()
+
+    def __exit__(self, *exc: object) -> None:
+        self._turns.device_take()
 
 
 _turns: Turns | None = None

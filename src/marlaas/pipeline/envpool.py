@@ -70,12 +70,16 @@ class EnvPool:
         if max_concurrency < 1 or not timeout_s > 0:
             raise ValueError("max_concurrency must be >= 1 and timeout_s > 0")
         self.max_concurrency = max_concurrency
-        self.timeout_s = timeout_s
         self.recorder: Recorder = recorder or NullRecorder()
         self.stats = EnvPoolStats()
         self._slots = asyncio.Semaphore(max_concurrency)
         self._active = 0
-        self._deadlines = _Deadlines()
+        self._deadlines = _Deadlines(timeout_s)
+
+    @property
+    def timeout_s(self) -> float:
+        """Every call's time limit (its deadlines' one timeout)."""
+        return self._deadlines.timeout_s
 
     #: Whether environments (and so graders) run in this process. A judge of a model
     #: grader calls this process's device, so only such a pool can run one.
@@ -105,7 +109,7 @@ class EnvPool:
             self.stats.max_concurrent = max(self.stats.max_concurrent, self._active)
             t0 = time.perf_counter()
             try:
-                with self._deadlines.enter(self.timeout_s):
+                with self._deadlines.enter():
                     return await fn()
             except TimeoutError as exc:
                 self.stats.timeouts += 1
@@ -146,21 +150,23 @@ class _Deadline:
 
 
 class _Deadlines:
-    """The deadlines of calls that share one timeout, with one loop timer for all of
-    them (the module doc): a call enters, is cancelled by the timer when its deadline
-    passes first, and leaves, which turns that cancellation into `TimeoutError` as
-    `asyncio.timeout` does (a cancellation from outside stays one)."""
+    """The deadlines of calls that share one timeout (`timeout_s`, fixed here, so that
+    the deadlines come in entry order), with one loop timer for all of them (the module
+    doc): a call enters, is cancelled by the timer when its deadline passes first, and
+    leaves, which turns that cancellation into `TimeoutError` as `asyncio.timeout` does
+    (a cancellation from outside stays one)."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
         self._queue: deque[_Deadline] = deque()  # in deadline order (= entry order)
         self._timer: asyncio.TimerHandle | None = None
         self._live = 0
 
-    def enter(self, timeout_s: float) -> _Deadline:
+    def enter(self) -> _Deadline:
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         assert task is not None, "EnvPool.call runs in a task"
-        deadline = _Deadline(self, loop.time() + timeout_s, task)
+        deadline = _Deadline(self, loop.time() + self.timeout_s, task)
         self._queue.append(deadline)
         self._live += 1
         if self._timer is None:

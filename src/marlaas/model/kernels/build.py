@@ -315,21 +315,21 @@ def kernel(name: str) -> Any:
 _away = threading.local()
 
 
-def set_away(hook: Callable[[], AbstractContextManager[object]] | None) -> None:
-    """Run this thread's long native calls (`long_call`) inside `hook()`: the device
-    thread leaves the interpreter to the event loop there (`marlaas.device.turns`);
-    None: nothing around them."""
-    _away.hook = hook
+def set_away(away: AbstractContextManager[object] | None) -> None:
+    """Run this thread's long native calls (`long_call`) inside `away` (entered once per
+    call): the device thread leaves the interpreter to the event loop there
+    (`marlaas.device.turns`); None: nothing around them."""
+    _away.cm = away
 
 
 def long_call(fn: Callable[..., object], *args: object) -> None:
     """`fn(*args)`: a native call of milliseconds (a forward's or a pass's layers),
-    inside this thread's `set_away` hook where it has one."""
-    hook = getattr(_away, "hook", None)
-    if hook is None:
+    inside this thread's `set_away` context where it has one."""
+    away = getattr(_away, "cm", None)
+    if away is None:
         fn(*args)
         return
-    with hook():
+    with away:
         fn(*args)
 
 
