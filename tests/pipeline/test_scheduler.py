@@ -4,7 +4,9 @@ engine, and admission order."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
+import weakref
 from pathlib import Path
 
 import pytest
@@ -242,6 +244,35 @@ async def test_cancelled_requests_leave_the_gate(
     done = [f for f in futures if not f.cancelled()]
     assert len(done) == 6 and all(len(f.result().token_ids) == 3 for f in done)
     assert gate.rows["p1"] == 0
+
+
+async def test_a_settled_request_is_freed_without_the_garbage_collector(
+    saturated: tuple[RolloutEngine, AdapterBank],
+) -> None:
+    """A request's future, its waiting item and its completion form no reference cycle
+    once settled (delivered or cancelled): they go as their last reference does, not at
+    the collector's next pass (`Withdrawable`)."""
+    engine, _ = saturated
+    gate = RequestGate(engine, capacity=6)
+    sampling = SamplingParams(max_new_tokens=2, seed=0)
+    gc.collect()
+    gc.disable()
+    try:
+        delivered = gate.submit(RolloutRequest(tenant="p1", prompt_ids=(10, 11), sampling=sampling))
+        withdrawn = gate.submit(RolloutRequest(tenant="p1", prompt_ids=(12,), sampling=sampling))
+        withdrawn.cancel()
+        while not delivered.done():
+            gate.fill()
+            engine.step()
+            await asyncio.sleep(0)
+        completion = delivered.result()
+        assert len(completion.token_ids) == 2
+        refs = [weakref.ref(x) for x in (delivered, withdrawn)]
+        del delivered, withdrawn
+        assert [r() for r in refs] == [None, None]
+    finally:
+        gc.enable()
+    assert not gate.has_waiting() and not engine.has_work()
 
 
 class _Unstreaming:
