@@ -202,6 +202,43 @@ def test_a_past_takes_its_gradients_from_the_suffix_pass(
         assert rel < 1e-2, (name, rel)
 
 
+def test_an_input_that_needs_its_gradient_gets_it_through_the_first_layer(
+    calls: list[bool],
+) -> None:
+    """The embeddings' gradient (where they train) comes back through every layer, the
+    first one's q, k and v products and norm included, as on the Python path; frozen
+    ones (every other test here) need none, and the first layer skips it."""
+    model = _half_model("llama")
+    decoder_ = TrainDecoder.of(model)
+    assert decoder_ is not None and decoder_.native is not None
+    lanes = _lanes(model, decoder_)
+    embed = decoder_.stack.embed
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(4, VOCAB, (4, 7), generator=gen)
+    mask = (torch.arange(7) < torch.tensor([7, 3, 5, 6])[:, None]).long()
+    pos = torch.arange(7).expand(4, 7)
+    weights = torch.randn(4, 7, VOCAB, generator=gen)
+    keep = decoder_.native
+    grads: list[Tensor] = []
+    embed.requires_grad_(True)
+    try:
+        for native in (keep, None):
+            decoder_.native = native
+            embed.grad = None
+            out, _ = decoder_.forward(ids, mask, pos, lanes=lanes)
+            (out.padded(out.values) * weights * mask[..., None]).sum().backward()
+            assert embed.grad is not None
+            grads.append(embed.grad.clone())
+    finally:
+        decoder_.native = keep
+        embed.requires_grad_(False)
+        embed.grad = None
+    assert calls == [True]
+    got, want = grads
+    assert float(want.norm()) > 0
+    assert float((got - want).norm() / want.norm()) < 1e-2
+
+
 def test_without_gradient_the_logits_are_the_python_paths() -> None:
     """No gradient: both paths' products take the same inputs, so no rounding to
     bfloat16 goes another way, and the logits agree to float32's rounding."""

@@ -48,14 +48,16 @@ from marlaas.model.native import (
 #: The C side's field counts and offsets (`train_layers.c`); the order of each list
 #: below is its enums'. A module: its `LORA_FIELDS`, its gradients' (M_GA, M_GBT), the
 #: tape of its h = s A x (M_H) and its gradients' lanes' fresh flags (M_FRESH).
-_P_FIELDS, _M_FIELDS = 31, LORA_FIELDS + 4
+_P_FIELDS, _M_FIELDS = 32, LORA_FIELDS + 4
 _L_STATIC, _L_PASS, _L_TAPE = 19, 10, 10
 _L_FIELDS = _L_STATIC + _L_PASS + _L_TAPE + len(MODULES) * _M_FIELDS
 #: What the backward writes into the forward's fields: the hidden state's (now the
-#: gradient's, P_HIDDEN) and its scratch (P_WIDE, P_GRAD2, P_DQ); a layer's dK and dV
+#: gradient's, P_HIDDEN) and its scratch (P_WIDE, P_GRAD2, P_DQ), whether to zero dK
+#: and dV (P_ZERO_DKV) and whether the input needs its gradient (P_INPUT_GRAD: a pass
+#: over a prompt's frozen embeddings does not); a layer's dK and dV
 #: (L_DK, L_DV, after its static and four pass fields) and its past's (L_DPAST_K,
 #: L_DPAST_V); a module's gA, gBt and fresh flags.
-_P_HIDDEN, _P_SCRATCH, _P_ZERO_DKV = 13, 25, 30
+_P_HIDDEN, _P_SCRATCH, _P_ZERO_DKV, _P_INPUT_GRAD = 13, 25, 30, 31
 _L_DK, _L_DPAST = _L_STATIC + 6, _L_STATIC + 8
 _M_GA, _M_FRESH = LORA_FIELDS, LORA_FIELDS + 3
 #: Per layer: keys and values `[B, Hkv, columns, D]` (a pass's past: `[Hkv, G, P, D]`).
@@ -283,7 +285,7 @@ class _Pass(torch.autograd.Function):
             *(0, 0, 0),  # the backward's scratch
             call.past_groups,
             address(call.past_rows),
-            0,  # the backward's
+            *(0, 0),  # the backward's
         ]
         assert len(program) == _P_FIELDS
         for i, layer in enumerate(stack.layers):
@@ -339,6 +341,7 @@ class _Pass(torch.autograd.Function):
         # before its attention (in cache then; ~8 MB of torch zeros a 32-tenant step).
         fresh = all(given is None for given in g_kv)
         fields[_P_ZERO_DKV] = int(fresh)
+        fields[_P_INPUT_GRAD] = int(ctx.needs_input_grad[0])
         dkv = [
             torch.empty_like(t)
             if fresh

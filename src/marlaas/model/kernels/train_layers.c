@@ -46,6 +46,9 @@ enum {
     P_PAST_GROUPS, P_PAST_ROWS, /* the past's rows [Hkv, G, P, D]; each row's (B) */
     P_ZERO_DKV, /* the backward's: no later pass attended the keys and values (dK and dV
                  * hold no values: zeroed here, a layer's just before its attention) */
+    P_INPUT_GRAD, /* the backward's: whether the pass's input (the first layer's h) needs
+                   * its gradient (not for a prompt's embeddings: the first layer's q, k
+                   * and v input gradient and its norm's backward are then skipped) */
     P_FIELDS
 };
 /* A module's fields: its lanes' weights and rank, its gradients (the backward's) and
@@ -215,8 +218,10 @@ static void layer_forward(const int64_t *p, const Chunks *chunks, const int64_t 
     }
 }
 
-/* g [T, E]: the gradient of the layer's output in, of its input out. */
-static void layer_backward(const int64_t *p, const int64_t *L, const float *fl, float *g) {
+/* g [T, E]: the gradient of the layer's output in, of its input out (where `input`; else
+ * g is left as it is after the attention's residual, the LoRA gradients all written). */
+static void layer_backward(const int64_t *p, const int64_t *L, const float *fl, float *g,
+                           const int input) {
     const Shape s = shape_of(p, L);
     const int64_t *m = L + L_LORA;
     const int64_t qo = L[L_Q_OUT], ko = L[L_K_OUT];
@@ -296,10 +301,13 @@ static void layer_backward(const int64_t *p, const int64_t *L, const float *fl, 
                 add_into(gv + to, dv + from, run);
             }
     }
-    half_linear_rows_f32(s.T, s.E, s.C, gqkv, PTR(const uint16_t *, L[L_QKV_WT]), 0, g2, xb);
-    lora_back(p, m + Q * M_FIELDS, s.E, qo, x1, gqkv, s.C, g2);
-    lora_back(p, m + K * M_FIELDS, s.E, ko, x1, gqkv + qo, s.C, g2);
-    lora_back(p, m + V * M_FIELDS, s.E, L[L_V_OUT], x1, gqkv + qo + ko, s.C, g2);
+    float *gx = input ? g2 : 0;
+    if (input)
+        half_linear_rows_f32(s.T, s.E, s.C, gqkv, PTR(const uint16_t *, L[L_QKV_WT]), 0, g2, xb);
+    lora_back(p, m + Q * M_FIELDS, s.E, qo, x1, gqkv, s.C, gx);
+    lora_back(p, m + K * M_FIELDS, s.E, ko, x1, gqkv + qo, s.C, gx);
+    lora_back(p, m + V * M_FIELDS, s.E, L[L_V_OUT], x1, gqkv + qo + ko, s.C, gx);
+    if (!input) return;
     rms_norm_backward_f32(s.T, s.E, PTR(const float *, L[L_HIN]),
                           PTR(const float *, L[L_NORM1]), g2, fl[FL_EPS1], wide, 0);
     add_into(g, wide, s.T * s.E);
@@ -317,5 +325,6 @@ void train_layers_f32(const int64_t *p, const float *f) {
 void train_layers_backward_f32(const int64_t *p, const float *f) {
     float *g = PTR(float *, p[P_HIDDEN]);
     for (int64_t l = p[P_LAYERS] - 1; l >= 0; --l)
-        layer_backward(p, p + P_FIELDS + l * L_FIELDS, f + l * FL_FIELDS, g);
+        layer_backward(p, p + P_FIELDS + l * L_FIELDS, f + l * FL_FIELDS, g,
+                       l > 0 || p[P_INPUT_GRAD]);
 }
