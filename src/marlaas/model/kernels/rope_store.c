@@ -20,8 +20,9 @@
 #include "simd.h"
 #include "kernels.h"
 
-static inline void rotate(float *restrict dst, const float *restrict x, const float *c,
-                          const float *s, int64_t D, int64_t rot) {
+static inline __attribute__((always_inline)) void rotate(
+    float *restrict dst, const float *restrict x, const float *c, const float *s,
+    const int64_t D, const int64_t rot) {
     const int64_t half = rot / 2;
     for (int64_t i = 0; i < half; ++i) {
         const float a = x[i], b = x[i + half];
@@ -35,7 +36,7 @@ static inline void rotate(float *restrict dst, const float *restrict x, const fl
  * bfloat16 (`bf16`, a compile-time constant in each entry point: the keys and values
  * rounded to it as they are stored). */
 static inline __attribute__((always_inline)) void rope_store(
-    int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t rot, float *q, int64_t q_st,
+    int64_t T, int64_t H, int64_t Hkv, const int64_t D, const int64_t rot, float *q, int64_t q_st,
     const float *k, int64_t k_st, const float *v, int64_t v_st, const float *cos,
     const float *sin, void *keys, void *values, int64_t c_sr, int64_t c_sh, int64_t c_ss,
     const int64_t *row, const int64_t *col, const int bf16) {
@@ -67,15 +68,29 @@ static inline __attribute__((always_inline)) void rope_store(
 }
 
 /* `bf16` 0: float32 cache buffers; 1: bfloat16 ones (`keys` and `values` of that type). */
+#define ROPE_STORE(DIM, ROT, BF16)                                                              \
+    rope_store(T, H, Hkv, DIM, ROT, q, q_st, k, k_st, v, v_st, cos, sin, keys, values, c_sr,   \
+               c_sh, c_ss, row, col, BF16)
+/* The head size as a constant for the common full-rotary ones (the loops over a head's
+ * features unroll and vectorise, their copies in registers). */
+#define ROPE_STORE_SIZES(BF16)                                                                 \
+    if (D == rot && D == 32)                                                                   \
+        ROPE_STORE(32, 32, BF16);                                                              \
+    else if (D == rot && D == 64)                                                              \
+        ROPE_STORE(64, 64, BF16);                                                              \
+    else if (D == rot && D == 128)                                                             \
+        ROPE_STORE(128, 128, BF16);                                                            \
+    else                                                                                       \
+        ROPE_STORE(D, rot, BF16)
+
 void rope_store_f32(int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t rot,
                     float *q, int64_t q_st, const float *k, int64_t k_st,
                     const float *v, int64_t v_st, const float *cos, const float *sin,
                     void *keys, void *values, int64_t c_sr, int64_t c_sh, int64_t c_ss,
                     const int64_t *row, const int64_t *col, int64_t bf16) {
-    if (bf16)
-        rope_store(T, H, Hkv, D, rot, q, q_st, k, k_st, v, v_st, cos, sin, keys, values, c_sr,
-                   c_sh, c_ss, row, col, 1);
-    else
-        rope_store(T, H, Hkv, D, rot, q, q_st, k, k_st, v, v_st, cos, sin, keys, values, c_sr,
-                   c_sh, c_ss, row, col, 0);
+    if (bf16) {
+        ROPE_STORE_SIZES(1);
+    } else {
+        ROPE_STORE_SIZES(0);
+    }
 }
