@@ -36,8 +36,8 @@ static inline __attribute__((always_inline)) void rotate(
  * bfloat16 (`bf16`, a compile-time constant in each entry point: the keys and values
  * rounded to it as they are stored). */
 static inline __attribute__((always_inline)) void rope_store(
-    int64_t T, int64_t H, int64_t Hkv, const int64_t D, const int64_t rot, float *q, int64_t q_st,
-    const float *k, int64_t k_st, const float *v, int64_t v_st, const float *cos,
+    int64_t T, int64_t H, int64_t Hkv, const int64_t D, const int64_t rot, float *q,
+    int64_t q_st, const float *k, int64_t k_st, const float *v, int64_t v_st, const float *cos,
     const float *sin, void *keys, void *values, int64_t c_sr, int64_t c_sh, int64_t c_ss,
     const int64_t *row, const int64_t *col, const int bf16) {
     for (int64_t t = 0; t < T; ++t) {
@@ -67,7 +67,6 @@ static inline __attribute__((always_inline)) void rope_store(
     }
 }
 
-/* `bf16` 0: float32 cache buffers; 1: bfloat16 ones (`keys` and `values` of that type). */
 #define ROPE_STORE(DIM, ROT, BF16)                                                              \
     rope_store(T, H, Hkv, DIM, ROT, q, q_st, k, k_st, v, v_st, cos, sin, keys, values, c_sr,   \
                c_sh, c_ss, row, col, BF16)
@@ -83,6 +82,7 @@ static inline __attribute__((always_inline)) void rope_store(
     else                                                                                       \
         ROPE_STORE(D, rot, BF16)
 
+/* `bf16` 0: float32 cache buffers; 1: bfloat16 ones (`keys` and `values` of that type). */
 void rope_store_f32(int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t rot,
                     float *q, int64_t q_st, const float *k, int64_t k_st,
                     const float *v, int64_t v_st, const float *cos, const float *sin,

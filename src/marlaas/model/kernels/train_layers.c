@@ -24,7 +24,8 @@
  * and values, where a later pass attended them: added into dK and dV before the call),
  * writing each LoRA module's gradients (`gA [L, r, in]`, `gBt [L, r, out]`, added to),
  * the past's (each sample row's past columns summed into its prompt's row, added to)
- * and the input's gradient (in place of the output's), the base frozen: the products' input gradients through the packed
+ * and, where the input needs one (`P_INPUT_GRAD`), the input's gradient (in place of the
+ * output's), the base frozen: the products' input gradients through the packed
  * transposes of the half weights, as `mixed.matmul`. The keys' and values' rounding
  * passes their gradient straight through, as `fused.round_to`.
  *
@@ -218,8 +219,8 @@ static void layer_forward(const int64_t *p, const Chunks *chunks, const int64_t 
     }
 }
 
-/* g [T, E]: the gradient of the layer's output in, of its input out (where `input`; else
- * g is left as it is after the attention's residual, the LoRA gradients all written). */
+/* g [T, E]: the gradient of the layer's output in, of its input out where `input` (else
+ * g is left partial and nobody reads it: the LoRA gradients are all written before). */
 static void layer_backward(const int64_t *p, const int64_t *L, const float *fl, float *g,
                            const int input) {
     const Shape s = shape_of(p, L);
