@@ -74,7 +74,6 @@ from marlaas.device.ops import PASSES, Op, PassGathering, Phase, take
 from marlaas.device.turns import Turns
 from marlaas.device.turns import installed as turns_installed
 from marlaas.errors import MarlaasError, TenantNotFound
-from marlaas.model.kernels.build import set_away
 from marlaas.obs.history import BusyHistory
 from marlaas.obs.recorder import NullRecorder, Recorder
 from marlaas.train.batch import TrainBatchError
@@ -189,9 +188,6 @@ class DeviceExecutor:
         turns = turns_installed() if self.compute.takes_turns else None
         if turns is not None and not turns.claim():
             turns = None  # another device thread of this process takes them
-        if turns is not None:
-            turns.device_take()
-            set_away(turns.away)
         try:
             self._run(turns)
         except BaseException as exc:
@@ -202,7 +198,6 @@ class DeviceExecutor:
         finally:
             self._stopped = time.perf_counter()
             if turns is not None:
-                set_away(None)
                 turns.unclaim()
 
     def _run(self, turns: Turns | None) -> None:

@@ -263,12 +263,14 @@ class RequestGate:
         with self._lock:
             return len(self._share) > 0 or len(self._interactive) > 0
 
+    def _room(self) -> int:
+        """Rows the engine can take now."""
+        return self.capacity - self.engine.running - self.engine.queued
+
     def saturated(self) -> bool:
         """Whether requests wait that the engine has no room for now: the sampler, not
         its callers, is what the work waits on."""
-        return self.capacity - self.engine.running - self.engine.queued <= 0 and (
-            self.has_waiting()
-        )
+        return self._room() <= 0 and self.has_waiting()
 
     def interactive_active(self) -> bool:
         """Whether inference requests run in the engine or wait for it now."""
@@ -308,7 +310,7 @@ class RequestGate:
 
         Call it from the thread that steps the engine, right before `engine.step()`.
         """
-        room = self.capacity - self.engine.running - self.engine.queued
+        room = self._room()
         moved = 0
         while room > 0:
             with self._lock:

@@ -47,6 +47,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from marlaas.model.kernels.build import set_away
+
 #: Longest either side waits for the turn before it goes ahead without it.
 WAIT_S = 0.005
 
@@ -74,20 +76,25 @@ class Turns:
     # -- the device thread ------------------------------------------------------------------
 
     def claim(self) -> bool:
-        """Make the calling thread these turns' device thread; False where another
+        """Make the calling thread these turns' device thread: it takes the turn, and its
+        long native calls (`kernels.build.long_call`) give it away. False where another
         thread is (one device thread per process takes turns, the others do without)."""
         with self._cv:
             if self._device_thread is not None:
                 return False
             self._device_thread = threading.get_ident()
-            return True
+        self.device_take()
+        set_away(self._away)
+        return True
 
     def unclaim(self) -> None:
         """The device thread leaves: give the turn back, let another device thread claim."""
         self.device_give()
         with self._cv:
-            if self._device_thread == threading.get_ident():
-                self._device_thread = None
+            if self._device_thread != threading.get_ident():
+                return
+            self._device_thread = None
+        set_away(None)
 
     def device_take(self) -> None:
         """Take the turn, before the loop's next callback (at most `WAIT_S` of waiting)."""

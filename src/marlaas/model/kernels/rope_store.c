@@ -67,20 +67,20 @@ static inline __attribute__((always_inline)) void rope_store(
     }
 }
 
-#define ROPE_STORE(DIM, ROT, BF16)                                                              \
+/* `rope_store` of rotary size ROT, and of full-rotary heads of size DIM (`half`, the cache
+ * dtype, a constant in scope). The head size is a constant for the common full-rotary
+ * ones (`HEAD_SIZED`): the loops over a head's features unroll and vectorise, their copies
+ * in registers. */
+#define ROPE(DIM, ROT)                                                                          \
     rope_store(T, H, Hkv, DIM, ROT, q, q_st, k, k_st, v, v_st, cos, sin, keys, values, c_sr,   \
-               c_sh, c_ss, row, col, BF16)
-/* The head size as a constant for the common full-rotary ones (the loops over a head's
- * features unroll and vectorise, their copies in registers). */
-#define ROPE_STORE_SIZES(BF16)                                                                 \
-    if (D == rot && D == 32)                                                                   \
-        ROPE_STORE(32, 32, BF16);                                                              \
-    else if (D == rot && D == 64)                                                              \
-        ROPE_STORE(64, 64, BF16);                                                              \
-    else if (D == rot && D == 128)                                                             \
-        ROPE_STORE(128, 128, BF16);                                                            \
-    else                                                                                       \
-        ROPE_STORE(D, rot, BF16)
+               c_sh, c_ss, row, col, half)
+#define FULL_ROTARY(DIM) ROPE(DIM, DIM)
+#define ROPE_ANY_SIZE()                                                                         \
+    if (rot == D) {                                                                             \
+        HEAD_SIZED(FULL_ROTARY)                                                                 \
+    } else {                                                                                    \
+        ROPE(D, rot);                                                                           \
+    }
 
 /* `bf16` 0: float32 cache buffers; 1: bfloat16 ones (`keys` and `values` of that type). */
 void rope_store_f32(int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t rot,
@@ -89,8 +89,10 @@ void rope_store_f32(int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t rot,
                     void *keys, void *values, int64_t c_sr, int64_t c_sh, int64_t c_ss,
                     const int64_t *row, const int64_t *col, int64_t bf16) {
     if (bf16) {
-        ROPE_STORE_SIZES(1);
+        const int half = 1;
+        ROPE_ANY_SIZE()
     } else {
-        ROPE_STORE_SIZES(0);
+        const int half = 0;
+        ROPE_ANY_SIZE()
     }
 }

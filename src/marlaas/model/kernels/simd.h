@@ -110,5 +110,14 @@ static inline uint16_t bf16_nearest(float f) {
         case 128: BY_GROUP(CALL, 128); break;  \
         default: CALL(D, G);                   \
     }
+/* The same for a kernel that depends on the head size alone: `HEAD_SIZED(CALL)` expands
+ * `CALL(D)` once per common head size and once with the runtime value. */
+#define HEAD_SIZED(CALL)                       \
+    switch (D) {                               \
+        case 32: CALL(32); break;              \
+        case 64: CALL(64); break;              \
+        case 128: CALL(128); break;            \
+        default: CALL(D);                      \
+    }
 
 #endif
