@@ -9,6 +9,7 @@ from collections import Counter
 import pytest
 import torch
 from test_trainer import TENANTS, _register, _rel_diff
+from torch import Tensor
 from train_data import make_batch
 
 from marlaas.config.specs import GRPOSpec
@@ -21,12 +22,14 @@ from marlaas.train.batch import (
     TrainBatch,
     batch_data,
     concat_rows,
+    flat_tensor,
     plan_microbatches,
     tensorise,
     tensorise_data,
 )
 from marlaas.train.grpo import GRPOTrainer
 from marlaas.train.prefix import SharedPrefix
+from marlaas.types import Datum
 
 
 def _batches(tenants: int, seed: int, group_size: int = 4, prompts: int = 3) -> list[TrainBatch]:
@@ -196,3 +199,72 @@ def test_rows_made_per_input_concatenate_to_the_passs_rows(whole: tuple[bool, ..
     joined, want = concat_rows(parts), tensorise_data(data, list(whole))
     for name in Rows.__dataclass_fields__:
         assert torch.equal(getattr(joined, name), getattr(want, name)), name
+
+
+def test_tensorise_data_cuts_rows_after_their_last_weighted_position() -> None:
+    """Each row runs up to its last weighted position (all of it where whole) and
+    shares the tokens before its first one with its tenant's rows of the same start;
+    the fields are the data's, zero-padded: checked against a plain reading of the
+    data, on weights with zeros first, inside, last, everywhere, and a whole row."""
+    weights = [
+        (0.0, 0.0, 0.5, 0.5, 0.0),  # prompt zeros, a trailing zero
+        (0.0, 0.0, 1.0, 0.0, 2.0),  # a zero between weighted positions
+        (0.0, 0.0, 0.0),  # nothing weighted
+        (1.0, 0.0),  # weighted from the first position
+        (0.0, 0.0, 0.25, 0.0),  # the same start as row 0's
+        (0.0, 3.0, 0.0, 0.0),  # whole: every position runs
+    ]
+    data = [
+        Datum(
+            input_ids=tuple(range(7, 7 + len(w))) if i != 1 else (5, 6, 1, 2, 3),
+            target_ids=tuple(range(100 + i, 100 + i + len(w))),
+            weights_T=w,
+            sampling_logprobs_T=tuple(-0.1 * t - 1e-9 * i for t in range(len(w))),
+            advantages_T=(0.3 + i,) * len(w) if i % 2 else (),
+        )
+        for i, w in enumerate(weights)
+    ]
+    rows = tensorise_data([data[:5], data[5:]], [False, True])
+    T = max(len(w) for w in weights)
+
+    def grid(values: list[tuple[float, ...]], dtype: torch.dtype) -> Tensor:
+        return torch.tensor([[*v, *(0,) * (T - len(v))] for v in values], dtype=dtype)
+
+    assert torch.equal(rows.input_ids_NT, grid([d.input_ids for d in data], torch.long))
+    assert torch.equal(rows.target_ids_NT, grid([d.target_ids for d in data], torch.long))
+    assert torch.equal(rows.weights_NT, grid(weights, torch.float32))
+    assert torch.equal(rows.mask_NT, grid(weights, torch.float32) != 0)
+    assert torch.equal(
+        rows.behaviour_NT, grid([d.sampling_logprobs_T for d in data], torch.float32)
+    )
+    advantages = [d.advantages_T or (0.0,) * len(d.input_ids) for d in data]
+    assert torch.equal(rows.advantages_NT, grid(advantages, torch.float32))
+    assert rows.lengths_N.tolist() == [4, 5, 0, 1, 3, 4]
+    assert rows.tenant_N.tolist() == [0, 0, 0, 0, 0, 1]
+    # Rows 0 and 4 share their first two tokens; row 1 starts otherwise (its own
+    # prefix: row 1's tokens differ), rows 2 and 3 and the whole row share nothing.
+    assert rows.prompt_len_N.tolist() == [3, 3, 4, 1, 3, 1]
+    prompts = rows.prompt_N.tolist()
+    assert prompts[0] == prompts[4] and len(set(prompts)) == 5
+
+
+@pytest.mark.parametrize("dtype", [torch.long, torch.float32, torch.float64, torch.bool])
+def test_flat_tensor_is_torch_tensor(dtype: torch.dtype) -> None:
+    """`flat_tensor` (through an `array` for int64 and float32) makes what `torch.tensor`
+    makes of the same list, or refuses what it refuses: float32 rounding and overflow,
+    floats for int64 (truncated), ints past int64's range, an empty list."""
+    gen = torch.Generator().manual_seed(0)
+    doubles = (torch.randn(1000, generator=gen, dtype=torch.float64) * 1e3).tolist()
+    doubles += [1 + 2**-24, 1 + 3 * 2**-24, 1e39, -1e-46, 0.0, -0.0, math.inf, math.nan]
+    ints = [round(x) for x in doubles[:1000]] + [2**63 - 1, -(2**63), True]
+    cases = [doubles, ints, [0.5, *ints], [*ints, 2**63], []]
+    for given in cases:
+        try:
+            want = torch.tensor(given, dtype=dtype)
+        except (TypeError, ValueError, OverflowError, RuntimeError) as exc:
+            with pytest.raises(type(exc)):
+                flat_tensor(given, dtype)
+            continue
+        got = flat_tensor(given, dtype)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))  # nan, -0.0 too

@@ -24,6 +24,7 @@ Invariants:
 
 from __future__ import annotations
 
+import array
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -129,6 +130,27 @@ class TrainBatch:
         return sum(sum(t.loss_mask_T) for t in self.trajectories)
 
 
+#: The `array` type codes of the dtypes `flat_tensor` builds through one.
+_ARRAY_CODES = {torch.long: "q", torch.float32: "f"}
+
+
+def flat_tensor(values: list[float], dtype: torch.dtype) -> Tensor:
+    """`torch.tensor(values, dtype=dtype)` of a flat list of Python numbers, through an
+    `array` of C numbers for int64 and float32 (the same values: each rounded as
+    `torch.tensor` rounds it), which torch takes whole where `torch.tensor` looks at
+    each element: a 64-row GRPO group's training input (~4,000 numbers a field) made
+    1.5-1.7x faster, on the event loop, per tenant and step. Values the array refuses
+    (a float for int64, an int past its range) go to `torch.tensor`, which converts or
+    refuses them as it always did."""
+    code = _ARRAY_CODES.get(dtype)
+    if code is not None and values:
+        try:
+            return torch.frombuffer(array.array(code, values), dtype=dtype)
+        except (TypeError, OverflowError):
+            pass
+    return torch.tensor(values, dtype=dtype)
+
+
 def batch_data(
     batch: TrainBatch, loss_norm: LossNorm, constant_norm_tokens: float | None = None
 ) -> tuple[Datum, ...]:
@@ -141,7 +163,7 @@ def batch_data(
     lengths = torch.tensor([len(m) for m in masks])
     valid_NT = torch.arange(int(lengths.max())) < lengths[:, None]
     mask_NT = torch.zeros(valid_NT.shape, dtype=torch.bool)
-    mask_NT[valid_NT] = torch.tensor(list(itertools.chain.from_iterable(masks))) != 0
+    mask_NT[valid_NT] = flat_tensor(list(itertools.chain.from_iterable(masks)), torch.long) != 0
     weights_NT = token_weights(mask_NT, loss_norm, constant_norm_tokens=constant_norm_tokens)
     out: list[Datum] = []
     for t, m, w_T, adv in zip(trajs, masks, weights_NT.tolist(), batch.advantages, strict=True):
@@ -268,11 +290,14 @@ def tensorise_data(data: Sequence[Sequence[Datum]], whole: Sequence[bool] | None
     T = max([len(d.input_ids) for d in rows] + [1])
 
     def padded(values: Sequence[Sequence[float]], dtype: torch.dtype) -> Tensor:
-        # One op a field from Python lists padded here (an input of a few rows is made
-        # per tenant, on the event loop: a dozen ops fewer than masks and scatters).
-        if not values:
-            return torch.zeros((0, T), dtype=dtype)
-        return torch.tensor([[*v, *(0,) * (T - len(v))] for v in values], dtype=dtype)
+        # One op a field from Python lists padded here (an input is made per tenant, on
+        # the event loop: a dozen ops fewer than masks and scatters).
+        zeros = (0,) * T
+        flat: list[float] = []
+        for v in values:
+            flat += v
+            flat += zeros[len(v) :]
+        return flat_tensor(flat, dtype).view(len(values), T)
 
     def given(values: tuple[float, ...], d: Datum) -> tuple[float, ...]:
         return values or (0.0,) * len(d.input_ids)
@@ -288,10 +313,18 @@ def tensorise_data(data: Sequence[Sequence[Datum]], whole: Sequence[bool] | None
     lengths: list[int] = []
     first_N: list[int] = []
     for d, w in zip(rows, whole_N, strict=True):
-        weighted = [t for t, x in enumerate(d.weights_T) if x != 0]
+        # The first weighted position from the start, the last from the end (a row's
+        # prompt's zeros come first: most of the row is not scanned).
+        w_T = d.weights_T
+        first = next((t for t, x in enumerate(w_T) if x != 0), None)
+        last = (
+            None
+            if first is None
+            else next(t for t in range(len(w_T) - 1, first - 1, -1) if w_T[t] != 0)
+        )
         full = len(d.input_ids)
-        lengths.append(full if w and full > 0 else (weighted[-1] + 1 if weighted else 0))
-        first_N.append(weighted[0] if weighted else T)
+        lengths.append(full if w and full > 0 else (0 if last is None else last + 1))
+        first_N.append(T if first is None else first)
     lengths_N = torch.tensor(lengths, dtype=torch.long)
     tenants = [k for k, tenant in enumerate(data) for _ in tenant]
     tenant_N = torch.tensor(tenants, dtype=torch.long)
