@@ -208,18 +208,59 @@ static inline const float *rank_major(const float *Bl, int64_t b_so, int64_t b_s
     return scratch;
 }
 
-/* A lane's A [r, in] (rows a_sr apart) and B [out, r] (strides b_so, b_sr) into L2, a
- * prefetch per cache line (a vector), ahead of their first use: the per-row kernels
- * visit lanes in turn, each lane's weights coming from L3 otherwise. */
-static inline void prefetch_weights(const float *A, int64_t a_sr, int64_t r, int64_t in,
-                                    const float *B, int64_t b_so, int64_t b_sr, int64_t out) {
-    for (int64_t k = 0; k < r; ++k)
-        for (int64_t i = 0; i < in; i += W) __builtin_prefetch(A + k * a_sr + i, 0, 2);
-    if (b_so == 1)  /* rank-major: each rank's row of B is contiguous */
-        for (int64_t k = 0; k < r; ++k)
-            for (int64_t o = 0; o < out; o += W) __builtin_prefetch(B + k * b_sr + o, 0, 2);
-    else if (b_sr == 1)  /* PEFT's: each output's r weights are contiguous */
-        for (int64_t o = 0; o < out; o += r < W ? W / r : 1) __builtin_prefetch(B + o * b_so, 0, 2);
+/* The next lane's weights (and, for the backward, its gradients) brought into L2 while
+ * the current lane's units run, a share of the lines at each unit (or pair of one-token
+ * units) rather than all of them at the lane's first: the per-row kernels visit lanes in
+ * turn and each lane's weights come from memory otherwise. Prefetched in one burst, the
+ * ~240 lines of a lane's module (rank 8, 128 -> 352) filled the core's queue of misses
+ * and the prefetch instructions waited on memory (half of `lora_rows_strided_f32`'s own
+ * samples in a decode step at 256 rows x 32 adapters, on an Intel Xeon whose memory
+ * copies ~11 GB/s). Spread, in-process A/B by iteration (decode) or by step (trainer, 32
+ * tenants): decode 0.97-0.99 of the time while the machine's memory was slow, 0.99-1.0
+ * while it was fast; the trainer's step 0.977-0.981 (three runs). Up to four regions
+ * (A's rows, B's, the backward's gradients of each, written), each `rows` rows `stride`
+ * floats apart of `lines` cache lines. */
+#define REGIONS 4
+typedef struct {
+    const float *base[REGIONS];
+    int64_t rows[REGIONS], stride[REGIONS], lines[REGIONS];
+    int write[REGIONS];
+    int64_t region, row, line, left;
+} Ahead;
+
+static inline void ahead_add(Ahead *a, const float *base, int64_t rows, int64_t stride,
+                             int64_t floats, int write) {
+    int64_t k = 0;
+    while (k < REGIONS && a->rows[k]) ++k;
+    if (k == REGIONS || rows <= 0) return;
+    a->base[k] = base, a->rows[k] = rows, a->stride[k] = stride;
+    a->lines[k] = (floats + W - 1) / W, a->write[k] = write;
+    a->left += rows * a->lines[k];
+}
+
+static inline Ahead ahead_of(const float *A, int64_t a_sr, int64_t r, int64_t in,
+                             const float *B, int64_t b_so, int64_t b_sr, int64_t out) {
+    Ahead a;
+    memset(&a, 0, sizeof a);
+    ahead_add(&a, A, r, a_sr, in, 0);
+    if (b_so == 1) /* rank-major: each rank's row of B is contiguous */
+        ahead_add(&a, B, r, b_sr, out, 0);
+    else if (b_sr == 1) /* PEFT's: out rows of r contiguous floats, one run */
+        ahead_add(&a, B, 1, 0, out * b_so, 0);
+    return a;
+}
+
+/* The next `count` lines of `a` into L2. */
+static inline void ahead_step(Ahead *a, int64_t count) {
+    for (; count > 0 && a->left > 0; --count, --a->left) {
+        while (a->row >= a->rows[a->region]) ++a->region, a->row = 0, a->line = 0;
+        const float *at = a->base[a->region] + a->row * a->stride[a->region] + a->line * W;
+        if (a->write[a->region])
+            __builtin_prefetch(at, 1, 2);
+        else
+            __builtin_prefetch(at, 0, 2);
+        if (++a->line == a->lines[a->region]) a->line = 0, ++a->row;
+    }
 }
 
 /* The lane of the first unit after the run of unit order[j]'s lane (-1: none). */
@@ -228,6 +269,18 @@ static inline int64_t next_lane(int64_t U, const int64_t *lane, const int64_t *o
     while (++j < U)
         if (lane[order[j]] != l) return lane[order[j]];
     return -1;
+}
+
+/* The units of the run of unit order[j]'s lane from j on. */
+static inline int64_t run_length(int64_t U, const int64_t *lane, const int64_t *order, int64_t j) {
+    int64_t k = j + 1;
+    while (k < U && lane[order[k]] == lane[order[j]]) ++k;
+    return k - j;
+}
+
+/* The lines of `a` to prefetch at each of `steps` steps (all of them by the last). */
+static inline int64_t ahead_share(const Ahead *a, int64_t steps) {
+    return steps > 1 ? (a->left + steps - 1) / steps : a->left;
 }
 
 /* Token t's h = s A x (r floats) into row t of `tape` where there is one (the backward
@@ -286,18 +339,28 @@ void lora_rows_strided_f32(int64_t U, int64_t T, int64_t in, int64_t out, int64_
     int64_t current = -1;
     const float *Bt = scratch;
     int64_t bt_sk = out;
+    Ahead ahead;
+    memset(&ahead, 0, sizeof ahead);
+    int64_t share = 0;
     for (int64_t j = 0; j < U; ++j) {
         const int64_t u = order[j];
         const int64_t l = lane[u];
         if (l != current) {
             Bt = rank_major(B + l * b_sl, b_so, b_sr, r, out, scratch, &bt_sk);
             current = l;
-            /* The next lane's weights into L2 while this lane's rows run (they come from
-             * L3 otherwise, at the first row of each lane): engine decode iteration at
-             * 256 rows x 32 adapters, in-process A/B, 0.945-0.982. */
+            /* The next lane's weights into L2 while this lane's rows run (`Ahead`; from
+             * memory otherwise, at the first row of each lane: engine decode iteration
+             * at 256 rows x 32 adapters, in-process A/B, 0.945-0.982). */
+            ahead_step(&ahead, ahead.left); /* what the lane before left of this one */
             const int64_t n = next_lane(U, lane, order, j);
-            if (n >= 0) prefetch_weights(A + n * a_sl, a_sr, r, in, B + n * b_sl, b_so, b_sr, out);
+            if (n >= 0) {
+                ahead = ahead_of(A + n * a_sl, a_sr, r, in, B + n * b_sl, b_so, b_sr, out);
+                /* A share at each of this lane's steps: a unit, or a pair of one-token units. */
+                const int64_t units = run_length(U, lane, order, j);
+                share = ahead_share(&ahead, T == 1 ? (units + 1) / 2 : units);
+            }
         }
+        ahead_step(&ahead, share);
         const float *Al = A + l * a_sl;
         const float s = scale ? scale[l] : 1.0f;
         /* One-token units (decode rows, a packed forward's tokens) of one lane go two at
@@ -404,6 +467,9 @@ void lora_rows_backward_strided_f32(int64_t U, int64_t T, int64_t in, int64_t ou
     int64_t bt_sk = out;
     float h[BLOCK * 64], e[BLOCK * 64];
     const float *xs[BLOCK], *gs[BLOCK];
+    Ahead ahead;
+    memset(&ahead, 0, sizeof ahead);
+    int64_t share = 0;
     for (int64_t j = 0; j <= U; ++j) {
         const int64_t l = j < U ? lane[order[j]] : -1;
         if (l != current && nt > 0) { /* the block of the lane before: its gradients */
@@ -415,13 +481,14 @@ void lora_rows_backward_strided_f32(int64_t U, int64_t T, int64_t in, int64_t ou
             Bt = rank_major(B + l * b_sl, b_so, b_sr, r, out, scratch, &bt_sk);
             current = l;
             /* The next lane's weights and gradients into L2 while this lane's tokens run
-             * (each lane's are read, and its gradients written, once a call). */
+             * (each lane's are read, and its gradients written, once a call; `Ahead`). */
+            ahead_step(&ahead, ahead.left);
             const int64_t n = next_lane(U, lane, order, j);
             if (n >= 0) {
-                prefetch_weights(A + n * a_sl, a_sr, r, in, B + n * b_sl, b_so, b_sr, out);
-                const float *gAn = gA + n * r * in, *gBn = gBt + n * r * out;
-                for (int64_t i = 0; i < r * in; i += W) __builtin_prefetch(gAn + i, 1, 2);
-                for (int64_t o = 0; o < r * out; o += W) __builtin_prefetch(gBn + o, 1, 2);
+                ahead = ahead_of(A + n * a_sl, a_sr, r, in, B + n * b_sl, b_so, b_sr, out);
+                ahead_add(&ahead, gA + n * r * in, 1, 0, r * in, 1);
+                ahead_add(&ahead, gBt + n * r * out, 1, 0, r * out, 1);
+                share = ahead_share(&ahead, run_length(U, lane, order, j) * T);  /* a token's */
             }
         }
         const float *Al = A + l * a_sl;
@@ -433,6 +500,7 @@ void lora_rows_backward_strided_f32(int64_t U, int64_t T, int64_t in, int64_t ou
                 nt = 0;
             }
             const int64_t tok = u * T + t;
+            ahead_step(&ahead, share);
             /* The rows of the token AHEAD further on into L1 (activations and gradients
              * the layers wrote earlier, from L3 by now). */
             const int64_t next = T == 1 ? (j + AHEAD < U ? order[j + AHEAD] : -1)
