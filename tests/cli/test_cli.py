@@ -103,6 +103,33 @@ def test_bench_trainer_smoke(tmp_path: Path) -> None:
     assert "2" in json.dumps(data)
 
 
+def test_bench_trainer_times_the_modes_asked_for(tmp_path: Path) -> None:
+    path = tmp_path / "trainer.json"
+    run(
+        "bench",
+        "trainer",
+        "--tenants",
+        "2",
+        "--steps",
+        "1",
+        "--modes",
+        "multi-lane,single-lane",
+        "--json",
+        str(path),
+    )
+    data = json.loads(path.read_text())
+    assert [r["mode"] for r in data["results"]] == ["multi-lane", "single-lane"]
+    assert set(data["speedup"]["2"]) == {"multi_vs_single", "multi_vs_single_paired"}
+    proc = subprocess.run(
+        [*MARLAAS, "bench", "trainer", "--modes", "multi-lane,lora"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2
+    assert "--modes takes some of multi-lane, single-lane, peft" in proc.stderr
+    assert "lora unknown" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_missing_model_is_one_clear_error(tmp_path: Path) -> None:
     proc = subprocess.run(
         [*MARLAAS, "base", "eval", "--model", str(tmp_path / "nope"), "--episodes", "1"],

@@ -27,7 +27,7 @@ from marlaas.train.batch import (
     plan_microbatches,
     tensorise,
 )
-from marlaas.train.bench import run_trainer_bench, tenant_lengths
+from marlaas.train.bench import paired_ratio, run_trainer_bench, tenant_lengths
 from marlaas.train.grpo import GRPOTrainer
 from marlaas.train.losses import policy_loss, token_logprobs
 
@@ -427,7 +427,11 @@ def test_benchmark_reports_every_mode(tiny_llama_path: Path, tmp_path: Path) -> 
         (n, mode) for n in (1, 3) for mode in ("multi-lane", "single-lane", "peft")
     ]
     assert all(r["optimizer_steps_per_s"] > 0 and r["tokens_per_s"] > 0 for r in result["results"])
-    assert set(result["speedup"]["3"]) == {"multi_vs_single", "multi_vs_peft"}
+    assert set(result["speedup"]["3"]) == {
+        "multi_vs_single",
+        "multi_vs_single_paired",
+        "multi_vs_peft",
+    }
 
 
 def test_a_batch_without_model_tokens_still_counts_as_a_step(lora_model: LoRAModel) -> None:
@@ -469,7 +473,32 @@ def test_benchmark_with_mixed_lengths_gives_tenants_different_lengths(
     )
     assert result["config"]["mixed_lengths"] is True
     assert result["config"]["max_tokens_per_microbatch"] == 64
-    assert set(result["speedup"]["3"]) == {"multi_vs_single"}
+    assert set(result["speedup"]["3"]) == {"multi_vs_single", "multi_vs_single_paired"}
+
+
+def test_benchmark_pairs_the_rounds_of_the_modes_that_take_turns(
+    tiny_llama_path: Path,
+) -> None:
+    """Multi-lane's paired speed-up is the median of each round's single-lane time over
+    the multi-lane round beside it, from the rounds the result reports; unequal rounds
+    are refused."""
+    result = run_trainer_bench(
+        tiny_llama_path,
+        tenant_counts=(2,),
+        steps=3,
+        rows_per_tenant=2,
+        prompt_len=4,
+        completion_len=6,
+        modes=("multi-lane", "single-lane"),
+        console=Console(file=io.StringIO()),
+    )
+    rounds = {r["mode"]: r["round_seconds"] for r in result["results"]}
+    assert len(rounds["multi-lane"]) == len(rounds["single-lane"]) == 3
+    ratios = sorted(s / m for s, m in zip(rounds["single-lane"], rounds["multi-lane"], strict=True))
+    assert result["speedup"]["2"]["multi_vs_single_paired"] == pytest.approx(ratios[1])
+    assert paired_ratio([2.0, 4.0, 9.0], [1.0, 4.0, 3.0]) == 2.0  # the medians' ratio: 4 / 3
+    with pytest.raises(ValueError, match="as many rounds"):
+        paired_ratio([1.0, 2.0], [1.0])
 
 
 def _uniform_groups(

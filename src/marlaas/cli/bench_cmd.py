@@ -125,10 +125,21 @@ def trainer(
         16384, min=64, help="Token budget of one forward/backward of the trainer."
     ),
     dtype: str = typer.Option("auto", help=DTYPE_HELP),
+    modes: str = typer.Option(
+        "multi-lane,single-lane,peft",
+        help="Modes to time, comma-separated (PEFT takes most of the time at 32 tenants).",
+    ),
 ) -> None:
     """Optimizer steps/s: multi-lane vs single-lane vs PEFT + torch AdamW per tenant."""
-    from marlaas.train.bench import run_trainer_bench
+    from marlaas.train.bench import MODES, run_trainer_bench
 
+    chosen = tuple(m.strip() for m in modes.split(",") if m.strip())
+    unknown = sorted(set(chosen) - set(MODES))
+    if not chosen or unknown:
+        raise typer.BadParameter(
+            f"--modes takes some of {', '.join(MODES)}, got {modes!r}"
+            + (f" ({', '.join(unknown)} unknown)" if unknown else "")
+        )
     run_trainer_bench(
         model,
         _counts(tenants),
@@ -137,6 +148,7 @@ def trainer(
         completion_len=completion_len,
         max_tokens_per_microbatch=microbatch_tokens,
         mixed_lengths=mixed_lengths,
+        modes=chosen,
         json_path=json_out,
         dtype=check_dtype(dtype),
     )

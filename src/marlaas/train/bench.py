@@ -6,6 +6,9 @@ behaviour log-probs that make ratios differ from 1) with the same loss
 (`policy_loss` with per-tenant `token_weights`), LoRA shape and AdamW settings, and
 tensorises its data inside the timed region. Each mode runs one untimed warm-up round
 first. Throughput counts tenant optimizer steps and trained (model-written) tokens.
+Multi-lane's speed-up over each other mode is the ratio of their median rounds; over
+single-lane, with which it takes turns round by round, also the median of the rounds'
+own ratios (`paired`: robust to a machine whose speed moves in phases).
 
 The PEFT baseline loads its own copy of the base (PEFT injects its layers into the
 model it wraps); it is released before the next tenant count is measured.
@@ -102,6 +105,17 @@ def _timed(run_steps: Mapping[str, Callable[[int], None]], steps: int) -> dict[s
             run_step(k)
             times[mode].append(time.perf_counter() - started)
     return times
+
+
+def paired_ratio(slow: Sequence[float], fast: Sequence[float]) -> float:
+    """The median over rounds of `slow[k] / fast[k]`, of two modes that took turns round
+    by round (`_timed`): each ratio compares two rounds run seconds apart, so a machine
+    whose speed moves in phases (a VM's neighbours: the same round 1.5x slower a minute
+    later) moves both of a pair, where the ratio of the two medians can pair a fast
+    phase's rounds of one mode with a slow phase's of the other."""
+    if len(slow) != len(fast) or not slow:
+        raise ValueError("paired rounds need as many rounds of each mode, at least one")
+    return statistics.median(s / f for s, f in zip(slow, fast, strict=True))
 
 
 def _lanes_step(
@@ -287,13 +301,18 @@ def run_trainer_bench(
 
     speedup: dict[str, dict[str, float]] = {}
     for count in tenant_counts:
-        medians = {r["mode"]: r["median_round_s"] for r in records if r["tenants"] == count}
-        if "multi-lane" in medians:
-            speedup[str(count)] = {
-                f"multi_vs_{m.removesuffix('-lane')}": medians[m] / medians["multi-lane"]
-                for m in medians
-                if m != "multi-lane"
-            }
+        rounds = {r["mode"]: r["round_seconds"] for r in records if r["tenants"] == count}
+        if "multi-lane" not in rounds:
+            continue
+        multi = rounds["multi-lane"]
+        ratios = {
+            f"multi_vs_{m.removesuffix('-lane')}": statistics.median(t) / statistics.median(multi)
+            for m, t in rounds.items()
+            if m != "multi-lane"
+        }
+        if "single-lane" in rounds:  # the two took turns round by round (`_timed`)
+            ratios["multi_vs_single_paired"] = paired_ratio(rounds["single-lane"], multi)
+        speedup[str(count)] = ratios
     result: dict[str, Any] = {
         "model": str(path),
         "config": {
@@ -325,7 +344,7 @@ def _print_table(console: Console, result: dict[str, Any]) -> None:
         title=f"Trainer throughput: {Path(result['model']).name}, rank {cfg['rank']}, "
         f"{cfg['rows_per_tenant']} rows/tenant/step, {cfg['device']} x{cfg['torch_threads']}"
     )
-    for column in ("tenants", "mode", "opt steps/s", "tokens/s", "multi-lane speed-up"):
+    for column in ("tenants", "mode", "opt steps/s", "tokens/s", "multi-lane speed-up", "paired"):
         table.add_column(column, justify="right" if column != "mode" else "left")
     for r in result["results"]:
         speedup = result["speedup"].get(str(r["tenants"]), {})
@@ -336,5 +355,6 @@ def _print_table(console: Console, result: dict[str, Any]) -> None:
             f"{r['optimizer_steps_per_s']:.2f}",
             f"{r['tokens_per_s']:.0f}",
             f"{speedup[key]:.2f}x" if key in speedup else "-",
+            f"{speedup[key + '_paired']:.2f}x" if key + "_paired" in speedup else "-",
         )
     console.print(table)
