@@ -22,6 +22,15 @@ def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return proc
 
 
+def refused(*args: str) -> str:
+    """The standard error of `marlaas *args`, which must refuse its input as a usage error
+    (exit status 2) with a message, not a traceback."""
+    proc = subprocess.run([*MARLAAS, *args], capture_output=True, text=True)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    return proc.stderr
+
+
 def test_help_lists_commands() -> None:
     out = run("--help").stdout
     for command in ("base", "bench", "demo", "version"):
@@ -120,25 +129,14 @@ def test_bench_trainer_times_the_modes_asked_for(tmp_path: Path) -> None:
     data = json.loads(path.read_text())
     assert [r["mode"] for r in data["results"]] == ["multi-lane", "single-lane"]
     assert set(data["speedup"]["2"]) == {"multi_vs_single", "multi_vs_single_paired"}
-    proc = subprocess.run(
-        [*MARLAAS, "bench", "trainer", "--modes", "multi-lane,lora"],
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 2
-    assert "--modes takes some of multi-lane, single-lane, peft" in proc.stderr
-    assert "lora unknown" in proc.stderr and "Traceback" not in proc.stderr
+    error = refused("bench", "trainer", "--modes", "multi-lane,lora")
+    assert "--modes takes some of multi-lane, single-lane, peft" in error
+    assert "lora unknown" in error
 
 
 def test_missing_model_is_one_clear_error(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [*MARLAAS, "base", "eval", "--model", str(tmp_path / "nope"), "--episodes", "1"],
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 2
-    assert proc.stderr.startswith("error: base model directory")
-    assert "Traceback" not in proc.stderr
+    error = refused("base", "eval", "--model", str(tmp_path / "nope"), "--episodes", "1")
+    assert error.startswith("error: base model directory")
 
 
 def test_run_writes_a_run_folder_and_names_failed_jobs(tmp_path: Path) -> None:
@@ -186,9 +184,7 @@ def test_run_writes_a_run_folder_and_names_failed_jobs(tmp_path: Path) -> None:
 def test_run_rejects_a_bad_spec_naming_the_field(tmp_path: Path) -> None:
     jobs = tmp_path / "jobs.yaml"
     jobs.write_text("jobs:\n  - name: a\n    task: {family: arithmetic}\n    steps: 0\n")
-    proc = subprocess.run([*MARLAAS, "run", str(jobs)], capture_output=True, text=True)
-    assert proc.returncode == 2
-    assert "jobs.0.steps" in proc.stderr and "Traceback" not in proc.stderr
+    assert "jobs.0.steps" in refused("run", str(jobs))
 
 
 def test_bench_sandbox_smoke(tmp_path: Path) -> None:

@@ -410,18 +410,22 @@ def test_one_tenant_matches_peft_and_torch_adamw(lora_model: LoRAModel) -> None:
     assert _rel_diff(ours, reference) < 1e-5
 
 
-def test_benchmark_reports_every_mode(tiny_llama_path: Path, tmp_path: Path) -> None:
-    out = tmp_path / "bench.json"
-    result = run_trainer_bench(
-        tiny_llama_path,
-        tenant_counts=(1, 3),
-        steps=1,
+def _small_bench(path: Path, **options: Any) -> dict[str, Any]:
+    """`run_trainer_bench` on tiny GRPO groups (2 rows of 4 prompt and up to 6 completion
+    tokens), its table printed nowhere."""
+    return run_trainer_bench(
+        path,
         rows_per_tenant=2,
         prompt_len=4,
         completion_len=6,
-        json_path=out,
         console=Console(file=io.StringIO()),
+        **options,
     )
+
+
+def test_benchmark_reports_every_mode(tiny_llama_path: Path, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    result = _small_bench(tiny_llama_path, tenant_counts=(1, 3), steps=1, json_path=out)
     assert json.loads(out.read_text()) == result
     assert [(r["tenants"], r["mode"]) for r in result["results"]] == [
         (n, mode) for n in (1, 3) for mode in ("multi-lane", "single-lane", "peft")
@@ -459,17 +463,13 @@ def test_benchmark_with_mixed_lengths_gives_tenants_different_lengths(
     tiny_llama_path: Path, tmp_path: Path
 ) -> None:
     assert [tenant_lengths(i, 8, 6) for i in range(4)] == [(4, 3), (8, 6), (12, 9), (16, 3)]
-    result = run_trainer_bench(
+    result = _small_bench(
         tiny_llama_path,
         tenant_counts=(3,),
         steps=1,
-        rows_per_tenant=2,
-        prompt_len=4,
-        completion_len=6,
         mixed_lengths=True,
         max_tokens_per_microbatch=64,
         modes=("multi-lane", "single-lane"),
-        console=Console(file=io.StringIO()),
     )
     assert result["config"]["mixed_lengths"] is True
     assert result["config"]["max_tokens_per_microbatch"] == 64
@@ -482,15 +482,8 @@ def test_benchmark_pairs_the_rounds_of_the_modes_that_take_turns(
     """Multi-lane's paired speed-up is the median of each round's single-lane time over
     the multi-lane round beside it, from the rounds the result reports; unequal rounds
     are refused."""
-    result = run_trainer_bench(
-        tiny_llama_path,
-        tenant_counts=(2,),
-        steps=3,
-        rows_per_tenant=2,
-        prompt_len=4,
-        completion_len=6,
-        modes=("multi-lane", "single-lane"),
-        console=Console(file=io.StringIO()),
+    result = _small_bench(
+        tiny_llama_path, tenant_counts=(2,), steps=3, modes=("multi-lane", "single-lane")
     )
     rounds = {r["mode"]: r["round_seconds"] for r in result["results"]}
     assert len(rounds["multi-lane"]) == len(rounds["single-lane"]) == 3
