@@ -114,18 +114,8 @@ def test_bench_trainer_smoke(tmp_path: Path) -> None:
 
 def test_bench_trainer_times_the_modes_asked_for(tmp_path: Path) -> None:
     path = tmp_path / "trainer.json"
-    run(
-        "bench",
-        "trainer",
-        "--tenants",
-        "2",
-        "--steps",
-        "1",
-        "--modes",
-        "multi-lane,single-lane",
-        "--json",
-        str(path),
-    )
+    options = ["--tenants", "2", "--steps", "1", "--modes", "multi-lane,single-lane"]
+    run("bench", "trainer", *options, "--json", str(path))
     data = json.loads(path.read_text())
     assert [r["mode"] for r in data["results"]] == ["multi-lane", "single-lane"]
     assert set(data["speedup"]["2"]) == {"multi_vs_single", "multi_vs_single_paired"}

@@ -15,20 +15,18 @@ from train_data import make_batch
 from marlaas.config.specs import GRPOSpec
 from marlaas.model.lora import LoRAModel
 from marlaas.packing import MIN_FILL, PrefixGroup, pack_prefix_groups
-from marlaas.train.batch import (
+from marlaas.train.batch import TrainBatch, batch_data, flat_tensor
+from marlaas.train.grpo import GRPOTrainer
+from marlaas.train.prefix import SharedPrefix
+from marlaas.train.rows import (
     SMALL_PADDING,
     MicroBatch,
     Rows,
-    TrainBatch,
-    batch_data,
     concat_rows,
-    flat_tensor,
     plan_microbatches,
     tensorise,
     tensorise_data,
 )
-from marlaas.train.grpo import GRPOTrainer
-from marlaas.train.prefix import SharedPrefix
 from marlaas.types import Datum
 
 

@@ -12,10 +12,11 @@ from train_data import VOCAB, make_batch
 import marlaas.train.prefix as prefix
 from helpers.tiny_archs import ARCHS, WINDOW, tiny_model
 from marlaas.model.lora import LoRAModel
-from marlaas.train.batch import TrainBatch, plan_microbatches, tensorise
+from marlaas.train.batch import TrainBatch
 from marlaas.train.decoder import RowGather
 from marlaas.train.grpo import GRPOTrainer
 from marlaas.train.prefix import SharedPrefix
+from marlaas.train.rows import plan_microbatches, tensorise
 
 
 def _data(model: LoRAModel, steps: int) -> dict[str, list[TrainBatch]]:

@@ -19,17 +19,11 @@ from marlaas.errors import ConfigError, TenantNotFound
 from marlaas.model.lora import AdapterTensors, LoRAModel
 from marlaas.packing import MIN_FILL
 from marlaas.train.advantages import group_advantages
-from marlaas.train.batch import (
-    Rows,
-    TrainBatch,
-    TrainBatchError,
-    batch_data,
-    plan_microbatches,
-    tensorise,
-)
+from marlaas.train.batch import TrainBatch, TrainBatchError, batch_data
 from marlaas.train.bench import paired_ratio, run_trainer_bench, tenant_lengths
 from marlaas.train.grpo import GRPOTrainer
 from marlaas.train.losses import policy_loss, token_logprobs
+from marlaas.train.rows import Rows, plan_microbatches, tensorise
 
 SMALL: dict[str, Any] = {"group_size": 4, "prompts_per_step": 2}
 

@@ -31,9 +31,10 @@ from marlaas.fileio import atomic_write_json
 from marlaas.model.base import default_base_path, load_base
 from marlaas.model.lora import LoRAModel
 from marlaas.model.peft_io import peft_target_modules
-from marlaas.train.batch import TrainBatch, tensorise
+from marlaas.train.batch import TrainBatch
 from marlaas.train.grpo import GRPOTrainer
 from marlaas.train.losses import policy_loss, token_logprobs
+from marlaas.train.rows import tensorise
 from marlaas.train.trainer import vocab_size
 from marlaas.types import Trajectory
 

@@ -42,8 +42,8 @@ from torch import Tensor
 from marlaas.model.cache import cache_tensors, empty_cache, wrap_cache
 from marlaas.model.lane_layers import LaneBatch
 from marlaas.model.lora import LoRAModel
-from marlaas.train.batch import MicroBatch, Rows
 from marlaas.train.decoder import RowGather, TokenLogits, TrainDecoder
+from marlaas.train.rows import MicroBatch, Rows
 
 #: Largest cost of the shared forward, relative to the plain one, for it to be used.
 MAX_COST = 0.85

@@ -14,8 +14,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from marlaas.errors import ConfigError
-from marlaas.train.batch import Rows, TrainBatchError, tensorise_data
+from marlaas.train.batch import TrainBatchError
 from marlaas.train.objectives import Objective
+from marlaas.train.rows import Rows, tensorise_data
 from marlaas.types import Datum
 
 

@@ -57,14 +57,7 @@ from marlaas.model.kernels import torch_path_on
 from marlaas.model.lane_layers import LaneBatch
 from marlaas.model.lora import AdapterTensors, LoRAModel
 from marlaas.packing import MIN_FILL
-from marlaas.train.batch import (
-    MicroBatch,
-    Rows,
-    TrainBatchError,
-    check_rows,
-    concat_rows,
-    plan_microbatches,
-)
+from marlaas.train.batch import TrainBatchError
 from marlaas.train.decoder import TokenLogits, TrainDecoder
 from marlaas.train.lanes import MicroLanes
 from marlaas.train.losses import token_logprobs
@@ -78,6 +71,7 @@ from marlaas.train.optim import (
 )
 from marlaas.train.prefix import SharedPrefix
 from marlaas.train.records import OptimResult, TrainInput, TrainOutput, tenants_of
+from marlaas.train.rows import MicroBatch, Rows, check_rows, concat_rows, plan_microbatches
 
 
 @dataclass

@@ -225,14 +225,13 @@ typedef struct {
     const float *base[REGIONS];
     int64_t rows[REGIONS], stride[REGIONS], lines[REGIONS];
     int write[REGIONS];
-    int64_t region, row, line, left;
+    int64_t regions, region, row, line, left;
 } Ahead;
 
 static inline void ahead_add(Ahead *a, const float *base, int64_t rows, int64_t stride,
                              int64_t floats, int write) {
-    int64_t k = 0;
-    while (k < REGIONS && a->rows[k]) ++k;
-    if (k == REGIONS || rows <= 0) return;
+    if (a->regions == REGIONS || rows <= 0) return;
+    const int64_t k = a->regions++;
     a->base[k] = base, a->rows[k] = rows, a->stride[k] = stride;
     a->lines[k] = (floats + W - 1) / W, a->write[k] = write;
     a->left += rows * a->lines[k];
@@ -263,19 +262,12 @@ static inline void ahead_step(Ahead *a, int64_t count) {
     }
 }
 
-/* The lane of the first unit after the run of unit order[j]'s lane (-1: none). */
-static inline int64_t next_lane(int64_t U, const int64_t *lane, const int64_t *order, int64_t j) {
-    const int64_t l = lane[order[j]];
-    while (++j < U)
-        if (lane[order[j]] != l) return lane[order[j]];
-    return -1;
-}
-
-/* The units of the run of unit order[j]'s lane from j on. */
-static inline int64_t run_length(int64_t U, const int64_t *lane, const int64_t *order, int64_t j) {
+/* The end of the run of unit order[j]'s lane: the first k > j whose unit is of another
+ * lane (U: none), so the run has k - j units and the next lane is lane[order[k]]. */
+static inline int64_t run_end(int64_t U, const int64_t *lane, const int64_t *order, int64_t j) {
     int64_t k = j + 1;
     while (k < U && lane[order[k]] == lane[order[j]]) ++k;
-    return k - j;
+    return k;
 }
 
 /* The lines of `a` to prefetch at each of `steps` steps (all of them by the last). */
@@ -352,11 +344,12 @@ void lora_rows_strided_f32(int64_t U, int64_t T, int64_t in, int64_t out, int64_
              * memory otherwise, at the first row of each lane: engine decode iteration
              * at 256 rows x 32 adapters, in-process A/B, 0.945-0.982). */
             ahead_step(&ahead, ahead.left); /* what the lane before left of this one */
-            const int64_t n = next_lane(U, lane, order, j);
-            if (n >= 0) {
+            const int64_t end = run_end(U, lane, order, j);
+            if (end < U) {
+                const int64_t n = lane[order[end]];
                 ahead = ahead_of(A + n * a_sl, a_sr, r, in, B + n * b_sl, b_so, b_sr, out);
                 /* A share at each of this lane's steps: a unit, or a pair of one-token units. */
-                const int64_t units = run_length(U, lane, order, j);
+                const int64_t units = end - j;
                 share = ahead_share(&ahead, T == 1 ? (units + 1) / 2 : units);
             }
         }
@@ -483,12 +476,13 @@ void lora_rows_backward_strided_f32(int64_t U, int64_t T, int64_t in, int64_t ou
             /* The next lane's weights and gradients into L2 while this lane's tokens run
              * (each lane's are read, and its gradients written, once a call; `Ahead`). */
             ahead_step(&ahead, ahead.left);
-            const int64_t n = next_lane(U, lane, order, j);
-            if (n >= 0) {
+            const int64_t end = run_end(U, lane, order, j);
+            if (end < U) {
+                const int64_t n = lane[order[end]];
                 ahead = ahead_of(A + n * a_sl, a_sr, r, in, B + n * b_sl, b_so, b_sr, out);
                 ahead_add(&ahead, gA + n * r * in, 1, 0, r * in, 1);
                 ahead_add(&ahead, gBt + n * r * out, 1, 0, r * out, 1);
-                share = ahead_share(&ahead, run_length(U, lane, order, j) * T);  /* a token's */
+                share = ahead_share(&ahead, (end - j) * T); /* a token's */
             }
         }
         const float *Al = A + l * a_sl;
